@@ -1,0 +1,1 @@
+"""odc_runtime: On-Demand Communication."""
