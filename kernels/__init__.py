@@ -1,0 +1,1 @@
+"""Triton kernels for fused gradient accumulation (installed as ``odc_runtime.kernels``)."""
