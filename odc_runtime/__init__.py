@@ -1,1 +1,70 @@
-"""odc_runtime: On-Demand Communication."""
+"""odc_runtime: On-Demand Communication for LLM post-training.
+
+FSDP's per-layer all-gather and reduce-scatter are replaced by one-sided operations on symmetric memory:
+:func:`fetch` reads parameter shards from their owners, :func:`push` adds gradient slices into their owners'
+accumulators, and :func:`sync` is the only barrier, once per minibatch. Importing this package needs neither a
+GPU nor the compiled extension.
+
+Typical loop::
+
+    import odc_runtime as odc
+    odc.init()                                   # after torch.distributed.init_process_group
+    st = odc.shard(weight)                       # collective, same order on all ranks
+    for mb in my_micro_batches:                  # counts may differ between ranks
+        w = odc.fetch(st)
+        grad = compute_grad(w, mb)
+        odc.push(st, grad)
+    odc.sync()
+    st.local -= lr * st.grad                     # optimizer on this rank's shard
+    st.zero_grad()
+    odc.sync()
+"""
+
+from odc_runtime.api import (
+    Handle,
+    ShardedTensor,
+    backend,
+    fetch,
+    finalize,
+    init,
+    is_initialized,
+    push,
+    rank,
+    shard,
+    sync,
+    world_size,
+)
+from odc_runtime.errors import (
+    OdcBackendError,
+    OdcError,
+    OdcMemoryError,
+    OdcMismatchError,
+    OdcNotInitializedError,
+    OdcTimeoutError,
+    OdcUsageError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Handle",
+    "OdcBackendError",
+    "OdcError",
+    "OdcMemoryError",
+    "OdcMismatchError",
+    "OdcNotInitializedError",
+    "OdcTimeoutError",
+    "OdcUsageError",
+    "ShardedTensor",
+    "__version__",
+    "backend",
+    "fetch",
+    "finalize",
+    "init",
+    "is_initialized",
+    "push",
+    "rank",
+    "shard",
+    "sync",
+    "world_size",
+]

@@ -9,4 +9,21 @@ from odc_runtime.transport.base import (
     Work,
 )
 
-__all__ = ["AccumulateRequest", "CompletedWork", "GetRequest", "SymmetricBuffer", "Transport", "Work"]
+__all__ = [
+    "AccumulateRequest",
+    "CompletedWork",
+    "GetRequest",
+    "SymmetricBuffer",
+    "Transport",
+    "Work",
+    "nvshmem_available",
+]
+
+
+def nvshmem_available() -> bool:
+    """Whether the nvshmem transport can run here (CUDA device present and ``odc_runtime._C`` built)."""
+    try:
+        from odc_runtime.transport import nvshmem
+    except ImportError:
+        return False
+    return nvshmem.is_available()

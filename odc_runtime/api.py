@@ -1,0 +1,349 @@
+"""The core API: ``init``, ``shard``, ``fetch``, ``push``, ``sync``, ``finalize``.
+
+Layout. A tensor of ``numel`` elements is split into ``world_size`` shards of ``S = ceil(numel / world_size)``
+elements; rank ``r`` owns ``[r*S, min((r+1)*S, numel))`` (the last owners may own fewer elements, or none). Every
+rank allocates ``S`` elements of symmetric memory for the parameter shard and ``S`` fp32 elements for its gradient
+accumulator, so one offset addresses the buffer on every peer; the padding is never shown to the user.
+
+Every public call validates all of its arguments before it issues any remote operation, so a rejected ``push``
+changes no accumulator anywhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from odc_runtime import config
+from odc_runtime.errors import (
+    OdcMismatchError,
+    OdcNotInitializedError,
+    OdcUsageError,
+)
+from odc_runtime.transport.base import (
+    AccumulateRequest,
+    GetRequest,
+    SymmetricBuffer,
+    Transport,
+    Work,
+)
+
+log = logging.getLogger("odc_runtime")
+
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ACCUM_DTYPES = (torch.float32,)
+BACKENDS = ("host", "nvshmem")
+
+
+@dataclass
+class _Runtime:
+    transport: Transport
+    generation: int
+    names: itertools.count
+
+
+_runtime: _Runtime | None = None
+_generations = itertools.count(1)
+
+
+def _require_runtime(what: str) -> _Runtime:
+    if _runtime is None:
+        raise OdcNotInitializedError(
+            f"odc_runtime.{what}() called before odc_runtime.init() or after odc_runtime.finalize(); call "
+            "odc_runtime.init() after torch.distributed.init_process_group()"
+        )
+    return _runtime
+
+
+def _select_backend(backend: str | None) -> str:
+    choice = backend or os.environ.get("ODC_BACKEND") or None
+    if choice is None:
+        from odc_runtime.transport import nvshmem_available
+
+        return "nvshmem" if nvshmem_available() else "host"
+    if choice not in BACKENDS:
+        raise OdcUsageError(f"unknown ODC backend {choice!r}; choose one of {', '.join(BACKENDS)}")
+    return choice
+
+
+def _check_same_on_all_ranks(what: str, value: object) -> None:
+    """Collective: raise OdcMismatchError on every rank if ranks passed different ``value``s."""
+    values: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    if any(v != values[0] for v in values):
+        listing = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+        raise OdcMismatchError(
+            f"odc {what} must be called with the same arguments, in the same order, on every rank; got {listing}"
+        )
+
+
+def init(
+    backend: str | None = None, *, timeout: float | None = None, heap_size: int | str | None = None
+) -> None:
+    """Start the runtime (collective; call after ``torch.distributed.init_process_group``).
+
+    Args:
+        backend: ``"host"`` (CPU shared memory, ranks on one machine), ``"nvshmem"`` (GPUs) or ``None`` to take
+            ``ODC_BACKEND``, else ``nvshmem`` when CUDA and the compiled extension are available, else ``host``.
+        timeout: seconds a blocking wait may take before raising OdcTimeoutError (default ``ODC_TIMEOUT`` or 300).
+        heap_size: symmetric memory per rank in bytes or as ``"4G"``; host default ``ODC_HEAP_SIZE`` or 1 GiB;
+            nvshmem default ``NVSHMEM_SYMMETRIC_SIZE``.
+    """
+    global _runtime
+    if _runtime is not None:
+        raise OdcUsageError("odc_runtime.init() called twice; call odc_runtime.finalize() first")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise OdcUsageError("odc_runtime.init() needs torch.distributed.init_process_group() to have been called")
+    name = _select_backend(backend)
+    resolved_timeout = config.resolve_timeout(timeout)
+    _check_same_on_all_ranks("init", (name, heap_size))
+    if name == "host":
+        from odc_runtime.transport import host as module
+    else:
+        from odc_runtime.transport import nvshmem as module  # type: ignore[no-redef]
+    transport = module.create(timeout=resolved_timeout, heap_size=heap_size)
+    _runtime = _Runtime(transport=transport, generation=next(_generations), names=itertools.count())
+    log.info("odc_runtime initialised: backend=%s rank=%d world=%d", name, transport.rank, transport.world_size)
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init` has been called and :func:`finalize` has not."""
+    return _runtime is not None
+
+
+def finalize() -> None:
+    """Collective: wait for peers, then free all symmetric memory. Idempotent.
+
+    Every :class:`ShardedTensor` becomes unusable. If a peer is dead the wait times out (``ODC_TIMEOUT``), the
+    local resources are still released, and the timeout error is raised.
+    """
+    global _runtime
+    if _runtime is None:
+        return
+    runtime, _runtime = _runtime, None
+    try:
+        runtime.transport.barrier("finalize")
+    finally:
+        runtime.transport.finalize()
+
+
+def backend() -> str:
+    """Name of the active transport (``"host"`` or ``"nvshmem"``)."""
+    return _require_runtime("backend").transport.name
+
+
+def world_size() -> int:
+    """Number of ranks in the runtime."""
+    return _require_runtime("world_size").transport.world_size
+
+
+def rank() -> int:
+    """This process's rank in the runtime."""
+    return _require_runtime("rank").transport.rank
+
+
+class Handle:
+    """Completion handle returned by ``fetch``/``push`` with ``async_op=True``.
+
+    ``wait()`` blocks until the operation completed (on GPU: makes the current stream wait for it), re-raises
+    its error, and returns the result (the fetched tensor, or ``None`` for ``push``).
+    """
+
+    def __init__(self, work: Work, result: torch.Tensor | None) -> None:
+        self._work = work
+        self._result = result
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor | None:
+        self._work.wait(timeout)
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+class ShardedTensor:
+    """A tensor sharded across all ranks, created by :func:`shard`.
+
+    Attributes:
+        local: this rank's parameter shard (1-D, writable; the optimizer updates it in place).
+        grad: this rank's gradient accumulator shard (1-D, ``accum_dtype``).
+        shard_range: ``(start, stop)`` of the flattened full tensor owned by this rank.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        accum_dtype: torch.dtype,
+        param: SymmetricBuffer,
+        grad: SymmetricBuffer,
+        runtime: _Runtime,
+    ) -> None:
+        self.name = name
+        self.shape = shape
+        self.dtype = dtype
+        self.accum_dtype = accum_dtype
+        self.numel = math.prod(shape)
+        self.world_size = runtime.transport.world_size
+        self.rank = runtime.transport.rank
+        self.shard_size = param.numel
+        self._param = param
+        self._grad = grad
+        self._generation = runtime.generation
+        start, stop = self.owner_range(self.rank)
+        self.local = param.local[: stop - start]
+        self.grad = grad.local[: stop - start]
+
+    def owner_range(self, owner: int) -> tuple[int, int]:
+        """``(start, stop)`` of the flattened tensor owned by rank ``owner``."""
+        start = min(owner * self.shard_size, self.numel)
+        return start, min(start + self.shard_size, self.numel)
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        return self.owner_range(self.rank)
+
+    def zero_grad(self) -> None:
+        """Zero this rank's accumulator. Call ``sync()`` before peers push into it again."""
+        self._check_alive("zero_grad")
+        self.grad.zero_()
+
+    def free(self) -> None:
+        """Collective: release this tensor's symmetric memory (same order on all ranks)."""
+        runtime = self._check_alive("free")
+        runtime.transport.free(self._grad)
+        runtime.transport.free(self._param)
+
+    def _check_alive(self, what: str) -> _Runtime:
+        runtime = _require_runtime(what)
+        if self._generation != runtime.generation:
+            raise OdcNotInitializedError(
+                f"odc_runtime.{what}(): ShardedTensor {self.name!r} belongs to a runtime that was finalized"
+            )
+        if self._param.freed:
+            raise OdcUsageError(f"odc_runtime.{what}(): ShardedTensor {self.name!r} was freed")
+        return runtime
+
+    def _pieces(self, flat: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """``(owner, slice of flat)`` for every owner with data, starting after this rank (rotated so that
+        ranks issuing at the same time hit different owners)."""
+        pieces = []
+        for k in range(1, self.world_size + 1):
+            owner = (self.rank + k) % self.world_size
+            start, stop = self.owner_range(owner)
+            if stop > start:
+                pieces.append((owner, flat[start:stop]))
+        return pieces
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedTensor(name={self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"shard_range={self.shard_range}, world_size={self.world_size})"
+        )
+
+
+def shard(
+    tensor: torch.Tensor, *, accum_dtype: torch.dtype = torch.float32, name: str | None = None
+) -> ShardedTensor:
+    """Collective: shard ``tensor`` over all ranks (same order, shapes and dtypes on every rank).
+
+    Each rank keeps its slice of ``tensor``'s values as the initial parameter shard (ranks normally pass the same
+    values). Raises OdcMismatchError if ranks disagree on name, shape or dtypes.
+    """
+    runtime = _require_runtime("shard")
+    if not isinstance(tensor, torch.Tensor):
+        raise OdcUsageError(f"odc_runtime.shard() expects a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in PARAM_DTYPES:
+        raise OdcUsageError(f"odc_runtime.shard(): dtype {tensor.dtype} not supported; use one of {PARAM_DTYPES}")
+    if accum_dtype not in ACCUM_DTYPES:
+        raise OdcUsageError(f"odc_runtime.shard(): accum_dtype {accum_dtype} not supported; use torch.float32")
+    name = name if name is not None else f"shard{next(runtime.names)}"
+    _check_same_on_all_ranks("shard", (name, tuple(tensor.shape), str(tensor.dtype), str(accum_dtype)))
+    transport = runtime.transport
+    size = -(-tensor.numel() // transport.world_size)
+    param = transport.alloc(size, tensor.dtype, tag=f"{name}.param")
+    try:
+        grad = transport.alloc(size, accum_dtype, tag=f"{name}.grad")
+    except BaseException:
+        transport.free(param)
+        raise
+    st = ShardedTensor(name, tensor.shape, tensor.dtype, accum_dtype, param, grad, runtime)
+    start, stop = st.shard_range
+    st.local.copy_(tensor.detach().reshape(-1)[start:stop])
+    transport.barrier(f"shard({name})")  # initial values are in place before anyone fetches them
+    return st
+
+
+def _check_tensor(what: str, t: object, st: ShardedTensor, device: torch.device, dtypes: tuple) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise OdcUsageError(f"odc_runtime.{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.shape != st.shape:
+        raise OdcUsageError(
+            f"odc_runtime.{what}: shape {tuple(t.shape)} does not match {st.name!r}'s shape {tuple(st.shape)}"
+        )
+    if t.dtype not in dtypes:
+        raise OdcUsageError(f"odc_runtime.{what}: dtype {t.dtype} not allowed for {st.name!r}; use {dtypes}")
+    if t.device != device:
+        raise OdcUsageError(
+            f"odc_runtime.{what}: tensor is on {t.device} but the {st.name!r} transport works on {device}"
+        )
+    return t
+
+
+def _issue(runtime: _Runtime, issue: Callable[[], None], async_op: bool, result: torch.Tensor | None):
+    if async_op:
+        return Handle(runtime.transport.submit(issue), result)
+    issue()
+    return result
+
+
+def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool = False):
+    """Gather the full tensor (original shape) by reading every owner's shard; the owners do nothing.
+
+    ``out`` (optional) must have ``st``'s shape and dtype, live on the transport's device and be contiguous.
+    Returns the tensor, or a :class:`Handle` whose ``wait()`` returns it when ``async_op=True``.
+    """
+    runtime = st._check_alive("fetch")
+    device = runtime.transport.device
+    if out is None:
+        out = torch.empty(st.shape, dtype=st.dtype, device=device)
+    else:
+        _check_tensor("fetch(out=...)", out, st, device, (st.dtype,))
+        if not out.is_contiguous():
+            raise OdcUsageError("odc_runtime.fetch(out=...): out must be contiguous")
+    requests = [GetRequest(owner, piece) for owner, piece in st._pieces(out.view(-1))]
+    return _issue(runtime, lambda: runtime.transport.get(st._param, requests), async_op, out)
+
+
+def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op: bool = False):
+    """Add ``grad.flatten()[range_r] * scale`` into every owner r's accumulator; the owners do nothing.
+
+    ``grad`` has ``st``'s full shape, a float dtype (fp32/bf16/fp16) and lives on the transport's device. The sum
+    is visible in the owners' ``st.grad`` after the next :func:`sync`. With ``async_op=True`` do not modify
+    ``grad`` until the returned handle's ``wait()`` returned.
+    """
+    runtime = st._check_alive("push")
+    _check_tensor("push(grad)", grad, st, runtime.transport.device, PARAM_DTYPES)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise OdcUsageError(f"odc_runtime.push: scale must be a finite number, got {scale!r}")
+    flat = grad.detach().reshape(-1)
+    requests = [AccumulateRequest(owner, piece) for owner, piece in st._pieces(flat)]
+    return _issue(runtime, lambda: runtime.transport.accumulate(st._grad, requests, float(scale)), async_op, None)
+
+
+def sync() -> None:
+    """Collective fence, once per minibatch.
+
+    After it returns on any rank, every push issued by any rank before its ``sync()`` is in the owners'
+    ``st.grad``, and every write to ``st.local`` made before it is what any later ``fetch`` returns. Raises
+    OdcTimeoutError naming the missing ranks if a peer does not arrive within ``ODC_TIMEOUT`` seconds.
+    """
+    _require_runtime("sync").transport.barrier("sync")

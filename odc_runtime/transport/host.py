@@ -1,0 +1,386 @@
+"""The ``host`` transport: ranks on one machine share memory through files in ``/dev/shm``.
+
+Layout. Each rank creates one segment ``odc-<job>-r<rank>-p<pid>.heap`` (mode 0600): a control page followed by
+its symmetric heap. Every rank maps every segment, so a *get* is a ``memcpy`` from a peer's mapping and an
+*accumulate* is an ``add_`` into it. Once all ranks have mapped all segments (end of ``create``) each rank unlinks
+its own file: the memory lives exactly as long as the mappings, so a crash cannot leave segments behind except
+during ``create`` itself; those stale files (their pid is dead) are removed by the next ``create``.
+
+Exact concurrent accumulation. An accumulate holds a POSIX byte-range lock (``fcntl``) on the target bytes of the
+owner's segment while it adds, in chunks of ``ODC_HOST_CHUNK_BYTES`` so pushers into different parts of one
+buffer proceed in parallel. A process holds at most one lock at a time, so lock waits cannot form a cycle; the
+kernel releases a dead process's locks. POSIX locks do not exclude threads of one process, so a per-peer
+``threading.Lock`` serialises this process's own threads (caller and async worker) first.
+
+Barrier. Rank r stores its barrier epoch in its control page and polls the peers' pages until every epoch has
+reached its own. Epoch stores and loads happen under an ``fcntl`` lock of the control page: lock and unlock are
+system calls that order memory, so every data write a rank made before its barrier (its own parameters, its
+completed accumulates) is visible to a peer that has seen its epoch. A barrier that waits past the timeout names
+the missing ranks and whether their processes are still alive.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import re
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
+
+import torch
+import torch.distributed as dist
+
+from odc_runtime import config
+from odc_runtime.errors import OdcBackendError, OdcTimeoutError, OdcUsageError
+from odc_runtime.transport.base import (
+    AccumulateRequest,
+    GetRequest,
+    SymmetricBuffer,
+    Transport,
+    Work,
+)
+from odc_runtime.transport.heap import HeapAllocator
+
+log = logging.getLogger(__name__)
+
+CONTROL_BYTES = 4096  # control page at the start of every segment: epoch (int64), pid (int64)
+_CONTROL = struct.Struct("<qq")
+_SEGMENT_RE = re.compile(r"^odc-(?P<job>[0-9a-f]+)-r(?P<rank>\d+)-p(?P<pid>\d+)\.heap$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, belongs to someone else
+        return True
+    return True
+
+
+def remove_stale_segments(directory: str) -> list[str]:
+    """Remove this user's ODC segments whose creating process is dead; return the removed paths."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        m = _SEGMENT_RE.match(name)
+        if m is None:
+            continue
+        path = os.path.join(directory, name)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_uid == os.getuid() and not _pid_alive(int(m.group("pid"))):
+                os.unlink(path)
+                removed.append(path)
+    if removed:
+        log.info("odc host transport: removed %d stale segment(s) of dead jobs: %s", len(removed), removed)
+    return removed
+
+
+class FutureWork(Work):
+    """Handle of a function running on the transport's worker thread."""
+
+    def __init__(self, future: Future, default_timeout: float, what: str) -> None:
+        self._future = future
+        self._timeout = default_timeout
+        self._what = what
+
+    def wait(self, timeout: float | None = None) -> None:
+        limit = self._timeout if timeout is None else timeout
+        try:
+            self._future.result(timeout=limit)
+        except FutureTimeoutError:
+            raise OdcTimeoutError(f"odc {self._what}: async operation did not complete within {limit:g} s") from None
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class _Segment:
+    """One rank's mapped segment: control page + heap, with the fd used for byte-range locks."""
+
+    def __init__(self, path: str, fd: int, size: int) -> None:
+        self.path = path
+        self.fd = fd
+        self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        start = CONTROL_BYTES + offset
+        return self.bytes[start : start + numel * dtype.itemsize].view(dtype)
+
+    def close(self) -> None:
+        self.bytes = None  # type: ignore[assignment]
+        # A tensor the user still holds (st.local after finalize) keeps the mapping alive; it is unmapped
+        # when that tensor dies. Closing it underneath would turn later accesses into segfaults.
+        with contextlib.suppress(BufferError):
+            self.map.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+class HostTransport(Transport):
+    """Symmetric memory in shared-memory segments; see the module docstring for the protocol."""
+
+    name = "host"
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        job: str,
+        *,
+        timeout: float,
+        heap_size: int,
+        directory: str,
+        chunk_bytes: int,
+    ) -> None:
+        super().__init__(rank, world_size, torch.device("cpu"), timeout)
+        self.job = job
+        self.directory = directory
+        self.chunk_bytes = chunk_bytes
+        self._allocator = HeapAllocator(heap_size, limit_hint="ODC_HEAP_SIZE or odc.init(heap_size=...)")
+        self._segment_bytes = CONTROL_BYTES + self._allocator.capacity
+        self._segments: list[_Segment | None] = [None] * world_size
+        self._peer_locks = [threading.Lock() for _ in range(world_size)]
+        self._epoch = 0
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+        self._own_path: str | None = None
+        self._closed = False
+
+    # -- setup ----------------------------------------------------------------------------------------
+    def _path(self, rank: int, pid: int) -> str:
+        return os.path.join(self.directory, f"odc-{self.job}-r{rank}-p{pid}.heap")
+
+    def create_segment(self) -> int:
+        """Create this rank's segment (mode 0600); return the pid that names it."""
+        pid = os.getpid()
+        path = self._path(self.rank, pid)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except OSError as e:
+            raise OdcBackendError(
+                f"odc host transport: cannot create shared-memory segment {path}: {e}; set ODC_SHM_DIR to a "
+                "writable tmpfs directory"
+            ) from e
+        self._own_path = path
+        atexit.register(self._unlink_own)
+        try:
+            os.ftruncate(fd, self._segment_bytes)  # sparse: pages cost memory only once touched
+        except OSError as e:
+            os.close(fd)
+            raise OdcBackendError(f"odc host transport: cannot size {path} to {self._segment_bytes} bytes: {e}") from e
+        seg = _Segment(path, fd, self._segment_bytes)
+        seg.bytes[: _CONTROL.size].copy_(torch.frombuffer(bytearray(_CONTROL.pack(0, pid)), dtype=torch.uint8))
+        self._segments[self.rank] = seg
+        return pid
+
+    def map_peers(self, pids: Sequence[int]) -> None:
+        """Map every peer's segment (after all have been created)."""
+        for peer, pid in enumerate(pids):
+            if peer == self.rank:
+                continue
+            path = self._path(peer, pid)
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError as e:
+                raise OdcBackendError(
+                    f"odc host transport: rank {self.rank} cannot open rank {peer}'s segment {path}: {e}. "
+                    "All ranks must run on one machine and see the same ODC_SHM_DIR."
+                ) from e
+            self._segments[peer] = _Segment(path, fd, self._segment_bytes)
+
+    def _unlink_own(self) -> None:
+        if self._own_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._own_path)
+            self._own_path = None
+
+    def unlink_own(self) -> None:
+        """Remove this rank's file name; the mappings keep the memory alive."""
+        self._unlink_own()
+
+    # -- memory ---------------------------------------------------------------------------------------
+    def _seg(self, peer: int) -> _Segment:
+        seg = self._segments[peer]
+        if seg is None:
+            raise OdcUsageError("odc host transport is finalized")
+        return seg
+
+    def heap_capacity(self) -> int:
+        return self._allocator.capacity
+
+    def heap_used(self) -> int:
+        return self._allocator.used
+
+    def alloc(self, numel: int, dtype: torch.dtype, tag: str = "") -> SymmetricBuffer:
+        offset = self._allocator.alloc(numel * dtype.itemsize, what=f"'{tag or 'buffer'}'")
+        local = self._seg(self.rank).view(offset, numel, dtype)
+        local.zero_()
+        # Nobody may accumulate into the region before its owner has zeroed it.
+        self.barrier(f"alloc({tag})")
+        return SymmetricBuffer(numel=numel, dtype=dtype, local=local, handle=offset, tag=tag)
+
+    def free(self, buf: SymmetricBuffer) -> None:
+        if buf.freed:
+            return
+        # Nobody may still read or add into the region when it is handed out again.
+        self.barrier(f"free({buf.tag})")
+        self._allocator.free(buf.handle)  # type: ignore[arg-type]
+        buf.freed = True
+
+    # -- one-sided operations -------------------------------------------------------------------------
+    def get(self, buf: SymmetricBuffer, requests: Sequence[GetRequest]) -> None:
+        for req in requests:
+            src = self._seg(req.peer).view(buf.handle + req.offset * buf.dtype.itemsize, req.dst.numel(), buf.dtype)  # type: ignore[operator]
+            req.dst.view(-1).copy_(src)
+
+    def accumulate(self, buf: SymmetricBuffer, requests: Sequence[AccumulateRequest], scale: float) -> None:
+        itemsize = buf.dtype.itemsize
+        chunk = max(1, self.chunk_bytes // itemsize)
+        for req in requests:
+            seg = self._seg(req.peer)
+            base = buf.handle + req.offset * itemsize  # type: ignore[operator]
+            src = req.src.view(-1)
+            with self._peer_locks[req.peer]:
+                for lo in range(0, src.numel(), chunk):
+                    n = min(chunk, src.numel() - lo)
+                    start = CONTROL_BYTES + base + lo * itemsize
+                    fcntl.lockf(seg.fd, fcntl.LOCK_EX, n * itemsize, start)
+                    try:
+                        dst = seg.view(base + lo * itemsize, n, buf.dtype)
+                        if scale == 1.0:
+                            dst.add_(src[lo : lo + n])
+                        else:
+                            dst.add_(src[lo : lo + n], alpha=scale)
+                    finally:
+                        fcntl.lockf(seg.fd, fcntl.LOCK_UN, n * itemsize, start)
+
+    def submit(self, fn: Callable[[], None]) -> Work:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="odc-host")
+        future = self._executor.submit(fn)
+        self._pending = [f for f in self._pending if not f.done()]
+        self._pending.append(future)
+        return FutureWork(future, self.timeout, "async operation")
+
+    def quiet(self) -> None:
+        pending, self._pending = self._pending, []
+        deadline = time.monotonic() + self.timeout
+        for future in pending:
+            try:
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeoutError:
+                raise OdcTimeoutError(
+                    f"odc quiet on rank {self.rank}: async operations still running after {self.timeout:g} s"
+                ) from None
+
+    # -- barrier --------------------------------------------------------------------------------------
+    def _read_control(self, peer: int) -> tuple[int, int]:
+        seg = self._seg(peer)
+        fcntl.lockf(seg.fd, fcntl.LOCK_SH, _CONTROL.size, 0)
+        try:
+            raw = bytes(seg.map[: _CONTROL.size])
+        finally:
+            fcntl.lockf(seg.fd, fcntl.LOCK_UN, _CONTROL.size, 0)
+        return _CONTROL.unpack(raw)
+
+    def _write_epoch(self, epoch: int) -> None:
+        seg = self._seg(self.rank)
+        fcntl.lockf(seg.fd, fcntl.LOCK_EX, _CONTROL.size, 0)
+        try:
+            seg.map[:8] = struct.pack("<q", epoch)
+        finally:
+            fcntl.lockf(seg.fd, fcntl.LOCK_UN, _CONTROL.size, 0)
+
+    def barrier(self, op: str = "barrier") -> None:
+        self.quiet()
+        self._epoch += 1
+        self._write_epoch(self._epoch)
+        waiting = [p for p in range(self.world_size) if p != self.rank]
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while waiting:
+            waiting = [p for p in waiting if self._read_control(p)[0] < self._epoch]
+            if not waiting:
+                break
+            if time.monotonic() > deadline:
+                raise OdcTimeoutError(self._describe_missing(op, waiting))
+            spins += 1
+            # Spin briefly (barriers usually complete within microseconds), then back off to 1 ms.
+            time.sleep(0 if spins < 50 else min(1e-3, 1e-5 * spins))
+
+    def _describe_missing(self, op: str, missing: list[int]) -> str:
+        parts = []
+        for p in missing:
+            epoch, pid = self._read_control(p)
+            state = "alive" if _pid_alive(pid) else "DEAD"
+            parts.append(f"rank {p} (pid {pid}, {state}, at barrier #{epoch})")
+        return (
+            f"odc {op}: rank {self.rank} timed out after {self.timeout:g} s waiting at barrier #{self._epoch} for "
+            f"{', '.join(parts)}. A dead rank means its process crashed; an alive one is stuck or did not call "
+            "the same collective. Raise ODC_TIMEOUT if it is merely slow."
+        )
+
+    # -- teardown -------------------------------------------------------------------------------------
+    def finalize(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True, cancel_futures=False)
+        finally:
+            self._unlink_own()
+            for seg in self._segments:
+                if seg is not None:
+                    seg.close()
+            self._segments = [None] * self.world_size
+
+
+def create(*, timeout: float, heap_size: int | None = None) -> HostTransport:
+    """Collective: build the host transport over the default ``torch.distributed`` group."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    directory = config.shm_dir()
+    heap = config.resolve_size(heap_size, "ODC_HEAP_SIZE", config.DEFAULT_HOST_HEAP_BYTES)
+    chunk = config.resolve_size(None, "ODC_HOST_CHUNK_BYTES", config.DEFAULT_HOST_CHUNK_BYTES)
+    remove_stale_segments(directory)
+    job = [uuid.uuid4().hex[:12] if rank == 0 else None]
+    dist.broadcast_object_list(job, src=0)
+    transport = HostTransport(
+        rank, world, job[0], timeout=timeout, heap_size=heap, directory=directory, chunk_bytes=chunk
+    )
+    try:
+        pids: list[int | None] = [None] * world
+        dist.all_gather_object(pids, transport.create_segment())
+        error = None
+        try:
+            transport.map_peers(pids)  # type: ignore[arg-type]
+        except OdcBackendError as e:
+            error = str(e)
+        errors: list[str | None] = [None] * world
+        dist.all_gather_object(errors, error)  # also the point after which every rank has mapped every segment
+        failed = [e for e in errors if e]
+        if failed:
+            raise OdcBackendError(failed[0])
+        transport.unlink_own()
+    except BaseException:
+        transport.finalize()
+        raise
+    log.info(
+        "odc host transport: rank %d/%d, job %s, heap %d MiB per rank in %s",
+        rank, world, transport.job, transport.heap_capacity() >> 20, directory,
+    )
+    return transport
