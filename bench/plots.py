@@ -1,0 +1,98 @@
+"""PNG plots of the benchmarks (matplotlib, the ``bench`` extra; headless ``Agg`` backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+COLORS = {
+    "copy": "#999999", "add": "#cccccc", "all_gather": "#d62728", "fetch": "#1f77b4",
+    "red_scatter": "#ff7f0e", "push": "#2ca02c",
+}
+
+
+def _save(fig, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_comm(results: list[dict], path: str | Path, *, title: str = "") -> None:
+    """Algorithm bandwidth against size, one line per operation."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for op, color in COLORS.items():
+        rows = sorted((r for r in results if r["op"] == op), key=lambda r: r["bytes"])
+        if rows:
+            style = "--" if op in ("copy", "add") else "-"
+            ax.plot([r["bytes"] / 2**20 for r in rows], [r["algbw_GBps"] for r in rows], style, marker="o",
+                    color=color, label=op)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("full tensor size (MiB)")
+    ax.set_ylabel("algorithm bandwidth (GB/s)")
+    ax.set_title(title or "fetch / push vs collectives")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    _save(fig, path)
+
+
+def _label(run: dict) -> str:
+    return f"{run['comm']}\n{run['policy']}"
+
+
+def plot_imbalance(runs: list[dict], timelines: dict[str, list[list[tuple]]], path: str | Path, *,
+                   title: str = "", minibatch: int | None = None) -> None:
+    """Top: throughput per configuration (measured, and simulated when present). Bottom: per-rank timeline of
+    one minibatch for each timeline given (busy = modelled compute, the rest = communication and waiting)."""
+    n_tl = len(timelines)
+    fig = plt.figure(figsize=(11, 3.6 + 1.9 * n_tl))
+    grid = fig.add_gridspec(1 + n_tl, 1, height_ratios=[2.2] + [1.3] * n_tl)
+    ax = fig.add_subplot(grid[0])
+    labels = [_label(r) for r in runs]
+    xs = range(len(runs))
+    tps = [r["tokens_per_s"] for r in runs]
+    bars = ax.bar(xs, tps, color=["#d62728" if r["comm"] == "collective" else "#1f77b4" for r in runs])
+    for x, r, b in zip(xs, runs, bars, strict=True):
+        ax.text(x, b.get_height(), f"{r.get('speedup', 1.0):.2f}×\nutil {r['utilization']:.0%}", ha="center",
+                va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), labels, fontsize=8)
+    ax.set_ylabel("tokens / s (measured)")
+    ax.set_ylim(0, max(tps) * 1.3 if tps else 1)
+    ax.set_title(title or "throughput (speedup over collective + local_sort)")
+    ax.grid(True, axis="y", alpha=0.3)
+    kinds = {"compute": "#2ca02c", "comm": "#ff7f0e", "sync": "#7f7f7f"}
+    for k, (name, per_rank) in enumerate(timelines.items()):
+        tax = fig.add_subplot(grid[1 + k])
+        t0 = min((ev[1] for evs in per_rank for ev in evs), default=0.0)
+        end = 0.0
+        for rank, events in enumerate(per_rank):
+            for kind, start, stop in events:
+                tax.barh(rank, stop - start, left=start - t0, color=kinds.get(kind, "#000000"), height=0.7,
+                         linewidth=0)
+                end = max(end, stop - t0)
+        tax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))], fontsize=8)
+        tax.invert_yaxis()
+        tax.set_xlim(0, end * 1.01 if end else 1)
+        which = f", minibatch {minibatch}" if minibatch is not None else ""
+        tax.set_title(f"{name}{which}: green = compute (busy), orange = communication incl. waiting, "
+                      "grey = sync / optimizer", fontsize=9)
+        tax.set_xlabel("seconds")
+    _save(fig, path)
+
+
+def plot_simulation(rows: list[dict], path: str | Path, *, title: str = "") -> None:
+    """Simulated throughput per configuration."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    xs = range(len(rows))
+    ax.bar(xs, [r["speedup"] for r in rows],
+           color=["#d62728" if r["comm"] == "collective" else "#1f77b4" for r in rows])
+    ax.set_xticks(list(xs), [_label(r) for r in rows], fontsize=8)
+    ax.set_ylabel("speedup over collective + local_sort")
+    ax.set_title(title)
+    ax.grid(True, axis="y", alpha=0.3)
+    _save(fig, path)
