@@ -1,0 +1,604 @@
+"""Minibatch-level load balancing: which rank runs which samples, in which micro-batch.
+
+With collectives (FSDP) every rank must run the same number of micro-batches and every layer of micro-batch
+``i`` is a barrier across ranks, so the time of a minibatch is the sum over micro-batch *steps* of the slowest
+rank's micro-batch. With ODC the only barrier is once per minibatch, so the time is the slowest rank's *total*.
+This module plans both kinds of schedule from sequence lengths and a per-sequence cost model, and predicts what
+each would waste (:func:`imbalance`). It is pure Python (no torch) so it can run in a data loader.
+
+A plan is ``plan[rank][i] = [sample indices of rank's i-th micro-batch]``. Policies (:data:`POLICIES`):
+
+``"local_sort"``
+    The baseline: samples dealt round robin (``rank r`` gets indices ``r, r + W, r + 2W, ...``, as
+    ``torch.utils.data.DistributedSampler`` does without shuffling), each rank sorts and packs its own samples,
+    then every rank is padded with empty micro-batches to the same count, as collectives require.
+``"lb_micro"``
+    Equal micro-batch counts, each step balanced across ranks (what the best collective schedule can do).
+``"lb_mini"``
+    Each rank's total over the whole minibatch balanced; counts differ between ranks and may be zero (ODC).
+
+The cost of a micro-batch is the sum of its sequences' costs (packed variable-length attention is quadratic per
+sequence, not in the packed length). Fixed per-micro-batch overheads (e.g. fetching the parameters once per
+micro-batch) are not modelled; packing minimises the number of micro-batches, which keeps them small.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+import numbers
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from operator import itemgetter
+
+from odc_runtime.errors import OdcUsageError
+
+__all__ = [
+    "DEFAULT_COST_MODEL",
+    "POLICIES",
+    "CostModel",
+    "Imbalance",
+    "Plan",
+    "imbalance",
+    "plan",
+]
+
+Plan = list[list[list[int]]]
+POLICIES = ("local_sort", "lb_micro", "lb_mini")
+
+
+# --------------------------------------------------------------------------------------------------- cost model
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Time (or any additive work unit) of one sequence of ``s`` tokens: ``a·s² + b·s``.
+
+    ``a`` covers attention (quadratic in the sequence length), ``b`` everything linear (projections, MLP,
+    LM head). Both must be finite and non-negative, and not both zero. Only the ratio ``b / a`` matters for
+    balancing; the absolute scale matters for predicted times.
+    """
+
+    a: float
+    b: float
+
+    def __post_init__(self) -> None:
+        for name in ("a", "b"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise OdcUsageError(f"CostModel.{name} must be a finite real number, got {value!r}")
+            if value < 0:
+                raise OdcUsageError(f"CostModel.{name} must be >= 0, got {value!r}")
+        if self.a == 0 and self.b == 0:
+            raise OdcUsageError("CostModel needs a > 0 or b > 0: with a = b = 0 every sample costs nothing")
+
+    def cost(self, s: int) -> float:
+        """Cost of one sequence of ``s`` tokens."""
+        return self.a * s * s + self.b * s
+
+    def cost_of(self, micro_batch_lengths: Iterable[int]) -> float:
+        """Cost of a micro-batch: the sum of its sequences' costs (correctly rounded)."""
+        return math.fsum(self.cost(s) for s in micro_batch_lengths)
+
+    @classmethod
+    def fit(cls, lengths_per_microbatch: Sequence[Sequence[int]], seconds: Sequence[float]) -> CostModel:
+        """Fit ``a, b >= 0`` to measured micro-batch times by non-negative least squares.
+
+        Measurement ``j`` is a micro-batch with sequence lengths ``lengths_per_microbatch[j]`` that took
+        ``seconds[j]``; the model predicts ``a·Σs² + b·Σs``. The two-variable problem is solved exactly, in
+        rational arithmetic on the given floats: the unconstrained least-squares solution if both
+        coefficients are non-negative, otherwise (the optimum then lies on the boundary ``a = 0`` or
+        ``b = 0``) the better of the two one-variable fits. Raises :class:`OdcUsageError` on bad input or
+        when the times do not grow with the lengths at all.
+        """
+        rows = _fit_rows(lengths_per_microbatch, seconds)
+        xx = sum(q * q for q, _, _ in rows)
+        xy = sum(q * s for q, s, _ in rows)
+        yy = sum(s * s for _, s, _ in rows)
+        xt = sum(q * t for q, _, t in rows)
+        yt = sum(s * t for _, s, t in rows)
+        det = xx * yy - xy * xy
+        if det != 0:
+            a, b = (xt * yy - yt * xy) / det, (yt * xx - xt * xy) / det
+            if a >= 0 and b >= 0:
+                return cls._from_fit(a, b)
+        # Sum of squared residuals minus the constant Σt², for a one-variable fit c·column.
+        a_only, b_only = max(xt / xx, Fraction(0)), max(yt / yy, Fraction(0))
+        sse_a = a_only * a_only * xx - 2 * a_only * xt
+        sse_b = b_only * b_only * yy - 2 * b_only * yt
+        return cls._from_fit(a_only, 0) if sse_a <= sse_b else cls._from_fit(0, b_only)
+
+    @classmethod
+    def _from_fit(cls, a: Fraction | int, b: Fraction | int) -> CostModel:
+        if a == 0 and b == 0:
+            raise OdcUsageError("CostModel.fit: the measured times do not increase with the sequence lengths")
+        return cls(float(a), float(b))
+
+    @classmethod
+    def from_model_config(
+        cls,
+        num_layers: int,
+        hidden_size: int,
+        num_heads: int,
+        vocab_size: int,
+        *,
+        intermediate_size: int | None = None,
+        num_kv_heads: int | None = None,
+        gated_mlp: bool = True,
+        causal: bool = True,
+        activation_checkpointing: bool = False,
+        flops_per_second: float = 400e12,
+    ) -> CostModel:
+        """Derive ``a, b`` (seconds) by counting the FLOPs of a decoder-only transformer.
+
+        Forward FLOPs of one sequence of ``s`` tokens (a multiply-add counts 2), hidden size ``h``,
+        ``head_dim = h / num_heads``, ``h_kv = num_kv_heads · head_dim`` (GQA/MQA shrink K and V only):
+
+        - per layer, Q/K/V projections ``2·s·h·(h + 2·h_kv)`` and the output projection ``2·s·h²``;
+        - per layer, the MLP ``2·s·h·i`` per weight matrix: 3 matrices when gated (SwiGLU: gate, up, down),
+          2 otherwise; ``i`` defaults to ``8h/3`` (gated) or ``4h``;
+        - per layer, attention scores ``QKᵀ`` and the weighted sum ``PV``, ``2·s²·h`` each, so ``4·s²·h``;
+          with a causal mask a kernel that skips fully masked blocks (FlashAttention) does half: ``2·s²·h``
+          (``causal=True``, the default; ``causal=False`` counts the full square);
+        - once, the LM head ``2·s·h·V``.
+
+        Ignored (small constants times ``s·h``): embedding lookups, norms, activations, rotary embeddings,
+        softmax, the loss. Training costs forward + backward ≈ 3× forward (the backward pass computes
+        gradients for activations and for weights, each about one forward), 4× with activation
+        checkpointing (the forward runs again). ``flops_per_second`` is the *achieved* rate, not the peak:
+        the default 400 TFLOP/s is about 40% of an H100's dense bf16 peak. Memory-bound work and
+        communication are not modelled; use :meth:`fit` on measured times when they matter.
+        """
+        for name, value in (
+            ("num_layers", num_layers),
+            ("hidden_size", hidden_size),
+            ("num_heads", num_heads),
+            ("vocab_size", vocab_size),
+        ):
+            _check_positive_int(name, value)
+        if hidden_size % num_heads:
+            raise OdcUsageError(f"hidden_size={hidden_size} is not a multiple of num_heads={num_heads}")
+        kv_heads = num_heads if num_kv_heads is None else _check_positive_int("num_kv_heads", num_kv_heads)
+        if num_heads % kv_heads:
+            raise OdcUsageError(f"num_heads={num_heads} is not a multiple of num_kv_heads={kv_heads}")
+        if intermediate_size is None:
+            intermediate_size = 8 * hidden_size // 3 if gated_mlp else 4 * hidden_size
+        _check_positive_int("intermediate_size", intermediate_size)
+        if not (isinstance(flops_per_second, numbers.Real) and flops_per_second > 0):
+            raise OdcUsageError(f"flops_per_second must be > 0, got {flops_per_second!r}")
+
+        h = hidden_size
+        h_kv = kv_heads * (h // num_heads)
+        mlp_matrices = 3 if gated_mlp else 2
+        linear_per_layer = 2 * h * (h + 2 * h_kv) + 2 * h * h + mlp_matrices * 2 * h * intermediate_size
+        forward_linear = num_layers * linear_per_layer + 2 * h * vocab_size
+        forward_quadratic = num_layers * 4 * h * (0.5 if causal else 1.0)
+        passes = 4.0 if activation_checkpointing else 3.0
+        return cls(passes * forward_quadratic / flops_per_second, passes * forward_linear / flops_per_second)
+
+
+def _fit_rows(
+    lengths_per_microbatch: Sequence[Sequence[int]], seconds: Sequence[float]
+) -> list[tuple[int, int, Fraction]]:
+    """Validated (Σs², Σs, time) per measurement; the time as an exact fraction of the given float."""
+    if len(lengths_per_microbatch) != len(seconds):
+        raise OdcUsageError(f"CostModel.fit: {len(lengths_per_microbatch)} micro-batches but {len(seconds)} times")
+    rows = []
+    for j, (micro_batch, t) in enumerate(zip(lengths_per_microbatch, seconds, strict=True)):
+        lens = _check_lengths(micro_batch, what=f"lengths_per_microbatch[{j}]")
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
+            raise OdcUsageError(f"CostModel.fit: seconds[{j}] must be a finite number >= 0, got {t!r}")
+        rows.append((sum(s * s for s in lens), sum(lens), Fraction(t)))
+    if not any(s for _, s, _ in rows):
+        raise OdcUsageError("CostModel.fit needs at least one non-empty micro-batch")
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------- validation
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise OdcUsageError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _check_lengths(lengths: Iterable[int], what: str = "lengths") -> list[int]:
+    if isinstance(lengths, (str, bytes)):
+        raise OdcUsageError(f"{what} must be a sequence of positive ints, got {type(lengths).__name__}")
+    out = []
+    for i, s in enumerate(lengths):
+        if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1:
+            raise OdcUsageError(f"{what}[{i}] must be a positive int (a token count), got {s!r}")
+        out.append(int(s))
+    return out
+
+
+def _check_oversized(lengths: list[int], max_tokens: int, allow_oversized: bool) -> None:
+    if allow_oversized:
+        return
+    over = [i for i, s in enumerate(lengths) if s > max_tokens]
+    if over:
+        i = over[0]
+        more = f" (and {len(over) - 1} more)" if len(over) > 1 else ""
+        raise OdcUsageError(
+            f"sample {i} has {lengths[i]} tokens, more than max_tokens={max_tokens}{more}: raise max_tokens to "
+            f"at least {max(lengths[j] for j in over)}, truncate or split long samples, or pass "
+            "allow_oversized=True to give each such sample a micro-batch of its own"
+        )
+
+
+#: Llama-3-8B-shaped model (32 layers, hidden 4096, 32 heads / 8 KV heads, SwiGLU 14336, vocab 128256):
+#: attention and the linear part cost the same at about 57K tokens.
+DEFAULT_COST_MODEL = CostModel.from_model_config(32, 4096, 32, 128256, intermediate_size=14336, num_kv_heads=8)
+
+
+# --------------------------------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One planning problem, validated: per-sample lengths and costs, ranks, token cap."""
+
+    lengths: list[int]
+    costs: list[float]
+    world_size: int
+    max_tokens: int
+
+    def cost(self, part: Iterable[int]) -> float:
+        return math.fsum(self.costs[i] for i in part)
+
+    def max_cost(self, parts: Sequence[Sequence[int]]) -> float:
+        return max((self.cost(p) for p in parts), default=0.0)
+
+    def fits(self, part: Sequence[int]) -> bool:
+        """Within the token cap, or a lone (oversized) sample."""
+        return len(part) <= 1 or sum(self.lengths[i] for i in part) <= self.max_tokens
+
+
+def plan(
+    lengths: Sequence[int],
+    world_size: int,
+    *,
+    max_tokens: int,
+    policy: str,
+    cost: CostModel = DEFAULT_COST_MODEL,
+    allow_oversized: bool = False,
+) -> Plan:
+    """Assign samples to ranks and micro-batches; ``result[rank][i]`` lists rank's i-th micro-batch.
+
+    Every sample index appears exactly once; no micro-batch holds more than ``max_tokens`` tokens. A sample
+    longer than ``max_tokens`` raises :class:`OdcUsageError`, or with ``allow_oversized=True`` gets a
+    micro-batch of its own. Within a micro-batch indices are ascending; a rank's micro-batches come most
+    expensive first (for ``"lb_micro"`` the i-th micro-batches of all ranks form step i, and steps come
+    most expensive first). The result is deterministic: no randomness, ties broken by index.
+
+    ``"lb_mini"`` guarantees a per-rank maximum total cost no larger than that of ``"local_sort"`` and
+    ``"lb_micro"`` on the same input (it evaluates their rank assignments as candidates), and within
+    ``4/3 - 1/(3·world_size)`` of the optimum (it includes the LPT assignment, Graham's bound).
+    """
+    if policy not in _PLANNERS:
+        raise OdcUsageError(f"unknown policy {policy!r}; valid policies: {', '.join(POLICIES)}")
+    world_size = _check_positive_int("world_size", world_size)
+    max_tokens = _check_positive_int("max_tokens", max_tokens)
+    if not isinstance(cost, CostModel):
+        raise OdcUsageError(f"cost must be a CostModel, got {type(cost).__name__}")
+    lens = _check_lengths(lengths)
+    _check_oversized(lens, max_tokens, allow_oversized)
+    job = _Job(lens, [cost.cost(s) for s in lens], world_size, max_tokens)
+    return _PLANNERS[policy](job)
+
+
+def _plan_local_sort(job: _Job) -> Plan:
+    ranks = _pack_ranks(job, _deal_round_robin(len(job.lengths), job.world_size))
+    depth = max(len(r) for r in ranks)
+    return [r + [[] for _ in range(depth - len(r))] for r in ranks]
+
+
+def _plan_lb_micro(job: _Job) -> Plan:
+    """Fewest micro-batches (rounded up to a multiple of W), grouped into steps of similar cost, then each
+    step's samples re-partitioned across the W ranks (Karmarkar–Karp, then moves/swaps under the cap)."""
+    w = job.world_size
+    bins = _by_cost_desc(job, _pack(job, range(len(job.lengths))))
+    steps = [_balance_step(job, bins[i : i + w]) for i in range(0, len(bins), w)]
+    steps.sort(key=lambda parts: -job.max_cost(parts))
+    return _steps_to_ranks(job, steps)
+
+
+def _plan_lb_mini(job: _Job) -> Plan:
+    """Balance rank totals over the whole minibatch, then let each rank pack its own samples.
+
+    Candidates: LPT and Karmarkar–Karp over sample costs, each refined by moves/swaps, and the rank
+    assignments local_sort and lb_micro induce; the cheapest (refined once more) wins, so lb_mini is never
+    worse than either baseline and keeps LPT's 4/3 bound.
+    """
+    n, w = len(job.lengths), job.world_size
+    # Neither seed dominates: KK wins more often on small inputs, LPT carries the bound.
+    candidates = [_refine(job, seed, cap=None) for seed in (_lpt(job, range(n), w), _karmarkar_karp(job, range(n), w))]
+    candidates += [_deal_round_robin(n, w), [_flatten(r) for r in _plan_lb_micro(job)]]
+    best = _refine(job, min(candidates, key=job.max_cost), cap=None)  # min keeps the first of equals
+    return _pack_ranks(job, best)
+
+
+_PLANNERS = {"local_sort": _plan_local_sort, "lb_micro": _plan_lb_micro, "lb_mini": _plan_lb_mini}
+
+
+def _deal_round_robin(n: int, w: int) -> list[list[int]]:
+    return [list(range(r, n, w)) for r in range(w)]
+
+
+def _flatten(micro_batches: Iterable[Iterable[int]]) -> list[int]:
+    return [i for mb in micro_batches for i in mb]
+
+
+def _pack(job: _Job, indices: Iterable[int]) -> list[list[int]]:
+    """Best-fit decreasing by tokens: longest first, each into the fullest micro-batch it still fits.
+
+    Few micro-batches, O(n log n) (a sorted list of free capacities); an oversized sample is left alone.
+    """
+    lengths, cap = job.lengths, job.max_tokens
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (tokens still free, bin id), ascending
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        s = lengths[i]
+        pos = bisect.bisect_left(free, (s, -1))
+        if pos < len(free):
+            room, b = free.pop(pos)
+        else:
+            room, b = cap, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        if room - s > 0:
+            bisect.insort(free, (room - s, b))
+    return bins
+
+
+def _by_cost_desc(job: _Job, micro_batches: Iterable[list[int]]) -> list[list[int]]:
+    """Indices ascending inside each micro-batch; micro-batches most expensive first, ties by first index."""
+    mbs = [sorted(mb) for mb in micro_batches]
+    return sorted(mbs, key=lambda mb: (-job.cost(mb), mb[0] if mb else math.inf))
+
+
+def _pack_ranks(job: _Job, assignment: list[list[int]]) -> Plan:
+    return [_by_cost_desc(job, _pack(job, samples)) for samples in assignment]
+
+
+def _balance_step(job: _Job, bins: list[list[int]]) -> list[list[int]]:
+    """Re-partition one step's samples over W micro-batches with balanced costs, respecting the token cap."""
+    w = job.world_size
+    best = bins + [[] for _ in range(w - len(bins))]
+    kk = _karmarkar_karp(job, _flatten(bins), w)
+    if all(job.fits(p) for p in kk) and job.max_cost(kk) < job.max_cost(best):
+        best = kk
+    return _refine(job, best, cap=job.max_tokens)
+
+
+def _steps_to_ranks(job: _Job, steps: list[list[list[int]]]) -> Plan:
+    """Step i's micro-batches become every rank's i-th; the dearest goes to the rank with the least so far,
+    which keeps per-rank totals even without changing any step's cost."""
+    w = job.world_size
+    totals = [0.0] * w
+    ranks: Plan = [[] for _ in range(w)]
+    for parts in steps:
+        part_costs = [job.cost(p) for p in parts]
+        part_order = sorted(range(w), key=lambda j: (-part_costs[j], j))
+        rank_order = sorted(range(w), key=lambda r: (totals[r], r))
+        for j, r in zip(part_order, rank_order, strict=True):
+            ranks[r].append(sorted(parts[j]))
+            totals[r] += part_costs[j]
+    return ranks
+
+
+# --------------------------------------------------------------------------------------------------- partitioners
+
+
+def _lpt(job: _Job, items: Iterable[int], k: int) -> list[list[int]]:
+    """Longest processing time first: dearest sample to the cheapest part. Max ≤ (4/3 − 1/(3k))·optimum."""
+    costs = job.costs
+    heap = [(0.0, r) for r in range(k)]
+    parts: list[list[int]] = [[] for _ in range(k)]
+    for i in sorted(items, key=lambda i: (-costs[i], i)):
+        total, r = heap[0]
+        parts[r].append(i)
+        heapq.heapreplace(heap, (total + costs[i], r))
+    return parts
+
+
+def _karmarkar_karp(job: _Job, items: Iterable[int], k: int) -> list[list[int]]:
+    """k-way largest differencing: repeatedly merge the two partial partitions with the largest spread,
+    pairing the dearest part of one with the cheapest of the other.
+
+    A partial partition is a list of non-empty parts ``[cost, indices]``, dearest first; missing parts are
+    empty, so early merges of single samples cost O(1) rather than O(k).
+    """
+    heap = []
+    for seq, i in enumerate(sorted(items, key=lambda i: (-job.costs[i], i))):
+        heap.append((-job.costs[i], seq, [[job.costs[i], [i]]]))
+    heapq.heapify(heap)
+    seq = len(heap)
+    while len(heap) > 1:
+        merged = _kk_merge(heapq.heappop(heap)[2], heapq.heappop(heap)[2], k)
+        spread = merged[0][0] - (merged[-1][0] if len(merged) == k else 0.0)
+        heapq.heappush(heap, (-spread, seq, merged))
+        seq += 1
+    parts = [sorted(indices) for _, indices in heap[0][2]] if heap else []
+    return parts + [[] for _ in range(k - len(parts))]
+
+
+def _kk_merge(a: list[list], b: list[list], k: int) -> list[list]:
+    """Merge two partial partitions (dearest first, implicitly padded with empty parts to k)."""
+    start = k - len(b)  # b's parts, cheapest first, occupy positions start .. k-1
+    merged = a[: min(len(a), start)]
+    for pos in range(start, k):
+        part = b[k - 1 - pos]
+        if pos < len(a):
+            big, small = (a[pos], part) if len(a[pos][1]) >= len(part[1]) else (part, a[pos])
+            big[0] += small[0]
+            big[1].extend(small[1])  # small-to-large keeps concatenation O(n log n) overall
+            part = big
+        merged.append(part)
+    merged.sort(key=itemgetter(0), reverse=True)
+    return merged
+
+
+def _refine(job: _Job, parts: list[list[int]], cap: int | None) -> list[list[int]]:
+    """Lower the dearest part by the best single move or swap with a cheaper part, until none helps.
+
+    Each accepted exchange moves cost ``d`` with ``0 < d < gap`` from the dearest part to a cheaper one, so
+    no part ends above the old maximum and the sum of squared totals strictly falls: it terminates, and
+    the result is never worse than the input. It stops early once the dearest part is within
+    :data:`_GOOD_ENOUGH` of the mean. With ``cap`` every touched part stays within ``cap`` tokens.
+    """
+    state = _Exchange(job, parts, cap)
+    target = (1 + _GOOD_ENOUGH) * math.fsum(state.totals) / len(parts)
+    for _ in range(4 * len(job.lengths) + 16):
+        if max(state.totals) <= target or not state.improve_dearest():
+            break
+    result = [sorted(ids) for ids in state.ids]
+    return result if job.max_cost(result) <= job.max_cost(parts) else parts
+
+
+#: Relative excess of the dearest part over the mean below which refining stops: far below the accuracy of
+#: any cost model, and it saves most of the refinement rounds on large inputs.
+_GOOD_ENOUGH = 1e-4
+
+
+class _Exchange:
+    """Mutable state of :func:`_refine`.
+
+    Per part, parallel lists sorted by cost: costs, sample indices, lengths (cost grows with length, so the
+    lengths are sorted too); plus the part's total cost and free tokens (``inf`` without a cap).
+    """
+
+    def __init__(self, job: _Job, parts: list[list[int]], cap: int | None) -> None:
+        self.job = job
+        self.ids = [sorted(p, key=lambda i: (job.costs[i], i)) for p in parts]
+        self.costs = [[job.costs[i] for i in ids] for ids in self.ids]
+        self.lens = [[job.lengths[i] for i in ids] for ids in self.ids]
+        self.totals = [math.fsum(c) for c in self.costs]
+        self.room = [math.inf if cap is None else cap - sum(lens) for lens in self.lens]
+
+    def improve_dearest(self) -> bool:
+        order = sorted(range(len(self.totals)), key=lambda r: (self.totals[r], r))
+        h = order[-1]
+        tol = 1e-12 * self.totals[h]
+        for p in order[:-1]:
+            gap = self.totals[h] - self.totals[p]
+            if gap <= tol:
+                return False
+            exchange = self._best_exchange(h, p, gap, tol)
+            if exchange is not None:
+                self._apply(h, p, *exchange)
+                return True
+        return False
+
+    def _best_exchange(self, h: int, p: int, gap: float, tol: float) -> tuple[int, int | None] | None:
+        """Best (position in h to give, position in p to take or None): cost moved closest to gap / 2.
+
+        Lengths are sorted like costs, so feasible moves are a prefix of h and, for a given x, feasible
+        swap partners a suffix of p; the best lies next to the target inside that range.
+        """
+        hc, hl, pc, pl = self.costs[h], self.lens[h], self.costs[p], self.lens[p]
+        room_h, room_p, half = self.room[h], self.room[p], gap / 2
+        best, best_gain = None, tol
+        movable = bisect.bisect_right(hl, room_p)
+        pos = bisect.bisect_left(hc, half, 0, movable)
+        for x in (pos - 1, pos):
+            if 0 <= x < movable and min(hc[x], gap - hc[x]) > best_gain:
+                best, best_gain = (x, None), min(hc[x], gap - hc[x])
+        if not pc:
+            return best
+        capped = room_p != math.inf
+        # Only x with pc[0] < x < pc[-1] + gap can have a partner moving 0 < d < gap.
+        for x in range(bisect.bisect_right(hc, pc[0]), bisect.bisect_left(hc, pc[-1] + gap)):
+            cx = hc[x]
+            lo = bisect.bisect_left(pl, hl[x] - room_p) if capped else 0
+            pos = bisect.bisect_left(pc, cx - half, lo)
+            for y in (pos - 1, pos):
+                if lo <= y < len(pc) and pl[y] - hl[x] <= room_h:
+                    gain = min(cx - pc[y], gap - cx + pc[y])  # the pair's maximum falls by this much
+                    if gain > best_gain:
+                        best, best_gain = (x, y), gain
+        return best
+
+    def _apply(self, h: int, p: int, x: int, y: int | None) -> None:
+        # Take both out before inserting either, so that the positions stay valid.
+        moves = [(h, p, self._take(h, x))]
+        if y is not None:
+            moves.append((p, h, self._take(p, y)))
+        for src, dst, (c, i, s) in moves:
+            pos = bisect.bisect_right(self.costs[dst], c)
+            self.costs[dst].insert(pos, c)
+            self.ids[dst].insert(pos, i)
+            self.lens[dst].insert(pos, s)
+            self.totals[src] -= c
+            self.totals[dst] += c
+            self.room[src] += s
+            self.room[dst] -= s
+
+    def _take(self, r: int, pos: int) -> tuple[float, int, int]:
+        return self.costs[r].pop(pos), self.ids[r].pop(pos), self.lens[r].pop(pos)
+
+
+# --------------------------------------------------------------------------------------------------- prediction
+
+
+@dataclass(frozen=True)
+class Imbalance:
+    """What a plan wastes under each kind of schedule, in the cost model's units.
+
+    ``collective_*``: every micro-batch step is a barrier (FSDP); a rank without an i-th micro-batch counts
+    as 0 in step i. ``odc_*``: one barrier per minibatch (ODC). ``speedup = collective_time / odc_time``.
+    """
+
+    per_rank_cost: tuple[float, ...]
+    mean_cost: float
+    max_over_mean: float
+    collective_waste: float
+    odc_waste: float
+    collective_time: float
+    odc_time: float
+    speedup: float
+
+
+def imbalance(plan: Plan, lengths: Sequence[int], cost: CostModel = DEFAULT_COST_MODEL) -> Imbalance:
+    """Predicted per-rank totals, waste and times of ``plan`` (from :func:`plan`) for these lengths.
+
+    - ``collective_waste = Σ_i (max_r c[r][i] − mean_r c[r][i])`` and ``collective_time = Σ_i max_r c[r][i]``
+      over micro-batch steps i;
+    - ``odc_waste = max_r T[r] − mean_r T[r]`` and ``odc_time = max_r T[r]`` for rank totals T.
+    """
+    lens = _check_lengths(lengths)
+    if not plan:
+        raise OdcUsageError("plan must have at least one rank")
+    costs = [cost.cost(s) for s in lens]
+    step_costs = []  # step_costs[r][i]: cost of rank r's i-th micro-batch
+    for r, micro_batches in enumerate(plan):
+        row = []
+        for mb in micro_batches:
+            for i in mb:
+                if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < len(lens):
+                    raise OdcUsageError(f"plan[{r}] holds {i!r}, not a sample index in [0, {len(lens)})")
+            row.append(math.fsum(costs[i] for i in mb))
+        step_costs.append(row)
+    w = len(plan)
+    totals = tuple(math.fsum(costs[i] for mb in mbs for i in mb) for mbs in plan)
+    # From the samples, not the rounded totals, so that equal multisets give bit-equal means.
+    mean = math.fsum(costs[i] for mbs in plan for mb in mbs for i in mb) / w
+    depth = max(len(row) for row in step_costs)
+    steps = [[row[i] if i < len(row) else 0.0 for row in step_costs] for i in range(depth)]
+    collective_time = math.fsum(max(step) for step in steps)
+    collective_waste = math.fsum(max(step) - math.fsum(step) / w for step in steps)
+    odc_time = max(totals)
+    return Imbalance(
+        per_rank_cost=totals,
+        mean_cost=mean,
+        max_over_mean=odc_time / mean if mean > 0 else 1.0,
+        collective_waste=collective_waste,
+        odc_waste=odc_time - mean,
+        collective_time=collective_time,
+        odc_time=odc_time,
+        speedup=collective_time / odc_time if odc_time > 0 else 1.0,
+    )
