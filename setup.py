@@ -153,11 +153,7 @@ class CMakeBuildExt(build_ext):
 
     def run(self) -> None:
         mode = _build_mode()
-        reason = None
-        if mode == "off":
-            reason = "ODC_BUILD_EXT=0"
-        else:
-            reason = self._missing()
+        reason = "ODC_BUILD_EXT=0" if mode == "off" else self._missing()
         if reason is not None:
             if mode == "required":
                 raise RuntimeError(f"odc_runtime: cannot build the CUDA extension ({reason}) and ODC_BUILD_EXT=1")
@@ -211,7 +207,7 @@ class CMakeBuildExt(build_ext):
         subprocess.run(["cmake", "--build", build_dir, "-j", jobs], check=True)
 
 
-packages = find_packages(include=["odc_runtime", "odc_runtime.*"]) + ["odc_runtime.kernels"]
+packages = [*find_packages(include=["odc_runtime", "odc_runtime.*"]), "odc_runtime.kernels"]
 
 setup(
     packages=packages,
