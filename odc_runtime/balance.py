@@ -368,11 +368,13 @@ def _pack_ranks(job: _Job, assignment: list[list[int]]) -> Plan:
 def _balance_step(job: _Job, bins: list[list[int]]) -> list[list[int]]:
     """Re-partition one step's samples over W micro-batches with balanced costs, respecting the token cap."""
     w = job.world_size
-    best = bins + [[] for _ in range(w - len(bins))]
-    kk = _karmarkar_karp(job, _flatten(bins), w)
-    if all(job.fits(p) for p in kk) and job.max_cost(kk) < job.max_cost(best):
-        best = kk
-    return _refine(job, best, cap=job.max_tokens)
+    items = _flatten(bins)
+    # Cost-balancing ignores the cap, so each candidate is kept only if it respects it; the packed bins
+    # always do. KK balances best when the cap leaves slack, capped LPT when it is tight.
+    candidates = [bins + [[] for _ in range(w - len(bins))], _karmarkar_karp(job, items, w)]
+    candidates.append(_lpt(job, items, w, cap=job.max_tokens))
+    feasible = [c for c in candidates if c is not None and all(job.fits(p) for p in c)]
+    return _refine(job, min(feasible, key=job.max_cost), cap=job.max_tokens)
 
 
 def _steps_to_ranks(job: _Job, steps: list[list[list[int]]]) -> Plan:
@@ -394,15 +396,28 @@ def _steps_to_ranks(job: _Job, steps: list[list[list[int]]]) -> Plan:
 # --------------------------------------------------------------------------------------------------- partitioners
 
 
-def _lpt(job: _Job, items: Iterable[int], k: int) -> list[list[int]]:
-    """Longest processing time first: dearest sample to the cheapest part. Max ≤ (4/3 − 1/(3k))·optimum."""
-    costs = job.costs
+def _lpt(job: _Job, items: Iterable[int], k: int, cap: int | None = None) -> list[list[int]] | None:
+    """Longest processing time first: dearest sample to the cheapest part. Max ≤ (4/3 − 1/(3k))·optimum.
+
+    With ``cap``, to the cheapest part with room for it (an oversized sample only to an empty part, which
+    it then closes); ``None`` when some sample fits nowhere.
+    """
+    costs, lengths = job.costs, job.lengths
     heap = [(0.0, r) for r in range(k)]
     parts: list[list[int]] = [[] for _ in range(k)]
+    room = [math.inf if cap is None else cap] * k
     for i in sorted(items, key=lambda i: (-costs[i], i)):
-        total, r = heap[0]
+        skipped = []
+        while heap and not (lengths[i] <= room[heap[0][1]] or not parts[heap[0][1]]):
+            skipped.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        total, r = heapq.heappop(heap)
         parts[r].append(i)
-        heapq.heapreplace(heap, (total + costs[i], r))
+        room[r] -= lengths[i]
+        heapq.heappush(heap, (total + costs[i], r))
+        for entry in skipped:
+            heapq.heappush(heap, entry)
     return parts
 
 
