@@ -1,11 +1,12 @@
 """Load-balancing benchmark: planning time and per-rank balance of each policy on a long-tailed preset.
 
 For each world size, ``samples_per_rank × world_size`` lengths are drawn from the preset and planned with every
-policy. Reported per policy: median planning time over ``--repeats`` runs, max/mean of per-rank total cost,
-micro-batches per rank, and the predicted minibatch time (default cost model, seconds) under a collective
-schedule (every micro-batch step is a barrier, FSDP) and under ODC (one barrier per minibatch). The last
-column is each policy's time under the schedule it is meant for (collective for local_sort and lb_micro, ODC
-for lb_mini). A final row times the largest case (64 ranks × 10,000 samples by default).
+policy. Reported per policy: median planning time over ``--repeats`` runs (wall clock, and CPU time, which is
+steadier on a shared machine), max/mean of per-rank total cost, micro-batches per rank, and the predicted
+minibatch time (default cost model, seconds) under a collective schedule (every micro-batch step is a barrier,
+FSDP) and under ODC (one barrier per minibatch). The last column is each policy's time under the schedule it
+is meant for (collective for local_sort and lb_micro, ODC for lb_mini). A final case times the largest input
+(64 ranks × 10,000 samples by default).
 
 Run: ``python bench/balance.py [--json out.json]``.
 """
@@ -44,10 +45,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_case(lengths: list[int], world_size: int, policy: str, args: argparse.Namespace) -> dict:
     """Plan ``repeats`` times; return the median time and the plan's predicted balance."""
-    times = []
+    times, cpu_times = [], []
     for _ in range(args.repeats):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         result = plan(lengths, world_size, max_tokens=args.max_tokens, policy=policy)
+        cpu_times.append(time.process_time() - cpu_start)
         times.append(time.perf_counter() - start)
     imb = imbalance(result, lengths)
     counts = [len(micro_batches) for micro_batches in result]
@@ -57,6 +59,7 @@ def run_case(lengths: list[int], world_size: int, policy: str, args: argparse.Na
         "samples": len(lengths),
         "policy": policy,
         "plan_seconds_median": statistics.median(times),
+        "plan_cpu_seconds_median": statistics.median(cpu_times),
         "max_over_mean": imb.max_over_mean,
         "micro_batches_min": min(counts),
         "micro_batches_max": max(counts),
@@ -69,7 +72,7 @@ def run_case(lengths: list[int], world_size: int, policy: str, args: argparse.Na
 
 def format_table(rows: list[dict]) -> str:
     header = (
-        f"{'ranks':>5} {'samples':>7} {'policy':<10} {'plan ms':>8} {'max/mean':>8} {'mb/rank':>7} "
+        f"{'ranks':>5} {'samples':>7} {'policy':<10} {'plan ms':>8} {'cpu ms':>8} {'max/mean':>8} {'mb/rank':>7} "
         f"{'coll s':>8} {'odc s':>8} {'native s':>8}"
     )
     lines = [header, "-" * len(header)]
@@ -77,6 +80,7 @@ def format_table(rows: list[dict]) -> str:
         counts = f"{r['micro_batches_min']}-{r['micro_batches_max']}"
         lines.append(
             f"{r['world_size']:>5} {r['samples']:>7} {r['policy']:<10} {r['plan_seconds_median'] * 1e3:>8.1f} "
+            f"{r['plan_cpu_seconds_median'] * 1e3:>8.1f} "
             f"{r['max_over_mean']:>8.4f} {counts:>7} {r['collective_time']:>8.3f} {r['odc_time']:>8.3f} "
             f"{r['native_time']:>8.3f}"
         )
