@@ -298,8 +298,9 @@ def _plan_local_sort(job: _Job) -> Plan:
 
 
 def _plan_lb_micro(job: _Job) -> Plan:
-    """Fewest micro-batches (rounded up to a multiple of W), grouped into steps of similar cost, then each
-    step's samples re-partitioned across the W ranks (Karmarkar–Karp, then moves/swaps under the cap)."""
+    """Few micro-batches (best-fit decreasing, rounded up to a multiple of W) grouped into steps of similar
+    cost, then each step's samples re-partitioned over the W ranks (Karmarkar–Karp or capped LPT where they
+    respect the cap, else the packed micro-batches), refined by moves/swaps under the cap."""
     w = job.world_size
     bins = _by_cost_desc(job, _pack(job, range(len(job.lengths))))
     steps = [_balance_step(job, bins[i : i + w]) for i in range(0, len(bins), w)]
