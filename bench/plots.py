@@ -66,21 +66,24 @@ def plot_imbalance(runs: list[dict], timelines: dict[str, list[list[tuple]]], pa
     ax.set_title(title or "throughput (speedup over collective + local_sort)")
     ax.grid(True, axis="y", alpha=0.3)
     kinds = {"compute": "#2ca02c", "comm": "#ff7f0e", "sync": "#7f7f7f"}
-    for k, (name, per_rank) in enumerate(timelines.items()):
-        tax = fig.add_subplot(grid[1 + k])
+    # One time axis for all timelines, so their lengths compare directly.
+    spans = []
+    for per_rank in timelines.values():
         t0 = min((ev[1] for evs in per_rank for ev in evs), default=0.0)
-        end = 0.0
+        spans.append((t0, max((ev[2] - t0 for evs in per_rank for ev in evs), default=0.0)))
+    xmax = max((s for _, s in spans), default=1.0) * 1.01 or 1.0
+    for k, ((name, per_rank), (t0, _)) in enumerate(zip(timelines.items(), spans, strict=True)):
+        tax = fig.add_subplot(grid[1 + k])
         for rank, events in enumerate(per_rank):
             for kind, start, stop in events:
                 tax.barh(rank, stop - start, left=start - t0, color=kinds.get(kind, "#000000"), height=0.7,
                          linewidth=0)
-                end = max(end, stop - t0)
         tax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))], fontsize=8)
         tax.invert_yaxis()
-        tax.set_xlim(0, end * 1.01 if end else 1)
+        tax.set_xlim(0, xmax)
         which = f", minibatch {minibatch}" if minibatch is not None else ""
-        tax.set_title(f"{name}{which}: green = compute (busy), orange = communication incl. waiting, "
-                      "grey = sync / optimizer", fontsize=9)
+        tax.set_title(f"{name}{which}: green = compute (busy), orange = waiting for communication / slower ranks, "
+                      "grey = end of minibatch (sync, optimizer)", fontsize=9)
         tax.set_xlabel("seconds")
     _save(fig, path)
 

@@ -1,0 +1,206 @@
+"""Run a :class:`schedule.Schedule` with real processes: modelled compute, real communication.
+
+Every rank walks its program (:meth:`schedule.Schedule.program`), one task per layer of a micro-batch:
+
+- *gather* the layer's parameters: ``all_gather_single`` (collective) or ``odc.fetch`` (odc), issued one task
+  ahead (FSDP's prefetch) and waited for before the task computes;
+- *compute* for the task's modelled seconds times ``time_scale``, as ``time.sleep`` (default) or a busy-wait
+  loop. Sleep models a GPU: the host core is free while the device computes, so on a machine with fewer cores
+  than ranks the other ranks (and the communication threads) can use it. A busy-wait occupies a core and, with
+  more ranks than cores, stretches every rank's compute by the time-sharing;
+- backward tasks then *scatter* the layer's gradient: ``reduce_scatter_single`` into the owner's shard plus an
+  add into its accumulator (collective), or ``odc.push`` (odc), asynchronously (waited for before the buffer is
+  reused and at the end of the minibatch).
+
+End of minibatch: collective: wait for the reduce-scatters, optimizer step on the shard; odc: ``odc.sync()``,
+optimizer step on ``st.local``, ``zero_grad``, ``odc.sync()``. Each rank checks that its gradient shard holds
+exactly the number of non-empty micro-batches of all ranks (every micro-batch contributes a gradient of ones),
+so the data really moved.
+
+Time accounting per rank: *busy* = time in compute; *comm* = time blocked waiting for communication (includes
+waiting for slower ranks inside a collective); *sync* = end-of-minibatch work and fences. Each minibatch
+starts after a ``dist.barrier``; its wall time runs from the first rank's start to the last rank's end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from schedule import Schedule, Task
+
+LR = 1e-3
+
+
+@dataclass
+class MinibatchRecord:
+    start: float
+    end: float
+    busy_s: float
+    comm_s: float
+    sync_s: float
+    grad_ok: bool
+    events: list[tuple[str, float, float]] = field(default_factory=list)
+
+
+class _Then:
+    """A work handle with a completion step run on wait()."""
+
+    def __init__(self, work, then) -> None:
+        self.work, self.then = work, then
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.then()
+
+
+class CollectiveComm:
+    """FSDP-style: parameters sharded per layer, all-gather / reduce-scatter through torch.distributed."""
+
+    name = "collective"
+
+    def __init__(self, num_layers: int, shard_numel: int, world: int, device: torch.device) -> None:
+        self.shards = [torch.zeros(shard_numel, device=device) for _ in range(num_layers)]
+        self.grad_acc = [torch.zeros(shard_numel, device=device) for _ in range(num_layers)]
+        self.grad_out = [torch.empty(shard_numel, device=device) for _ in range(num_layers)]
+        self.gathered = [torch.empty(world * shard_numel, device=device) for _ in range(2)]
+        self.ones = torch.ones(world * shard_numel, device=device)
+        self.zeros = torch.zeros(world * shard_numel, device=device)
+
+    def gather(self, layer: int, slot: int):
+        return dist.all_gather_single(self.gathered[slot], self.shards[layer], async_op=True)
+
+    def scatter(self, layer: int, empty: bool):
+        work = dist.reduce_scatter_single(self.grad_out[layer], self.zeros if empty else self.ones, async_op=True)
+        return _Then(work, lambda: self.grad_acc[layer].add_(self.grad_out[layer]))
+
+    def end_minibatch(self, expected: int) -> bool:
+        ok = all(bool((g == expected).all()) for g in self.grad_acc)
+        for p, g in zip(self.shards, self.grad_acc, strict=True):
+            p.add_(g, alpha=-LR)
+            g.zero_()
+        return ok
+
+
+class OdcComm:
+    """ODC: parameters in symmetric memory per layer, one-sided fetch / push, one sync per minibatch."""
+
+    name = "odc"
+
+    def __init__(self, num_layers: int, shard_numel: int, world: int, device: torch.device) -> None:
+        import odc_runtime as odc
+
+        self.odc = odc
+        numel = world * shard_numel
+        self.sts = [odc.shard(torch.zeros(numel, device=device), name=f"layer{i}") for i in range(num_layers)]
+        self.out = [torch.empty(numel, device=device) for _ in range(2)]
+        self.ones = torch.ones(numel, device=device)
+        self.zeros = torch.zeros(numel, device=device)
+
+    def gather(self, layer: int, slot: int):
+        return self.odc.fetch(self.sts[layer], out=self.out[slot], async_op=True)
+
+    def scatter(self, layer: int, empty: bool):
+        return self.odc.push(self.sts[layer], self.zeros if empty else self.ones, async_op=True)
+
+    def end_minibatch(self, expected: int) -> bool:
+        self.odc.sync()  # every rank's pushes have landed in the owners' accumulators
+        ok = all(bool((st.grad == expected).all()) for st in self.sts)
+        for st in self.sts:
+            st.local.add_(st.grad, alpha=-LR)
+            st.zero_grad()
+        self.odc.sync()  # updated parameters visible, accumulators zeroed, before anyone fetches or pushes
+        return ok
+
+    def free(self) -> None:
+        for st in self.sts:
+            st.free()
+
+
+def _compute(seconds: float, mode: str) -> None:
+    if seconds <= 0:
+        return
+    if mode == "sleep":
+        time.sleep(seconds)
+        return
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
+def run_minibatch(
+    comm,
+    tasks: list[Task],
+    *,
+    expected_grad: int,
+    time_scale: float,
+    compute: str = "sleep",
+    record: bool = True,
+    max_outstanding_scatters: int = 2,
+) -> MinibatchRecord:
+    """Run one rank's program for one minibatch (collective: every rank must call it with the same shape)."""
+    now = time.perf_counter
+    events: list[tuple[str, float, float]] = []
+    busy = wait = 0.0
+    dist.barrier()
+    start = now()
+    gathers = {0: comm.gather(tasks[0].layer, 0)} if tasks else {}
+    scatters: deque = deque()
+    pending_scatter: dict[int, object] = {}
+
+    def wait_for(handle) -> None:
+        nonlocal wait
+        t0 = now()
+        handle.wait()
+        t1 = now()
+        wait += t1 - t0
+        if record:
+            events.append(("comm", t0, t1))
+
+    for j, task in enumerate(tasks):
+        if j + 1 < len(tasks):  # prefetch the next task's layer
+            gathers[j + 1] = comm.gather(tasks[j + 1].layer, (j + 1) % 2)
+        wait_for(gathers.pop(j))
+        t0 = now()
+        _compute(task.compute_s * time_scale, compute)
+        t1 = now()
+        busy += t1 - t0
+        if record and t1 > t0:
+            events.append(("compute", t0, t1))
+        if task.scatter:
+            if task.layer in pending_scatter:  # its output buffer is about to be reused
+                wait_for(pending_scatter.pop(task.layer))
+            while len(scatters) >= max_outstanding_scatters:
+                layer, handle = scatters.popleft()
+                if pending_scatter.get(layer) is handle:
+                    wait_for(pending_scatter.pop(layer))
+            handle = comm.scatter(task.layer, task.empty)
+            scatters.append((task.layer, handle))
+            pending_scatter[task.layer] = handle
+    for handle in list(pending_scatter.values()):
+        wait_for(handle)
+    t0 = now()
+    ok = comm.end_minibatch(expected_grad)
+    end = now()
+    if record:
+        events.append(("sync", t0, end))
+    return MinibatchRecord(start, end, busy, wait, end - t0, ok, events)
+
+
+def expected_grad(schedule: Schedule, k: int) -> int:
+    """Non-empty micro-batches of all ranks in minibatch ``k`` (each pushes a gradient of ones)."""
+    return sum(1 for mbs in schedule.minibatches[k].ranks for mb in mbs if not mb.empty)
+
+
+def warm_up(comm, num_layers: int, world: int) -> None:
+    """One zero-compute micro-batch through every layer (maps pages, starts threads), then reset."""
+    from schedule import Task as T
+
+    tasks = [T(0, layer, "fwd", 0.0, False, False) for layer in range(num_layers)]
+    tasks += [T(0, layer, "bwd", 0.0, True, False) for layer in reversed(range(num_layers))]
+    rec = run_minibatch(comm, tasks, expected_grad=world, time_scale=0.0, record=False)
+    if not rec.grad_ok:
+        raise RuntimeError(f"{comm.name}: warm-up gradients are wrong: the transport lost or duplicated data")

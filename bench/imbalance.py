@@ -1,0 +1,272 @@
+"""Load imbalance: W real processes train a long-tailed minibatch stream with collectives or with ODC.
+
+    python bench/imbalance.py --quick             # ~1 minute on 2 cores: spawns 4 ranks itself
+    python bench/imbalance.py                     # fuller run
+    torchrun --nproc-per-node 4 bench/imbalance.py --quick
+    python bench/imbalance.py --preset swe_agentic --model 1.5b --json out.json --plot out.png
+
+For each configuration of the grid {collective, odc} × {local_sort, lb_micro, lb_mini} (lb_mini only with odc:
+its ranks run different numbers of micro-batches, which collectives cannot do) the same minibatches are
+planned (:func:`odc_runtime.balance.plan`), laid out as a schedule (:mod:`schedule`: a pure function of the
+lengths, the policy and the cost model) and executed (:mod:`executor`): every layer of every micro-batch
+really gathers its parameters and scatters its gradient between the processes (gloo collectives, or
+``odc.fetch`` / ``odc.push`` on the host transport), while the compute of each layer is *modelled*: the
+micro-batch's cost on the chosen GPU (``CostModel.from_model_config`` of ``--model`` at ``--mfu`` of the
+``--gpu``'s bf16 peak), times ``--time-scale``, spent in ``time.sleep`` (``--compute busy`` for a busy-wait).
+Configurations run interleaved minibatch by minibatch, so a slow phase of a shared machine hits all alike.
+
+Reported per configuration: throughput (real tokens / wall seconds, at the scaled compute), device
+utilisation (time in compute / (ranks × wall)), idle seconds per rank (wall − compute), speedup over
+collective + local_sort, and what the simulator (:mod:`simulate`) predicts for the same schedule from the
+compute alone (``sim``), which separates the effect of balancing from that of this machine's communication.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import _common
+from _common import format_table, launch, progress
+from schedule import GPU_PEAK_FLOPS, MODELS, POLICIES, build_schedule, grid, split_minibatches
+
+QUICK = {"minibatches": 6, "minibatch_size": 32, "time_scale": 0.03, "layers": 4}
+FULL = {"minibatches": 12, "minibatch_size": 64, "time_scale": 0.03, "layers": 8}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from odc_runtime.workloads import PRESETS
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"short run (about a minute on 2 cores): {QUICK}")
+    p.add_argument("--preset", default="longalign_sft", choices=sorted(PRESETS), help="sequence-length preset")
+    p.add_argument("--lengths-file", default=None, help="real sequence lengths (JSON list or one per line)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="7b", choices=sorted(MODELS), help="model whose compute is modelled")
+    p.add_argument("--gpu", default="h100", choices=sorted(GPU_PEAK_FLOPS))
+    p.add_argument("--mfu", type=float, default=0.4, help="achieved fraction of the GPU's bf16 peak")
+    p.add_argument("--time-scale", type=float, default=None,
+                   help=f"modelled GPU seconds → executed seconds (default {FULL['time_scale']})")
+    p.add_argument("--minibatches", type=int, default=None, help=f"default {FULL['minibatches']}")
+    p.add_argument("--minibatch-size", type=int, default=None,
+                   help=f"samples per minibatch, all ranks together (default {FULL['minibatch_size']})")
+    p.add_argument("--max-tokens", type=int, default=65536,
+                   help="token cap of a micro-batch (longer samples run alone)")
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"executed layers (FSDP units); the model's cost is split evenly over them "
+                        f"(default {FULL['layers']}; --layers 0 = the model's layer count)")
+    p.add_argument("--layer-mb", type=float, default=1.0, help="MiB of fp32 parameters per executed layer")
+    p.add_argument("--compute", choices=("sleep", "busy"), default="sleep")
+    p.add_argument("--comms", default="collective,odc")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--timeline-minibatch", type=int, default=None,
+                   help="minibatch shown in the timeline plot (default: the one with the median imbalance)")
+    p.add_argument("--json", default=None, help="write results as JSON to this path")
+    p.add_argument("--plot", default=None, help="PNG path (default bench/results/imbalance.png); 'none' to skip")
+    return p
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    defaults = QUICK if args.quick else FULL
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.layers == 0:
+        args.layers = MODELS[args.model].num_layers
+    return args
+
+
+def load_stream(args, world: int) -> tuple[list[list[int]], str]:
+    from odc_runtime.workloads import load_lengths, sample_lengths
+
+    n = args.minibatches * args.minibatch_size
+    if args.lengths_file:
+        lengths = load_lengths(args.lengths_file)[:n]
+        source = f"{args.lengths_file}"
+    else:
+        lengths = sample_lengths(args.preset, n, seed=args.seed)
+        source = f"preset {args.preset} (seed {args.seed})"
+    batches = split_minibatches(lengths, args.minibatch_size)
+    if not batches:
+        raise SystemExit(f"need at least {args.minibatch_size} lengths for one minibatch, got {len(lengths)}")
+    return batches, source
+
+
+def make_schedules(args, batches, world):
+    spec = MODELS[args.model]
+    cost = spec.cost_model(GPU_PEAK_FLOPS[args.gpu] * args.mfu)
+    comms = [c.strip() for c in args.comms.split(",") if c.strip()]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    return {
+        (comm, policy): build_schedule(batches, world, comm=comm, policy=policy, cost=cost,
+                                       max_tokens=args.max_tokens, num_layers=args.layers)
+        for comm, policy in grid(comms, policies)
+    }
+
+
+def pick_timeline_minibatch(schedules) -> int:
+    """The minibatch whose collective/local_sort vs odc/lb_mini compute-only gap is the median one."""
+    from simulate import LINKS, simulate
+
+    a, b = schedules.get(("collective", "local_sort")), schedules.get(("odc", "lb_mini"))
+    if a is None or b is None:
+        return 0
+    ta = simulate(a, layer_bytes=0, link=LINKS["none"]).minibatch_s
+    tb = simulate(b, layer_bytes=0, link=LINKS["none"]).minibatch_s
+    ratios = sorted((x / y if y else 1.0, k) for k, (x, y) in enumerate(zip(ta, tb, strict=True)))
+    return ratios[len(ratios) // 2][1]
+
+
+# --------------------------------------------------------------------------------------------------- worker
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    from executor import CollectiveComm, OdcComm, expected_grad, run_minibatch, warm_up
+
+    import odc_runtime as odc
+
+    rank, world, device = _common.init_distributed("cpu")
+    load_before = os.getloadavg()
+    batches, source = load_stream(args, world)
+    schedules = make_schedules(args, batches, world)
+    digests: list = [None] * world
+    dist.all_gather_object(digests, {k: s.digest() for k, s in schedules.items()})
+    if any(d != digests[0] for d in digests):
+        raise RuntimeError("ranks built different schedules (different lengths files or versions?)")
+    timeline_k = args.timeline_minibatch if args.timeline_minibatch is not None else pick_timeline_minibatch(schedules)
+    shard_numel = -(-int(args.layer_mb * 2**20 / 4) // world)
+    comms = {}
+    if any(c == "collective" for c, _ in schedules):
+        comms["collective"] = CollectiveComm(args.layers, shard_numel, world, device)
+    if any(c == "odc" for c, _ in schedules):
+        odc.init("host")
+        comms["odc"] = OdcComm(args.layers, shard_numel, world, device)
+    for comm in comms.values():
+        warm_up(comm, args.layers, world)
+    records: dict = {key: [] for key in schedules}
+    steps = [(k, key) for k in range(len(batches)) for key in schedules]
+    t_run = time.perf_counter()
+    for k, key in progress(steps, enabled=rank == 0, desc="minibatch × config"):
+        sched = schedules[key]
+        rec = run_minibatch(comms[key[0]], sched.program(k, rank), expected_grad=expected_grad(sched, k),
+                            time_scale=args.time_scale, compute=args.compute, record=k == timeline_k)
+        records[key].append(rec)
+    run_s = time.perf_counter() - t_run
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, {key: [vars(r) for r in recs] for key, recs in records.items()})
+    if rank == 0:
+        report(args, schedules, gathered, world, source, timeline_k, run_s, load_before)
+    if "odc" in comms:
+        comms["odc"].free()
+        odc.finalize()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------------- report
+
+
+def summarize(schedules, gathered: list[dict], world: int, time_scale: float) -> list[dict]:
+    from simulate import LINKS, simulate
+
+    runs = []
+    for key, sched in schedules.items():
+        per_rank = [g[key] for g in gathered]  # per_rank[r][k]
+        n = len(per_rank[0])
+        walls = [max(per_rank[r][k]["end"] for r in range(world)) - min(per_rank[r][k]["start"] for r in range(world))
+                 for k in range(n)]
+        wall = sum(walls)
+        busy = [sum(rec["busy_s"] for rec in recs) for recs in per_rank]
+        comm = [sum(rec["comm_s"] for rec in recs) for recs in per_rank]
+        sync = [sum(rec["sync_s"] for rec in recs) for recs in per_rank]
+        sim = simulate(sched, layer_bytes=0, link=LINKS["none"], time_scale=time_scale)
+        modelled = sum(sum(mb.cost_s for mb in mbs) for m in sched.minibatches for mbs in m.ranks) * time_scale
+        runs.append({
+            "comm": key[0], "policy": key[1],
+            "tokens": sched.tokens, "wall_s": wall, "minibatch_wall_s": walls,
+            "tokens_per_s": sched.tokens / wall,
+            "utilization": sum(busy) / (world * wall),
+            "busy_s_per_rank": busy, "idle_s_per_rank": [wall - b for b in busy],
+            "comm_wait_s_per_rank": comm, "sync_s_per_rank": sync,
+            "modelled_compute_s": modelled,
+            "micro_batches_per_rank": [sum(len(m.ranks[r]) for m in sched.minibatches) for r in range(world)],
+            "grad_check_ok": all(rec["grad_ok"] for recs in per_rank for rec in recs),
+            "sim_compute_only_s": sim.time_s,
+            "sim_utilization": sim.utilization,
+        })
+    base = next((r for r in runs if (r["comm"], r["policy"]) == ("collective", "local_sort")), None)
+    lbm = next((r for r in runs if (r["comm"], r["policy"]) == ("collective", "lb_micro")), None)
+    for r in runs:
+        r["speedup"] = base["wall_s"] / r["wall_s"] if base else None
+        r["sim_speedup"] = base["sim_compute_only_s"] / r["sim_compute_only_s"] if base else None
+        r["speedup_vs_collective_lb_micro"] = lbm["wall_s"] / r["wall_s"] if lbm else None
+    return runs
+
+
+def report(args, schedules, gathered, world, source, timeline_k, run_s, load_before) -> None:
+    runs = summarize(schedules, gathered, world, args.time_scale)
+    spec = MODELS[args.model]
+    n_mb = len(next(iter(schedules.values())).minibatches)
+    print(
+        f"\n{world} ranks (gloo collectives vs ODC host transport), {n_mb} minibatches × {args.minibatch_size} "
+        f"samples from {source}; compute modelled for {spec.name} on {args.gpu.upper()} at MFU {args.mfu:g}, "
+        f"×{args.time_scale:g} time scale, {args.compute}; {args.layers} layers × {args.layer_mb:g} MiB; "
+        f"max {args.max_tokens} tokens per micro-batch"
+    )
+    rows = []
+    for r in runs:
+        idle = r["idle_s_per_rank"]
+        rows.append([
+            r["comm"], r["policy"], r["tokens_per_s"], f"{r['utilization']:.1%}",
+            f"{min(idle):.2f}-{max(idle):.2f}", f"{statistics.mean(r['comm_wait_s_per_rank']):.2f}",
+            r["wall_s"], f"{r['speedup']:.3f}" if r["speedup"] else "-",
+            f"{r['sim_speedup']:.3f}" if r["sim_speedup"] else "-", f"{r['sim_utilization']:.1%}",
+            "ok" if r["grad_check_ok"] else "WRONG",
+        ])
+    print(format_table(
+        ["comm", "policy", "tokens/s", "util", "idle s/rank", "comm wait s", "wall s", "speedup", "sim speedup",
+         "sim util", "grads"], rows))
+    print("  util = compute time / (ranks × wall); idle = wall − compute per rank (min-max over ranks); "
+          "comm wait = mean time blocked on communication (includes waiting for slower ranks inside "
+          "collectives); sim = simulator on the same schedule, compute only (no communication).")
+    load_after = os.getloadavg()
+    print(f"  executed in {run_s:.1f} s; load average {load_before[0]:.1f} → {load_after[0]:.1f} on "
+          f"{os.cpu_count()} cores")
+    config = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
+    config.update(world_size=world, source=source, model_name=spec.name, timeline_minibatch=timeline_k,
+                  flops_per_second=GPU_PEAK_FLOPS[args.gpu] * args.mfu, run_s=run_s,
+                  load_average_before=load_before, load_average_after=load_after)
+    payload = {"runs": runs, "config": config, "machine": _common.machine_info()}
+    if args.json:
+        _common.write_json(args.json, payload)
+        print(f"wrote {args.json}")
+    if (args.plot or "").lower() != "none":
+        try:
+            import plots
+        except ImportError as e:
+            print(f"no plot ({e}); pip install matplotlib (the 'bench' extra)")
+            return
+        timelines = {}
+        for key in (("collective", "local_sort"), ("collective", "lb_micro"), ("odc", "lb_mini")):
+            if key in schedules:
+                timelines[f"{key[0]} + {key[1]}"] = [g[key][timeline_k]["events"] for g in gathered]
+        path = args.plot or str(_common.default_plot_path("imbalance"))
+        plots.plot_imbalance(runs, timelines, path, minibatch=timeline_k,
+                             title=f"{world} ranks, {source}, {spec.name} on {args.gpu.upper()} "
+                                   f"(×{args.time_scale:g} time)")
+        print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = resolve(build_parser().parse_args(argv))
+    launch(worker, args.nproc, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

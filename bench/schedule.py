@@ -1,0 +1,210 @@
+"""The *schedule* of a load-imbalance benchmark: which rank runs which micro-batch, layer by layer, at which
+modelled compute cost. A pure function of the sequence lengths, the balancing policy, the cost model and the
+communication mode; the executor (:mod:`executor`) runs it with real processes, the simulator
+(:mod:`simulate`) replays it with modelled GPU and network times.
+
+Modes:
+
+``collective`` (FSDP)
+    Every rank runs the same number of micro-batches: ranks with fewer are padded with empty micro-batches
+    (zero compute, but they still join every all-gather and reduce-scatter), because a collective needs every
+    rank. Every layer of micro-batch step ``i`` is a barrier across ranks.
+``odc``
+    Ranks run only their own non-empty micro-batches (counts differ, zero allowed); the only barrier is the
+    ``sync`` once per minibatch.
+
+Per micro-batch, the program of one rank is FSDP's: forward layers ``0..L-1`` (gather the layer's parameters,
+compute), then backward layers ``L-1..0`` (gather, compute, scatter the layer's gradient). The micro-batch's
+cost (the sum of its sequences' costs, :class:`odc_runtime.balance.CostModel`, seconds on the modelled GPU)
+is split evenly over the ``L`` layers, one third forward and two thirds backward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import _common  # noqa: F401  (makes odc_runtime importable from a checkout)
+
+from odc_runtime.balance import CostModel, plan
+
+COMMS = ("collective", "odc")
+POLICIES = ("local_sort", "lb_micro", "lb_mini")
+FORWARD_FRACTION = 1.0 / 3.0  # backward ≈ 2 × forward (activation and weight gradients)
+
+
+def valid(comm: str, policy: str) -> bool:
+    """lb_mini gives ranks different micro-batch counts: only ODC can run it."""
+    return not (comm == "collective" and policy == "lb_mini")
+
+
+def grid(comms: Sequence[str] = COMMS, policies: Sequence[str] = POLICIES) -> list[tuple[str, str]]:
+    """The valid (comm, policy) pairs, collective first."""
+    return [(c, p) for c in comms for p in policies if valid(c, p)]
+
+
+# --------------------------------------------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer's shape (Hugging Face config names)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+
+    def cost_model(self, flops_per_second: float) -> CostModel:
+        """Seconds per sequence (forward + backward) at ``flops_per_second`` achieved."""
+        return CostModel.from_model_config(
+            self.num_layers, self.hidden_size, self.num_heads, self.vocab_size,
+            intermediate_size=self.intermediate_size, num_kv_heads=self.num_kv_heads,
+            flops_per_second=flops_per_second,
+        )
+
+    def layer_params(self) -> int:
+        """Parameters of one transformer layer (attention + gated MLP; norms ignored)."""
+        h = self.hidden_size
+        h_kv = self.num_kv_heads * (h // self.num_heads)
+        return h * (h + 2 * h_kv) + h * h + 3 * h * self.intermediate_size
+
+
+#: Qwen2.5 shapes (the model family of the ODC paper's experiments), plus Llama-3-8B.
+MODELS: dict[str, ModelSpec] = {
+    "0.5b": ModelSpec("Qwen2.5-0.5B", 24, 896, 14, 2, 4864, 151936),
+    "1.5b": ModelSpec("Qwen2.5-1.5B", 28, 1536, 12, 2, 8960, 151936),
+    "7b": ModelSpec("Qwen2.5-7B", 28, 3584, 28, 4, 18944, 152064),
+    "8b": ModelSpec("Llama-3-8B", 32, 4096, 32, 8, 14336, 128256),
+    "14b": ModelSpec("Qwen2.5-14B", 48, 5120, 40, 8, 13824, 152064),
+    "32b": ModelSpec("Qwen2.5-32B", 64, 5120, 40, 8, 27648, 152064),
+}
+
+#: Dense bf16 peak FLOP/s.
+GPU_PEAK_FLOPS: dict[str, float] = {"h100": 989e12, "h200": 989e12, "a100": 312e12}
+
+
+def cost_model_for(model: str, gpu: str, mfu: float) -> CostModel:
+    return MODELS[model].cost_model(GPU_PEAK_FLOPS[gpu] * mfu)
+
+
+# --------------------------------------------------------------------------------------------------- schedule
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    samples: tuple[int, ...]  # indices into the whole stream of lengths
+    tokens: int
+    cost_s: float  # modelled seconds of forward + backward over all layers; 0 for a padded empty micro-batch
+
+    @property
+    def empty(self) -> bool:
+        return not self.samples
+
+
+@dataclass(frozen=True)
+class Minibatch:
+    ranks: tuple[tuple[MicroBatch, ...], ...]  # ranks[r] = rank r's micro-batches in execution order
+
+    @property
+    def tokens(self) -> int:
+        return sum(mb.tokens for mbs in self.ranks for mb in mbs)
+
+    def rank_costs(self) -> list[float]:
+        return [sum(mb.cost_s for mb in mbs) for mbs in self.ranks]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One layer of one micro-batch on one rank: gather the layer, compute, maybe scatter its gradient."""
+
+    micro_batch: int  # index in the rank's micro-batch list
+    layer: int
+    phase: str  # "fwd" | "bwd"
+    compute_s: float
+    scatter: bool  # backward tasks push / reduce-scatter the layer's gradient
+    empty: bool  # padded micro-batch: a zero gradient
+
+
+@dataclass(frozen=True)
+class Schedule:
+    comm: str
+    policy: str
+    world_size: int
+    num_layers: int
+    minibatches: tuple[Minibatch, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(mb.tokens for mb in self.minibatches)
+
+    def program(self, minibatch: int, rank: int) -> list[Task]:
+        """The tasks rank ``rank`` runs in minibatch ``minibatch``, in order."""
+        tasks = []
+        n = self.num_layers
+        for i, mb in enumerate(self.minibatches[minibatch].ranks[rank]):
+            fwd = mb.cost_s * FORWARD_FRACTION / n
+            bwd = mb.cost_s * (1.0 - FORWARD_FRACTION) / n
+            tasks += [Task(i, layer, "fwd", fwd, False, mb.empty) for layer in range(n)]
+            tasks += [Task(i, layer, "bwd", bwd, True, mb.empty) for layer in reversed(range(n))]
+        return tasks
+
+    def digest(self) -> str:
+        """Hash of the schedule (ranks check they all built the same one)."""
+        blob = json.dumps([self.comm, self.policy, self.world_size, self.num_layers,
+                           [[[list(m.samples) for m in mbs] for mbs in mb.ranks] for mb in self.minibatches]])
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def split_minibatches(lengths: Sequence[int], minibatch_size: int) -> list[list[int]]:
+    """Consecutive minibatches of ``minibatch_size`` samples (a short tail is dropped, as drop_last does)."""
+    n = len(lengths) // minibatch_size
+    return [list(lengths[k * minibatch_size : (k + 1) * minibatch_size]) for k in range(n)]
+
+
+def build_schedule(
+    minibatch_lengths: Sequence[Sequence[int]],
+    world_size: int,
+    *,
+    comm: str,
+    policy: str,
+    cost: CostModel,
+    max_tokens: int,
+    num_layers: int,
+) -> Schedule:
+    """Plan every minibatch with ``policy`` and lay it out for ``comm`` (see the module docstring).
+
+    Samples longer than ``max_tokens`` get a micro-batch of their own (``allow_oversized``).
+    """
+    if comm not in COMMS:
+        raise ValueError(f"unknown comm {comm!r}; choose from {COMMS}")
+    if not valid(comm, policy):
+        raise ValueError(f"policy {policy!r} gives ranks different micro-batch counts: collectives cannot run it")
+    minibatches = []
+    offset = 0
+    for lengths in minibatch_lengths:
+        p = plan(list(lengths), world_size, max_tokens=max_tokens, policy=policy, cost=cost, allow_oversized=True)
+        ranks = []
+        for rank_mbs in p:
+            mbs = [
+                MicroBatch(
+                    samples=tuple(offset + i for i in mb),
+                    tokens=sum(lengths[i] for i in mb),
+                    cost_s=cost.cost_of(lengths[i] for i in mb),
+                )
+                for mb in rank_mbs
+            ]
+            if comm == "odc":
+                mbs = [m for m in mbs if not m.empty]  # nothing to do, nothing to wait for
+            ranks.append(mbs)
+        if comm == "collective":
+            depth = max(len(r) for r in ranks)
+            ranks = [r + [MicroBatch((), 0, 0.0)] * (depth - len(r)) for r in ranks]
+        minibatches.append(Minibatch(tuple(tuple(r) for r in ranks)))
+        offset += len(lengths)
+    return Schedule(comm, policy, world_size, num_layers, tuple(minibatches))

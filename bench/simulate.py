@@ -1,0 +1,196 @@
+"""Replay a :class:`schedule.Schedule` with modelled GPU compute and NVLink / InfiniBand transfer times.
+
+    python bench/simulate.py                                   # 8 GPUs, 7B, long-context SFT, NVLink and IB
+    python bench/simulate.py --world 32 --link ib --preset swe_agentic --model 32b
+
+Small and deterministic. Per task (one layer of one micro-batch, :meth:`schedule.Schedule.program`):
+
+- compute = the schedule's modelled seconds (cost model of the chosen model on the chosen GPU and MFU);
+- communication = ``latency + bytes·(W-1)/W / bandwidth`` for each all-gather / fetch of the layer's parameters
+  and each reduce-scatter / push of its gradient (bf16, 2 bytes per parameter);
+- with ``overlap`` (FSDP prefetch, the default) a task takes ``max(compute, communication)``, else their sum.
+
+``collective``: lockstep. Every task index is a barrier: the step takes the slowest rank's task (ranks run the
+same program shape; padded micro-batches compute nothing but communicate). ``odc``: every rank runs its own
+program at its own pace; the minibatch ends at the slowest rank's total, plus one sync. Both pay the same
+``sync_s`` per minibatch (optimizer step / fence), so a perfectly balanced plan takes the same time in both.
+Not modelled: contention between ranks for the network, stragglers, kernel efficiency changing with length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass, field
+
+import _common
+from schedule import GPU_PEAK_FLOPS, MODELS, POLICIES, Schedule, build_schedule, grid, split_minibatches
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    collective_GBps: float  # bus bandwidth of all-gather / reduce-scatter (nccl-tests busbw)
+    p2p_GBps: float  # effective bandwidth of ODC's one-sided reads / accumulates, same byte count
+    latency_s: float  # per operation
+
+
+LINKS: dict[str, Link] = {
+    # nccl-tests all_gather busbw on 8×H100 SXM is ~350-370 GB/s; one-sided NVLink copies reach the same.
+    "nvlink": Link("NVLink 4 (8×H100 SXM)", 360.0, 360.0, 20e-6),
+    # 400 Gb/s NDR per GPU: ~45 GB/s achievable by both ring collectives and RDMA reads/writes.
+    "ib": Link("InfiniBand NDR 400 Gb/s per GPU", 45.0, 45.0, 30e-6),
+    "none": Link("no communication (compute only)", math.inf, math.inf, 0.0),
+}
+
+
+@dataclass
+class SimResult:
+    time_s: float
+    tokens: int
+    busy_s: list[float]  # per rank
+    minibatch_s: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.time_s if self.time_s > 0 else 0.0
+
+    @property
+    def utilization(self) -> float:
+        return sum(self.busy_s) / (len(self.busy_s) * self.time_s) if self.time_s > 0 else 1.0
+
+    @property
+    def idle_s(self) -> list[float]:
+        return [self.time_s - b for b in self.busy_s]
+
+
+def comm_seconds(link: Link, nbytes: float, world: int, *, odc: bool) -> float:
+    if nbytes <= 0 or world <= 1:
+        return 0.0
+    bw = link.p2p_GBps if odc else link.collective_GBps
+    return link.latency_s + nbytes * (world - 1) / world / (bw * 1e9)
+
+
+def simulate(
+    schedule: Schedule,
+    *,
+    layer_bytes: float,
+    link: Link,
+    overlap: bool = True,
+    sync_s: float = 0.0,
+    time_scale: float = 1.0,
+) -> SimResult:
+    """Predicted wall time of ``schedule`` (compute scaled by ``time_scale``; communication is not)."""
+    w = schedule.world_size
+    odc = schedule.comm == "odc"
+    gather = comm_seconds(link, layer_bytes, w, odc=odc)
+    scatter = gather
+
+    def task_time(compute: float, comm: float) -> float:
+        return max(compute, comm) if overlap else compute + comm
+
+    busy = [0.0] * w
+    times = []
+    for k in range(len(schedule.minibatches)):
+        programs = [schedule.program(k, r) for r in range(w)]
+        for r, prog in enumerate(programs):
+            busy[r] += sum(t.compute_s for t in prog) * time_scale
+        if odc:
+            per_rank = [
+                sum(task_time(t.compute_s * time_scale, gather + (scatter if t.scatter else 0.0)) for t in prog)
+                for prog in programs
+            ]
+            t_mb = max(per_rank, default=0.0)
+        else:
+            depth = len(programs[0])
+            if any(len(p) != depth for p in programs):
+                raise ValueError("collective schedule with unequal programs: it must be padded")
+            t_mb = 0.0
+            for j in range(depth):
+                comm = gather + (scatter if programs[0][j].scatter else 0.0)
+                t_mb += task_time(max(p[j].compute_s for p in programs) * time_scale, comm)
+        times.append(t_mb + sync_s)
+    return SimResult(sum(times), schedule.tokens, busy, times)
+
+
+# --------------------------------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from odc_runtime.workloads import PRESETS
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=8, help="GPUs (data-parallel ranks)")
+    p.add_argument("--preset", default="longalign_sft", choices=sorted(PRESETS))
+    p.add_argument("--lengths-file", default=None, help="sequence lengths (JSON list or one per line)")
+    p.add_argument("--model", default="7b", choices=sorted(MODELS))
+    p.add_argument("--gpu", default="h100", choices=sorted(GPU_PEAK_FLOPS))
+    p.add_argument("--mfu", type=float, default=0.4, help="achieved fraction of the GPU's bf16 peak")
+    p.add_argument("--link", default="nvlink,ib", help=f"comma-separated subset of {','.join(LINKS)}")
+    p.add_argument("--minibatch-size", type=int, default=None, help="samples per minibatch (default 16 × world)")
+    p.add_argument("--minibatches", type=int, default=50)
+    p.add_argument("--max-tokens", type=int, default=65536, help="token cap of a micro-batch")
+    p.add_argument("--no-overlap", action="store_true", help="communication not overlapped with compute")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="PNG path (default bench/results/simulate.png); 'none' to skip")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    from odc_runtime.workloads import load_lengths, sample_lengths
+
+    args = build_parser().parse_args(argv)
+    spec = MODELS[args.model]
+    cost = spec.cost_model(GPU_PEAK_FLOPS[args.gpu] * args.mfu)
+    mbs = args.minibatch_size or 16 * args.world
+    if args.lengths_file:
+        lengths = load_lengths(args.lengths_file)
+        source = args.lengths_file
+    else:
+        lengths = sample_lengths(args.preset, mbs * args.minibatches, seed=args.seed)
+        source = f"preset {args.preset} (seed {args.seed})"
+    batches = split_minibatches(lengths, mbs)
+    if not batches:
+        raise SystemExit(f"need at least {mbs} lengths for one minibatch, got {len(lengths)}")
+    layer_bytes = 2 * spec.layer_params()
+    rows = []
+    for link_name in [s.strip() for s in args.link.split(",") if s.strip()]:
+        link = LINKS[link_name]
+        base = None
+        for comm, policy in grid(policies=POLICIES):
+            sched = build_schedule(batches, args.world, comm=comm, policy=policy, cost=cost,
+                                   max_tokens=args.max_tokens, num_layers=spec.num_layers)
+            res = simulate(sched, layer_bytes=layer_bytes, link=link, overlap=not args.no_overlap)
+            base = base or res.time_s
+            rows.append({"link": link_name, "comm": comm, "policy": policy, "time_s": res.time_s,
+                         "s_per_minibatch": res.time_s / len(batches), "tokens_per_s": res.tokens_per_s,
+                         "utilization": res.utilization, "speedup": base / res.time_s})
+    print(f"\nSimulated: {args.world} × {args.gpu.upper()} at MFU {args.mfu:g}, {spec.name} "
+          f"({layer_bytes / 2**20:.0f} MiB bf16 per layer), {len(batches)} minibatches × {mbs} samples from "
+          f"{source}, max {args.max_tokens} tokens per micro-batch, overlap={not args.no_overlap}")
+    print(_common.format_table(
+        ["link", "comm", "policy", "s/minibatch", "tokens/s", "util", "speedup"],
+        [[r["link"], r["comm"], r["policy"], r["s_per_minibatch"], r["tokens_per_s"], f"{r['utilization']:.1%}",
+          f"{r['speedup']:.3f}"] for r in rows]))
+    config = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
+    config.update(minibatch_size=mbs, layer_bytes=layer_bytes, links={k: vars(v) for k, v in LINKS.items()})
+    if args.json:
+        _common.write_json(args.json, {"runs": rows, "config": config, "machine": _common.machine_info()})
+        print(f"wrote {args.json}")
+    if (args.plot or "").lower() != "none":
+        try:
+            import plots
+        except ImportError as e:
+            print(f"no plot ({e}); pip install matplotlib (the 'bench' extra)")
+            return
+        path = args.plot or str(_common.default_plot_path("simulate"))
+        first = rows[0]["link"]
+        plots.plot_simulation([r for r in rows if r["link"] == first], path,
+                              title=f"simulated, {args.world}×{args.gpu} {first}, {spec.name}, {args.preset}")
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
