@@ -85,16 +85,17 @@ __device__ __forceinline__ float4 load4<__half>(const __half* p) {
     return make_float4(a.x, a.y, b.x, b.y);
 }
 
-// Fire-and-forget 4-wide fp32 add at a (possibly peer) global address aligned to 16 bytes.
-// sm_90 has a native vector reduction (atomicAdd(float4*) -> red.global.add.v4.f32); older GPUs do 4 scalars.
+// 4-wide fp32 add (result unused) at a (possibly peer) global address aligned to 16 bytes. System scope:
+// several GPUs update the same words, and device-scope atomics are only atomic among one GPU's threads.
+// sm_90 has a native vector atomic (atom.global.sys.add.v4.f32); older GPUs do 4 scalar atomics.
 __device__ __forceinline__ void red_add4(float* p, float4 v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    atomicAdd(reinterpret_cast<float4*>(p), v);
+    atomicAdd_system(reinterpret_cast<float4*>(p), v);
 #else
-    atomicAdd(p + 0, v.x);
-    atomicAdd(p + 1, v.y);
-    atomicAdd(p + 2, v.z);
-    atomicAdd(p + 3, v.w);
+    atomicAdd_system(p + 0, v.x);
+    atomicAdd_system(p + 1, v.y);
+    atomicAdd_system(p + 2, v.z);
+    atomicAdd_system(p + 3, v.w);
 #endif
 }
 
@@ -142,7 +143,7 @@ __global__ void fetch_p2p_kernel(TaskBatch b) {
 }
 
 // Push (intra-node): dst (the owner's fp32 accumulator, through the peer pointer) += float(src) * scale.
-// Exactness under concurrency: every update is a single hardware atomic reduction performed at the owner's
+// Exactness under concurrency: every update is a single system-scope hardware atomic performed at the owner's
 // memory (NVLink/PCIe P2P atomics), so concurrent pushers from any number of PEs never lose an update; fp32
 // addition order may differ between runs (non-deterministic rounding, as with any atomic reduction).
 // Ordering: the reductions are complete once this kernel has completed; the pusher's later
@@ -168,7 +169,7 @@ __global__ void accumulate_p2p_kernel(TaskBatch b, float scale, bool vector_atom
         }
         done = nv * 4;
     }
-    for (uint64_t i = done + first; i < t.n; i += stride) atomicAdd(dst + i, to_f32(src[i]) * scale);
+    for (uint64_t i = done + first; i < t.n; i += stride) atomicAdd_system(dst + i, to_f32(src[i]) * scale);
 }
 
 // Push (inter-node): lock + get + add + put. The owner's address space is cut into fixed cells of

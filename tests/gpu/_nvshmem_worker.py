@@ -1,0 +1,177 @@
+"""Worker for the GPU tests: run under torchrun, one process per GPU, through the public API.
+
+    torchrun --nproc-per-node N tests/gpu/_nvshmem_worker.py RESULT.json [SCENARIO ...]
+
+Runs every scenario (NVSHMEM can be initialised once per process, so they share one ``odc.init``) and rank 0
+writes ``{scenario: "ok" | error text}`` to RESULT.json, merged over ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import odc_runtime as odc
+from odc_runtime.errors import OdcMemoryError
+
+SIZES = (1, 7, 1000, 4099, 3 * 65536 + 5)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def full_tensor(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(numel, generator=g).to(dtype).cuda()
+
+
+def expect_range(st, numel: int):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    s = -(-numel // world)
+    start = min(rank * s, numel)
+    assert st.shard_range == (start, min(start + s, numel)), (st.shard_range, numel, world)
+    return st.shard_range
+
+
+def close(a: torch.Tensor, b: torch.Tensor, what: str, rtol=1e-5, atol=1e-5) -> None:
+    torch.cuda.synchronize()
+    if not torch.allclose(a.float().cpu(), b.float().cpu(), rtol=rtol, atol=atol):
+        err = (a.float().cpu() - b.float().cpu()).abs().max().item()
+        raise AssertionError(f"{what}: max abs error {err}")
+
+
+def scenario_fetch():
+    for dtype in DTYPES:
+        for n in SIZES:
+            t = full_tensor(n, dtype, seed=n)
+            st = odc.shard(t.view(-1) if n % 2 else t.view(-1, 1), name=f"fetch-{dtype}-{n}")
+            lo, hi = expect_range(st, n)
+            assert torch.equal(st.local.cpu(), t[lo:hi].cpu())
+            got = odc.fetch(st)
+            torch.cuda.synchronize()
+            assert got.shape == st.shape and torch.equal(got.reshape(-1).cpu(), t.cpu()), f"fetch {dtype} {n}"
+            out = torch.empty_like(got)
+            assert odc.fetch(st, out=out) is out
+            torch.cuda.synchronize()
+            assert torch.equal(out.reshape(-1).cpu(), t.cpu())
+            st.free()
+
+
+def scenario_push():
+    world = dist.get_world_size()
+    for dtype in DTYPES:
+        for n in SIZES:
+            base = full_tensor(n, dtype, seed=7 + n)
+            st = odc.shard(torch.zeros(n, dtype=dtype, device="cuda"), name=f"push-{dtype}-{n}")
+            lo, hi = expect_range(st, n)
+            rank = dist.get_rank()
+            odc.push(st, base * (rank + 1), scale=0.5)
+            odc.sync()
+            # bf16/fp16 inputs: (base * (r+1)) is rounded in the input dtype before the push, as the user sent it
+            expect = sum((base[lo:hi] * (r + 1)).float() * 0.5 for r in range(world))
+            close(st.grad, expect, f"push {dtype} {n}")
+            st.free()
+
+
+def scenario_uneven_and_sync():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = 5 * world + 3
+    t = full_tensor(n, torch.float32, seed=3)
+    st = odc.shard(t, name="uneven")
+    expect_range(st, n)
+    st.local.add_(1.0 + rank)  # "optimizer step" on the owner
+    odc.sync()
+    got = odc.fetch(st)
+    expect = t.clone()
+    for r in range(world):
+        s = -(-n // world)
+        a, b = min(r * s, n), min((r + 1) * s, n)
+        expect[a:b] += 1.0 + r
+    close(got, expect, "fetch after sync sees the owners' writes", rtol=0, atol=0)
+    st.free()
+
+
+def scenario_async():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = 4099
+    t = full_tensor(n, torch.bfloat16, seed=11)
+    st = odc.shard(t, name="async")
+    h = odc.fetch(st, async_op=True)
+    got = h.wait()
+    close(got, t, "async fetch", rtol=0, atol=0)
+    g = torch.ones(n, dtype=torch.bfloat16, device="cuda")
+    handles = [odc.push(st, g, scale=1.0, async_op=True) for _ in range(3)]
+    for hd in handles:
+        hd.wait()
+    odc.sync()
+    close(st.grad, torch.full_like(st.grad, 3.0 * world), "async push")
+    st.zero_grad()
+    odc.sync()
+    odc.push(st, g, scale=2.0)
+    odc.sync()
+    close(st.grad, torch.full_like(st.grad, 2.0 * world), "push after zero_grad")
+    del rank
+    st.free()
+
+
+def scenario_many_pushers():
+    """Rank r pushes 2 + r micro-batches into the same shards (uneven counts, all concurrently)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = 1 << 20
+    st = odc.shard(torch.zeros(n, device="cuda"), name="many")
+    lo, hi = st.shard_range
+    total = torch.zeros(n, dtype=torch.float32)
+    for r in range(world):
+        for mb in range(2 + r):
+            total += full_tensor(n, torch.float32, seed=1000 * r + mb).cpu() * 0.25
+    for mb in range(2 + rank):
+        odc.push(st, full_tensor(n, torch.float32, seed=1000 * rank + mb), scale=0.25)
+    odc.sync()
+    close(st.grad, total[lo:hi], "many concurrent pushers", rtol=1e-4, atol=1e-4)
+    st.free()
+
+
+def scenario_heap_exhausted():
+    """The test heap is 2 GiB per rank; parameter (1.2 GB) + accumulator (1.2 GB) shards cannot both fit."""
+    n = 300_000_000 * dist.get_world_size()
+    try:
+        odc.shard(torch.empty(n, dtype=torch.float32, device="cuda"), name="huge")
+    except OdcMemoryError as e:
+        assert "NVSHMEM_SYMMETRIC_SIZE" in str(e), e
+    else:
+        raise AssertionError("no OdcMemoryError")
+    torch.cuda.empty_cache()
+
+
+SCENARIOS = {name[len("scenario_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("scenario_")}
+
+
+def main() -> None:
+    out_path, names = sys.argv[1], sys.argv[2:] or list(SCENARIOS)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("gloo")
+    odc.init(backend="nvshmem", heap_size="2G")
+    results = {}
+    for name in names:
+        try:
+            SCENARIOS[name]()
+            results[name] = "ok"
+        except Exception:
+            results[name] = f"rank {dist.get_rank()}: {traceback.format_exc()[-2000:]}"
+        dist.barrier()
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    odc.finalize()
+    if dist.get_rank() == 0:
+        merged = {n: next((r[n] for r in gathered if r[n] != "ok"), "ok") for n in names}
+        with open(out_path, "w") as f:
+            json.dump(merged, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""GPU tests of the nvshmem backend through the public API (fetch, push, sync, async, bf16, uneven shards,
+many concurrent pushers, heap exhaustion). Each group runs under ``torchrun`` in child processes (NVSHMEM is
+initialised once per process and may ``exit()`` on fatal errors); skipped without CUDA, the extension, or, for
+the multi-GPU group, fewer than 2 GPUs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+WORKER = os.path.join(os.path.dirname(__file__), "_nvshmem_worker.py")
+SCENARIOS = ("fetch", "push", "uneven_and_sync", "async", "many_pushers", "heap_exhausted")
+NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
+
+
+def _require_backend() -> None:
+    if NGPU == 0:
+        pytest.skip("no CUDA GPU")
+    from odc_runtime.transport import nvshmem
+
+    if not nvshmem.is_available():
+        if os.environ.get("ODC_REQUIRE_EXTENSION") == "1":
+            pytest.fail("nvshmem backend unavailable but ODC_REQUIRE_EXTENSION=1")
+        pytest.skip("odc_runtime._C not built (run .ci/build_ext.sh)")
+
+
+def _run(nproc: int, tmp_path_factory) -> dict:
+    _require_backend()
+    out = tmp_path_factory.mktemp(f"nvshmem{nproc}") / "result.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", WORKER, str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=850)
+    assert proc.returncode == 0 and out.exists(), (
+        f"torchrun failed rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    )
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return _run(1, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory):
+    if NGPU < 2:
+        pytest.skip(f"needs >= 2 GPUs, found {NGPU}")
+    return _run(min(NGPU, 8), tmp_path_factory)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_single_gpu(single, scenario):
+    assert single[scenario] == "ok", single[scenario]
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_multi_gpu(multi, scenario):
+    assert multi[scenario] == "ok", multi[scenario]
