@@ -210,6 +210,7 @@ class NvshmemTransport(Transport):
         self._remote = torch.cuda.Stream(device)
         self._side_event: torch.cuda.Event | None = None
         self._remote_event: torch.cuda.Event | None = None
+        self._in_submit = False
         self._vector_atomics = os.environ.get("ODC_NVSHMEM_VECTOR_ATOMICS", "1") not in ("0", "false", "")
         self._cell_bytes = int(os.environ.get("ODC_NVSHMEM_CELL_BYTES", 64 * 1024))
         slots = int(os.environ.get("ODC_NVSHMEM_SCRATCH_SLOTS", 16))
@@ -259,6 +260,13 @@ class NvshmemTransport(Transport):
         ev.record(self._remote)
         self._remote_event = ev
         cur.wait_event(ev)
+
+    def _keep_alive(self, tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
+        # Inside submit() the tensors were allocated on the caller's stream but are used on the side stream:
+        # tell the caching allocator, so their memory is not reused before the side stream is done with them.
+        if self._in_submit:
+            for t in tensors:
+                t.record_stream(stream)
 
     def _check_range(self, what: str, buf: SymmetricBuffer, peer: int, offset: int, n: int) -> None:
         if not 0 <= peer < self.world_size:
@@ -339,6 +347,7 @@ class NvshmemTransport(Transport):
             else:
                 remote.append(r)
         stream = self._stream()
+        self._keep_alive([r.dst for r in requests], stream)
         if p2p[0]:
             _backend_call("get", self._C.fetch_p2p, *p2p, stream.cuda_stream)
         if remote:
@@ -382,6 +391,7 @@ class NvshmemTransport(Transport):
             else:
                 remote.append(r)
         stream = self._stream()
+        self._keep_alive([r.src for r in requests], stream)
         for code, (dst, src, numel) in p2p.items():
             _backend_call(
                 "accumulate",
@@ -421,8 +431,12 @@ class NvshmemTransport(Transport):
         self._check("submit")
         cur = self._stream()
         self._side.wait_stream(cur)
-        with torch.cuda.stream(self._side):
-            fn()
+        self._in_submit = True
+        try:
+            with torch.cuda.stream(self._side):
+                fn()
+        finally:
+            self._in_submit = False
         ev = torch.cuda.Event()
         ev.record(self._side)
         self._side_event = ev
