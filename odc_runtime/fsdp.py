@@ -68,6 +68,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import odc_runtime as odc
+from odc_runtime.api import PARAM_DTYPES
 from odc_runtime.errors import OdcUsageError
 
 log = logging.getLogger(__name__)
@@ -371,12 +372,12 @@ def _build_unit(module: nn.Module, fqn: str, group, world_size: int, cpu_offload
             "(FSDP would fall back to a byte all-gather); give its parameters one dtype"
         )
     ag_dtype = next(iter(ag_dtypes))
-    if ag_dtype not in odc.api.PARAM_DTYPES:
+    if ag_dtype not in PARAM_DTYPES:
         raise OdcUsageError(f"odc_runtime.fsdp: all-gather dtype {ag_dtype} of {name!r} is not supported by ODC")
     if len(orig_dtypes) > 1 or len(rs_dtypes) > 1:  # FSDP itself asserts this at lazy init
         raise OdcUsageError(f"odc_runtime.fsdp: trainable parameters of {name!r} have mixed dtypes")
     rs_dtype = next(iter(rs_dtypes)) if rs_dtypes else None
-    if rs_dtype is not None and rs_dtype not in odc.api.PARAM_DTYPES:
+    if rs_dtype is not None and rs_dtype not in PARAM_DTYPES:
         raise OdcUsageError(f"odc_runtime.fsdp: reduce dtype {rs_dtype} of {name!r} is not supported by ODC")
     factor = group.gradient_divide_factor or float(world_size)
     scale = _fp16_pre_factor(rs_dtype, factor) if rs_dtype is not None else 1.0
@@ -541,6 +542,12 @@ def begin_minibatch(model: nn.Module) -> None:
             f"odc_runtime.fsdp: a previous minibatch failed ({state.broken}); the ranks' accumulators are no longer "
             "consistent. Restart training from a checkpoint"
         )
+    for unit in state.units:
+        if not getattr(unit.group, "reduce_grads", True):
+            raise OdcUsageError(
+                f"odc_runtime.fsdp: set_requires_gradient_sync(False) is active on {unit.fqn!r}; ODC accumulates "
+                "across micro-batches itself, keep gradient sync on"
+            )
     with torch.no_grad():
         for unit in state.units:
             unit.module.reshard()  # the next forward must all-gather the newly published rows

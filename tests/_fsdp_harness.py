@@ -1,0 +1,557 @@
+"""Helpers for tests/test_fsdp.py: a spawn runner, a tiny decoder-only transformer and the per-rank scenarios.
+
+Every scenario runs inside ``run(fn, world_size, *args)``: ``world_size`` spawned processes, gloo over a FileStore,
+one torch thread each, ``odc_runtime.init("host")``. Scenarios return plain Python values (max differences,
+error messages) that the tests assert on in the parent process.
+"""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+_CTX = mp.get_context("spawn")
+
+
+def _entry(fn: Callable, rank: int, world: int, store: str, args: tuple, init_odc: bool, results: Any) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        import odc_runtime as odc
+
+        try:
+            if init_odc:
+                odc.init("host", timeout=60)
+            value = fn(rank, world, *args)
+        finally:
+            odc.finalize()
+            dist.destroy_process_group()
+        results.put((rank, "ok", value))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, init_odc: bool = True) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return the per-rank results."""
+    with tempfile.TemporaryDirectory() as tmp:
+        results = _CTX.Queue()
+        procs = [
+            _CTX.Process(target=_entry, args=(fn, r, world_size, os.path.join(tmp, "store"), args, init_odc, results))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        errors = []
+        try:
+            while len(out) + len(errors) < world_size:
+                try:
+                    rank, status, value = results.get(timeout=timeout)
+                except queue.Empty:
+                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish") from None
+                if status == "ok":
+                    out[rank] = value
+                else:
+                    errors.append(f"rank {rank}:\n{value}")
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return [out[r] for r in range(world_size)]
+
+
+# --------------------------------------------------------------------------------------------------- model
+
+
+def make_model(seed: int = 0, vocab: int = 37, dim: int = 12, heads: int = 3, hidden: int = 22, layers: int = 2):
+    """A tiny decoder-only transformer whose parameter dims are not multiples of 2, 3 or 4 (uneven shards)."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1 = nn.LayerNorm(dim)
+            self.qkv = nn.Linear(dim, 3 * dim)
+            self.proj = nn.Linear(dim, dim)
+            self.ln2 = nn.LayerNorm(dim)
+            self.up = nn.Linear(dim, hidden)
+            self.down = nn.Linear(hidden, dim)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+            return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+    class TinyLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(vocab, dim)
+            self.pos = nn.Embedding(16, dim)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f = nn.LayerNorm(dim)
+            self.head = nn.Linear(dim, vocab, bias=False)
+
+        def forward(self, tokens):
+            x = self.emb(tokens) + self.pos(torch.arange(tokens.shape[1]))
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln_f(x))
+
+    torch.manual_seed(seed)
+    model = TinyLM()
+    with torch.no_grad():  # LayerNorm starts at 1/0: perturb so its gradients are not degenerate
+        for name, p in model.named_parameters():
+            if "ln" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def shard_model(model, mp_policy=None, reshard_after_forward=True):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    kw = {
+        "mesh": mesh,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "reshard_after_forward": reshard_after_forward,
+    }
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def make_data(steps: int, counts: list[int], seed: int = 1, vocab: int = 37):
+    """``data[step][rank]`` = list of micro-batches ``[B, T]`` (B, T vary); identical on every rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for _ in range(steps):
+        per_rank = []
+        for c in counts:
+            mbs = []
+            for _ in range(c):
+                b = int(torch.randint(1, 3, (1,), generator=g))
+                t = int(torch.randint(3, 10, (1,), generator=g))
+                mbs.append(torch.randint(0, vocab, (b, t), generator=g))
+            per_rank.append(mbs)
+        data.append(per_rank)
+    return data
+
+
+def token_loss_sum(model, tokens):
+    import torch.nn.functional as F
+
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="sum")
+
+
+def n_targets(mbs) -> int:
+    return sum(t.shape[0] * (t.shape[1] - 1) for t in mbs)
+
+
+def max_param_diff(model, ref) -> float:
+    """Max |full FSDP parameter - reference parameter| (collective: gathers the DTensors)."""
+    diffs = [
+        (p.full_tensor().float() - q.detach().float()).abs().max().item()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+    ]
+    return max(diffs)
+
+
+def _sgd(params, lr=0.2):
+    import torch
+
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+# --------------------------------------------------------------------------------------------------- scenarios
+
+
+def scenario_vs_reference(rank: int, world: int, steps: int, counts: list[int], opts: dict) -> dict:
+    """ODC with ``counts[r]`` micro-batches on rank r vs one process training on the union (sum loss / tokens).
+
+    opts: ``clip`` (max norm or None), ``bf16`` (MixedPrecisionPolicy(bf16, fp32) vs a bf16-semantics reference),
+    ``reshard_after_forward``.
+    """
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import odc_runtime.fsdp as ofsdp
+
+    bf16 = opts.get("bf16", False)
+    clip = opts.get("clip")
+    model = make_model()
+    ref = copy.deepcopy(model)  # fp32 master weights of the reference
+    ref_compute = copy.deepcopy(model).to(torch.bfloat16) if bf16 else ref
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    shard_model(model, mp, opts.get("reshard_after_forward", True))
+    ofsdp.enable(model)
+    opt, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    data = make_data(steps, counts)
+    out: dict[str, list] = {"diff": [], "norm": [], "ref_norm": [], "loss": [], "ref_loss": []}
+    for step in range(steps):
+        tokens = sum(n_targets(mbs) for mbs in data[step])
+        local_loss = torch.zeros(())
+        with ofsdp.minibatch(model, divide_factor=tokens):
+            for mb in data[step][rank]:
+                loss = token_loss_sum(model, mb)
+                loss.backward()
+                local_loss += loss.detach()
+        torch.distributed.all_reduce(local_loss)
+        if clip is not None:
+            out["norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor()))
+        opt.step()
+        opt.zero_grad()
+        # reference: one process, every rank's micro-batches
+        if bf16:
+            with torch.no_grad():
+                for p, q in zip(ref_compute.parameters(), ref.parameters(), strict=True):
+                    p.copy_(q)  # round to bf16 as FSDP's all-gather input cast does
+        grads = [torch.zeros_like(p) for p in ref.parameters()]
+        ref_loss = 0.0
+        for mbs in data[step]:
+            for mb in mbs:
+                loss = token_loss_sum(ref_compute, mb)
+                ref_loss += loss.item()
+                loss.backward()
+                for g, p in zip(grads, ref_compute.parameters(), strict=True):
+                    g += p.grad.float()  # per micro-batch bf16 grads summed in fp32, as the fp32 accumulator
+                    p.grad = None
+        for g, q in zip(grads, ref.parameters(), strict=True):
+            q.grad = g / tokens
+        if clip is not None:
+            out["ref_norm"].append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out["diff"].append(max_param_diff(model, ref))
+        out["loss"].append(local_loss.item() / tokens)
+        out["ref_loss"].append(ref_loss / tokens)
+    ofsdp.disable(model)
+    return out
+
+
+def scenario_vs_fsdp(rank: int, world: int, steps: int, micro: int, opts: dict) -> dict:
+    """ODC and stock FSDP2 side by side on the same data, equal micro-batch counts, default (mean) scaling."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import odc_runtime.fsdp as ofsdp
+
+    bf16 = opts.get("bf16", False)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    raf = opts.get("reshard_after_forward", True)
+    odc_model = shard_model(make_model(), mp, raf)
+    fsdp_model = shard_model(make_model(), mp, raf)
+    ofsdp.enable(odc_model)
+    opt_a, opt_b = _sgd(odc_model.parameters()), _sgd(fsdp_model.parameters())
+    data = make_data(steps, [micro] * world)
+    diffs, grad_diffs = [], []
+    for step in range(steps):
+        with ofsdp.minibatch(odc_model):
+            for mb in data[step][rank]:
+                (token_loss_sum(odc_model, mb) / n_targets([mb])).backward()
+        for mb in data[step][rank]:
+            (token_loss_sum(fsdp_model, mb) / n_targets([mb])).backward()
+        grad_diffs.append(
+            max(
+                (a.grad.full_tensor() - b.grad.full_tensor()).abs().max().item()
+                for a, b in zip(odc_model.parameters(), fsdp_model.parameters(), strict=True)
+            )
+        )
+        for opt in (opt_a, opt_b):
+            opt.step()
+            opt.zero_grad()
+        diffs.append(
+            max(
+                (a.full_tensor() - b.full_tensor()).abs().max().item()
+                for a, b in zip(odc_model.parameters(), fsdp_model.parameters(), strict=True)
+            )
+        )
+    return {"diff": diffs, "grad_diff": grad_diffs}
+
+
+def _train(model, opt, data, rank, steps_range):
+    import torch
+
+    import odc_runtime.fsdp as ofsdp
+
+    for step in steps_range:
+        tokens = sum(n_targets(mbs) for mbs in data[step])
+        with ofsdp.minibatch(model, divide_factor=tokens):
+            for mb in data[step][rank]:
+                token_loss_sum(model, mb).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+
+def _full(model) -> list:
+    return [p.full_tensor().clone() for p in model.parameters()]
+
+
+def scenario_state_dict(rank: int, world: int) -> dict:
+    """Save, train, load, train again == train from the loaded state; also loading into a fresh model."""
+    import odc_runtime.fsdp as ofsdp
+
+    counts = [(r % 3) for r in range(world)]  # includes a rank with zero micro-batches
+    data = make_data(6, counts, seed=5)
+    model = shard_model(make_model())
+    ofsdp.enable(model)
+    opt = _sgd(model.parameters(), lr=0.1)  # momentum buffers: the optimizer state is part of the checkpoint
+    _train(model, opt, data, rank, range(2))
+    saved_model = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    saved_opt = copy.deepcopy(opt.state_dict())
+    _train(model, opt, data, rank, range(2, 4))
+    first = _full(model)
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(copy.deepcopy(saved_opt))  # load_state_dict keeps references to the given tensors
+    after_load = max(
+        (a - b).abs().max().item()
+        for a, b in zip(_full(model), [v.full_tensor() for v in saved_model.values()], strict=True)
+    )
+    _train(model, opt, data, rank, range(2, 4))
+    again = _full(model)
+    # a brand-new model (different init) loaded from the checkpoint continues the same way
+    fresh = shard_model(make_model(seed=123))
+    ofsdp.enable(fresh)
+    fresh_opt = _sgd(fresh.parameters(), lr=0.1)
+    fresh.load_state_dict(saved_model)
+    fresh_opt.load_state_dict(copy.deepcopy(saved_opt))
+    _train(fresh, fresh_opt, data, rank, range(2, 4))
+    fresh_full = _full(fresh)
+    moved = max(
+        (a - b).abs().max().item() for a, b in zip(first, [v.full_tensor() for v in saved_model.values()], strict=True)
+    )
+    return {
+        "after_load": after_load,
+        "moved": moved,
+        "again": max((a - b).abs().max().item() for a, b in zip(first, again, strict=True)),
+        "fresh": max((a - b).abs().max().item() for a, b in zip(first, fresh_full, strict=True)),
+    }
+
+
+def scenario_disable(rank: int, world: int) -> dict:
+    """ODC steps, then disable(): the model behaves as stock FSDP2 again (compared with a stock twin)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    import odc_runtime as odc
+    import odc_runtime.fsdp as ofsdp
+
+    data = make_data(4, [1] * world, seed=7)
+    a, b = shard_model(make_model()), shard_model(make_model())
+    ofsdp.enable(a)
+    opt_a, opt_b = _sgd(a.parameters()), _sgd(b.parameters())
+    for step in range(2):
+        with ofsdp.minibatch(a):
+            for mb in data[step][rank]:
+                (token_loss_sum(a, mb) / n_targets([mb])).backward()
+        for mb in data[step][rank]:
+            (token_loss_sum(b, mb) / n_targets([mb])).backward()
+        for opt in (opt_a, opt_b):
+            opt.step()
+            opt.zero_grad()
+    ofsdp.disable(a)
+    groups = [m._get_fsdp_state()._fsdp_param_groups for m in a.modules() if hasattr(m, "_get_fsdp_state")]
+    restored = all(
+        type(g._all_gather_comm) is DefaultAllGather
+        and type(g._reduce_scatter_comm) is DefaultReduceScatter
+        and not g.force_sum_reduction_for_comms
+        and not g.reduce_scatter_unused_params
+        for gs in groups
+        for g in gs
+    )
+    for step in range(2, 4):  # plain FSDP2 on both: backward outside any minibatch is fine again
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            for mb in data[step][rank]:
+                (token_loss_sum(model, mb) / n_targets([mb])).backward()
+            opt.step()
+            opt.zero_grad()
+    diff = max(
+        (p.full_tensor() - q.full_tensor()).abs().max().item()
+        for p, q in zip(a.parameters(), b.parameters(), strict=True)
+    )
+    # enable again after disable works, and the heap usage returns to its level before
+    ofsdp.enable(a)
+    ofsdp.disable(a)
+    return {"restored": restored, "diff": diff, "enabled": ofsdp.is_enabled(a), "odc_alive": odc.is_initialized()}
+
+
+def scenario_misuse(rank: int, world: int) -> dict:
+    """Each misuse raises OdcUsageError with a clear message; returns the messages."""
+    import torch
+
+    import odc_runtime.fsdp as ofsdp
+    from odc_runtime.errors import OdcUsageError
+
+    msgs: dict[str, str] = {}
+
+    def expect(key, fn):
+        try:
+            fn()
+        except OdcUsageError as e:
+            msgs[key] = str(e)
+        else:
+            msgs[key] = "NO ERROR"
+
+    model = shard_model(make_model())
+    mb = make_data(1, [1] * world)[0][rank][0]
+
+    def minibatch_without_enable():
+        with ofsdp.minibatch(model):
+            pass
+
+    expect("without_enable", minibatch_without_enable)
+    expect("not_fsdp", lambda: ofsdp.enable(make_model()))
+    ofsdp.enable(model)
+    expect("enable_twice", lambda: ofsdp.enable(model))
+    expect("enable_block", lambda: ofsdp.enable(model.blocks[0]))
+
+    def nested():
+        with ofsdp.minibatch(model):
+            try:
+                with ofsdp.minibatch(model):
+                    pass
+            finally:
+                pass
+
+    # nested: the inner call raises; the outer minibatch is then abandoned (state broken) -> use a fresh model
+    expect("nested", nested)
+    expect("after_failure", lambda: ofsdp.begin_minibatch(model))
+    ofsdp.disable(model)
+
+    model = shard_model(make_model())
+    ofsdp.enable(model)
+    expect("end_without_begin", lambda: ofsdp.end_minibatch(model))
+    with ofsdp.minibatch(model):
+        token_loss_sum(model, mb).backward()
+
+    def backward_outside():
+        token_loss_sum(model, mb).backward()  # forward outside is a collective all-gather; backward must refuse
+
+    expect("backward_outside", backward_outside)
+    model.reset_iter_state()
+    for p in model.parameters():
+        p.grad = None
+    expect("bad_divide_factor", lambda: (ofsdp.begin_minibatch(model), ofsdp.end_minibatch(model, divide_factor=0)))
+    ofsdp.end_minibatch(model)
+    # still usable after the misuse: a normal minibatch works
+    with ofsdp.minibatch(model):
+        token_loss_sum(model, mb).backward()
+    ok = all(p.grad is not None and bool(torch.isfinite(p.grad.full_tensor()).all()) for p in model.parameters())
+    ofsdp.disable(model)
+    expect("disable_twice", lambda: ofsdp.disable(model))
+    msgs["usable_after"] = str(ok)
+    return msgs
+
+
+def scenario_eval_outside(rank: int, world: int) -> dict:
+    """A no-grad forward outside a minibatch (all ranks together) matches the reference model's output."""
+    import torch
+
+    import odc_runtime.fsdp as ofsdp
+
+    model = shard_model(make_model(), reshard_after_forward=False)
+    ref = make_model()
+    ofsdp.enable(model)
+    tokens = make_data(1, [1])[0][0][0]
+    with torch.no_grad():
+        out = model(tokens)
+    with ofsdp.minibatch(model):  # no micro-batch at all on any rank: gradients are all zero
+        pass
+    zero = all(float(p.grad.full_tensor().abs().max()) == 0.0 for p in model.parameters())
+    return {"eval": (out - ref(tokens)).abs().max().item(), "zero_grads": zero}
+
+
+def scenario_refusals(rank: int, world: int) -> dict[str, str]:
+    """enable() refuses clearly: before odc.init, old torch, HSDP, CPU offload, params outside FSDP, no_sync."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    import odc_runtime as odc
+    import odc_runtime.fsdp as ofsdp
+    from odc_runtime.errors import OdcUsageError
+
+    out: dict[str, str] = {}
+    odc.finalize()  # the suite runner initialised it
+
+    def expect(key, needle, fn):
+        try:
+            fn()
+        except OdcUsageError as e:
+            out[key] = "OK" if needle in str(e) else f"wrong message: {e}"
+        except Exception as e:
+            out[key] = f"wrong error type {type(e).__name__}: {e}"
+        else:
+            out[key] = "NO ERROR"
+
+    expect("before_init", "needs odc_runtime.init()", lambda: ofsdp.enable(shard_model(make_model())))
+    odc.init("host", timeout=60)
+    real = torch.__version__
+    torch.__version__ = "2.12.1+cpu"
+    try:
+        expect("old_torch", "needs torch >= 2.13", lambda: ofsdp.enable(shard_model(make_model())))
+    finally:
+        torch.__version__ = real
+    mesh2d = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    hsdp = make_model()
+    fully_shard(hsdp, mesh=mesh2d)
+    expect("hsdp", "HSDP, 2-D meshes", lambda: ofsdp.enable(hsdp))
+    offload = make_model()
+    fully_shard(offload, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    expect("cpu_offload", "CPU offload", lambda: ofsdp.enable(offload))
+    partial = make_model()
+    for block in partial.blocks:
+        fully_shard(block)
+    expect("outside_fsdp", "not managed by FSDP", lambda: ofsdp.enable(partial))
+    no_sync = shard_model(make_model())
+    no_sync.set_requires_gradient_sync(False)
+    expect("no_sync", "set_requires_gradient_sync(False)", lambda: ofsdp.enable(no_sync))
+    late = shard_model(make_model())
+    ofsdp.enable(late)
+    late.set_requires_gradient_sync(False)
+    expect("no_sync_late", "set_requires_gradient_sync(False)", lambda: ofsdp.begin_minibatch(late))
+    late.set_requires_gradient_sync(True)
+    ofsdp.begin_minibatch(late)
+    ofsdp.end_minibatch(late)
+    ofsdp.disable(late)
+    return out
+
+
+def run_suite(rank: int, world: int, plan: list[tuple[str, str, tuple]]) -> dict[str, Any]:
+    """Run several scenarios in one process group: ``plan`` = [(key, scenario function name, args)].
+
+    A scenario that raises on this rank records ``{"__error__": traceback}`` under its key; the next scenarios
+    still run (ranks re-align on a barrier first).
+    """
+    import torch.distributed as dist
+
+    results: dict[str, Any] = {}
+    for key, name, args in plan:
+        dist.barrier()
+        try:
+            results[key] = globals()[name](rank, world, *args)
+        except Exception:
+            results[key] = {"__error__": traceback.format_exc()}
+    return results

@@ -1,0 +1,148 @@
+"""FSDP2 in ODC mode (odc_runtime.fsdp): equivalence with a single-process reference and with stock FSDP2.
+
+Scenarios live in ``tests/_fsdp_harness.py`` and run on a tiny transformer whose parameter shapes do not divide by
+the world size. To keep the file fast on a 2-core machine, the scenarios are batched into two spawned jobs (3 ranks
+and 2 ranks: gloo, host transport, one torch thread each), run once per module by fixtures; each test checks the
+results of its scenario.
+
+Tolerances. fp32: ODC and the references compute the same sums in a different order (per micro-batch vs. one fp32
+accumulator, pushes landing in any order), so parameters differ by a few fp32 ulps per step (|p| < ~2, eps = 1.2e-7);
+1e-5 leaves a wide margin while any scaling or layout mistake gives differences of order 1e-2..1. bf16: the
+reference reproduces FSDP's bf16 semantics (fp32 master weights cast to bf16 for compute, bf16 gradients summed in
+fp32); the remaining fp32 reordering can flip the bf16 rounding of a weight (relative 2^-8 = 3.9e-3 of that weight)
+in a later step, so after 3 SGD steps we allow 2e-3 absolute (a wrong scale would be off by 1e-2 or more).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _fsdp_harness as h
+
+FP32_TOL = 1e-5
+BF16_TOL = 2e-3
+SUITE_TIMEOUT = 240  # the first test of a suite also pays for its fixture (spawning and running every scenario)
+
+PLAN3 = [
+    # rank r runs 1 + r micro-batches per minibatch; SGD momentum, 3 steps, fp32
+    ("unequal", "scenario_vs_reference", (3, [1, 2, 3], {})),
+    # rank 0 runs no micro-batch at all; clip_grad_norm_ on the DTensor grads
+    ("zero_clip", "scenario_vs_reference", (3, [0, 2, 1], {"clip": 0.5})),
+    ("state_dict", "scenario_state_dict", ()),
+]
+PLAN2 = [
+    ("bf16_ref", "scenario_vs_reference", (3, [1, 3], {"bf16": True, "reshard_after_forward": False})),
+    ("fsdp_fp32", "scenario_vs_fsdp", (3, 2, {})),
+    ("fsdp_no_raf", "scenario_vs_fsdp", (3, 2, {"reshard_after_forward": False})),
+    ("fsdp_bf16", "scenario_vs_fsdp", (3, 2, {"bf16": True})),
+    ("disable", "scenario_disable", ()),
+    ("eval", "scenario_eval_outside", ()),
+    ("misuse", "scenario_misuse", ()),
+    ("refusals", "scenario_refusals", ()),  # finalizes and re-initialises ODC: keep it last
+]
+
+
+@pytest.fixture(scope="module")
+def suite3():
+    return h.run(h.run_suite, 3, PLAN3, timeout=SUITE_TIMEOUT - 20)
+
+
+@pytest.fixture(scope="module")
+def suite2():
+    return h.run(h.run_suite, 2, PLAN2, timeout=SUITE_TIMEOUT - 20)
+
+
+def _results(suite, key):
+    out = []
+    for rank, res in enumerate(suite):
+        if "__error__" in res[key]:
+            pytest.fail(f"rank {rank} failed in scenario {key!r}:\n{res[key]['__error__']}")
+        out.append(res[key])
+    return out
+
+
+def _check_vs_reference(results, tol):
+    for r, res in enumerate(results):
+        assert max(res["diff"]) < tol, f"rank {r}: param diffs per step {res['diff']}"
+        for a, b in zip(res["loss"], res["ref_loss"], strict=True):
+            assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT)
+def test_unequal_microbatches_match_single_process_reference(suite3):
+    _check_vs_reference(_results(suite3, "unequal"), FP32_TOL)
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT)
+def test_zero_microbatch_rank_and_clip_grad_norm(suite3):
+    results = _results(suite3, "zero_clip")
+    _check_vs_reference(results, FP32_TOL)
+    for res in results:
+        assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5)
+        assert all(n > 0.5 for n in res["ref_norm"])  # clipping was active
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT)
+def test_state_dict_round_trip(suite3):
+    for res in _results(suite3, "state_dict"):
+        assert res["moved"] > 1e-3  # training changed the parameters
+        assert res["after_load"] == 0.0  # load_state_dict restored them
+        assert res["again"] < FP32_TOL  # ... and the next minibatch used the loaded (republished) parameters
+        assert res["fresh"] < FP32_TOL  # a differently initialised model loaded from the checkpoint agrees too
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT)
+def test_bf16_mixed_precision_matches_bf16_reference(suite2):
+    _check_vs_reference(_results(suite2, "bf16_ref"), BF16_TOL)
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT)
+@pytest.mark.parametrize("key", ["fsdp_fp32", "fsdp_no_raf", "fsdp_bf16"])
+def test_equal_counts_match_stock_fsdp_step_by_step(suite2, key):
+    tol = BF16_TOL if key == "fsdp_bf16" else FP32_TOL
+    for res in _results(suite2, key):
+        assert max(res["grad_diff"]) < tol, res
+        assert max(res["diff"]) < tol, res
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT)
+def test_disable_returns_to_plain_fsdp(suite2):
+    for res in _results(suite2, "disable"):
+        assert res["restored"]
+        assert res["diff"] < FP32_TOL
+        assert not res["enabled"]
+        assert res["odc_alive"]
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT)
+def test_eval_forward_outside_minibatch_and_empty_minibatch(suite2):
+    for res in _results(suite2, "eval"):
+        assert res["eval"] < 1e-5
+        assert res["zero_grads"]
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT)
+def test_misuse_raises_clear_errors(suite2):
+    for msgs in _results(suite2, "misuse"):
+        assert "call odc_runtime.fsdp.enable(model)" in msgs["without_enable"]
+        assert "no FSDP module found" in msgs["not_fsdp"]
+        assert "called twice" in msgs["enable_twice"]
+        assert "already belongs to an ODC-enabled model" in msgs["enable_block"]
+        assert "minibatch already open" in msgs["nested"]
+        assert "previous minibatch failed" in msgs["after_failure"]
+        assert "without begin_minibatch" in msgs["end_without_begin"]
+        assert "backward() ran outside a minibatch" in msgs["backward_outside"]
+        assert "divide_factor must be a positive" in msgs["bad_divide_factor"]
+        assert "without ODC" in msgs["disable_twice"]
+        assert msgs["usable_after"] == "True"
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT)
+def test_enable_refuses_without_odc_init_and_unsupported_configs(suite2):
+    for msgs in _results(suite2, "refusals"):
+        for key, msg in msgs.items():
+            assert msg.startswith("OK"), f"{key}: {msg}"
