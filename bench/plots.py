@@ -33,6 +33,7 @@ def plot_comm(results: list[dict], path: str | Path, *, title: str = "") -> None
             ax.plot([r["bytes"] / 2**20 for r in rows], [r["algbw_GBps"] for r in rows], style, marker="o",
                     color=color, label=op)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("full tensor size (MiB)")
     ax.set_ylabel("algorithm bandwidth (GB/s)")
     ax.set_title(title or "fetch / push vs collectives")
