@@ -1,0 +1,257 @@
+"""Post-training (SFT) loop with FSDP2, in collective mode or in ODC mode.
+
+A small decoder-only transformer (random init, nothing downloaded) is trained on synthetic sequences whose lengths
+follow a long-tailed post-training distribution (``odc_runtime.workloads``). Every step is one minibatch of
+``--samples`` sequences, split across ranks and micro-batches by ``odc_runtime.balance.plan``:
+
+- ``--comm collective``: stock FSDP2. Every rank must run the same number of micro-batches (FSDP's all-gather and
+  reduce-scatter are collectives), so the default policy is ``lb_micro`` and ranks with fewer micro-batches run
+  empty ones (a dummy token with zero loss weight).
+- ``--comm odc``: the same FSDP2 model plus ``odc_runtime.fsdp.enable(model)``; each minibatch runs inside
+  ``with odc_runtime.fsdp.minibatch(model, divide_factor=global_tokens)``. Ranks run different numbers of
+  micro-batches (default policy ``lb_mini``: balance each rank's total work over the minibatch).
+
+Loss normalisation is the same in both modes: the sum of token cross-entropies of the minibatch divided by its
+global number of target tokens, so the loss curves agree (up to float summation order).
+
+    torchrun --nproc-per-node 4 examples/sft.py --comm collective --steps 10
+    torchrun --nproc-per-node 4 examples/sft.py --comm odc --steps 10
+
+CPU ranks use gloo and ODC's ``host`` backend; with CUDA the same command uses nccl, one GPU per rank, and ODC's
+default GPU backend (``nvshmem``). Logs one line per step (rank 0): loss, tokens/s, micro-batch counts per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import odc_runtime as odc
+import odc_runtime.fsdp as odc_fsdp
+from odc_runtime import balance, workloads
+
+# --------------------------------------------------------------------------------------------------- model
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; attention runs per packed sequence (varlen), the rest on the packed rows."""
+
+    def __init__(self, dim: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.ln2 = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, ffn, bias=False)
+        self.down = nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
+        t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(t, 3, self.heads, d // self.heads).permute(1, 2, 0, 3)
+        outs, start = [], 0
+        for n in seqlens:  # causal attention inside each sequence only (cost quadratic per sequence)
+            s = slice(start, start + n)
+            outs.append(F.scaled_dot_product_attention(q[:, s], k[:, s], v[:, s], is_causal=True))
+            start += n
+        a = torch.cat(outs, dim=1).transpose(0, 1).reshape(t, d)
+        x = x + self.proj(a)
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, vocab: int, dim: int, heads: int, ffn: int, layers: int, max_len: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(max_len, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, ffn) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
+        """``tokens``: 1-D packed sequences of lengths ``seqlens``; returns logits ``[len(tokens), vocab]``."""
+        pos = torch.cat([torch.arange(n, device=tokens.device) for n in seqlens])
+        x = self.emb(tokens) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x, seqlens)
+        return self.head(self.ln_f(x))
+
+
+# --------------------------------------------------------------------------------------------------- data
+
+
+def make_sequence(step: int, index: int, length: int, vocab: int, seed: int) -> torch.Tensor:
+    """A learnable synthetic sample: a fixed random successor rule over the vocabulary (the "language"), with 10%
+    of the tokens replaced by noise. Deterministic in (seed, step, index), so every rank can build any sample."""
+    successor = list(range(vocab))
+    random.Random(seed).shuffle(successor)
+    rng = random.Random((seed * 1_000_003 + step) * 1_000_003 + index)
+    tokens = [rng.randrange(vocab)]
+    for _ in range(length - 1):
+        tokens.append(rng.randrange(vocab) if rng.random() < 0.1 else successor[tokens[-1]])
+    return torch.tensor(tokens, dtype=torch.long)
+
+
+def micro_batch_loss(model, samples: list[torch.Tensor], device) -> tuple[torch.Tensor, int]:
+    """Sum of next-token cross-entropies over the packed samples, and the number of targets."""
+    tokens = torch.cat(samples).to(device)
+    seqlens = [len(s) for s in samples]
+    logits = model(tokens, seqlens)
+    keep = torch.ones(len(tokens), dtype=torch.bool, device=device)
+    ends = torch.tensor(seqlens, device=device).cumsum(0) - 1
+    keep[ends] = False  # the last token of a sequence has no target
+    targets = torch.roll(tokens, -1)
+    loss = F.cross_entropy(logits[keep].float(), targets[keep], reduction="sum")
+    return loss, int(keep.sum())
+
+
+# --------------------------------------------------------------------------------------------------- main
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--comm", choices=("collective", "odc"), default="odc")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy", choices=balance.POLICIES, default=None, help="default: lb_mini (odc), lb_micro")
+    p.add_argument("--preset", choices=sorted(workloads.PRESETS), default="longalign_sft")
+    p.add_argument("--scale", type=float, default=1 / 32, help="multiplies the preset's lengths (CPU-sized)")
+    p.add_argument("--max-len", type=int, default=1024, help="clip sample lengths to this many tokens")
+    p.add_argument("--samples", type=int, default=32, help="sequences per minibatch (optimizer step)")
+    p.add_argument("--max-tokens", type=int, default=1024, help="token cap of one micro-batch")
+    p.add_argument("--vocab", type=int, default=509)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=347)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
+    p.add_argument("--odc-backend", default=None, help="host | nvshmem (default: automatic)")
+    p.add_argument("--json", default=None, help="write per-step records to this file (rank 0)")
+    args = p.parse_args()
+    if args.policy is None:
+        args.policy = "lb_mini" if args.comm == "odc" else "lb_micro"
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    torch.manual_seed(args.seed)  # same initial weights on every rank
+    model = DecoderLM(args.vocab, args.dim, args.heads, args.ffn, args.layers, args.max_len).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    mesh = init_device_mesh(device.type, (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp or MixedPrecisionPolicy())
+    fully_shard(model, mesh=mesh, mp_policy=mp or MixedPrecisionPolicy())
+    if args.comm == "odc":
+        odc.init(args.odc_backend)
+        odc_fsdp.enable(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+
+    if rank == 0:
+        print(
+            f"comm={args.comm} policy={args.policy} world={world} device={device.type} params={n_params} "
+            f"preset={args.preset} scale={args.scale:g} samples/step={args.samples} max_tokens={args.max_tokens}",
+            flush=True,
+        )
+    records = []
+    for step in range(args.steps):
+        lengths = workloads.sample_lengths(
+            args.preset, args.samples, seed=args.seed * 100003 + step, max_len=args.max_len, scale=args.scale
+        )
+        lengths = [max(2, n) for n in lengths]  # a sample needs at least one target
+        plan = balance.plan(lengths, world, max_tokens=args.max_tokens, policy=args.policy)
+        global_targets = sum(n - 1 for n in lengths)
+        mine = plan[rank]
+        if args.comm == "collective":  # collectives need the same micro-batch count everywhere
+            depth = max(len(r) for r in plan)
+            mine = mine + [[] for _ in range(depth - len(mine))]
+
+        # the data loader's job: build this rank's samples before the timed region
+        batches = [[make_sequence(step, i, lengths[i], args.vocab, args.seed) for i in mb] for mb in mine]
+
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), device=device)
+        if args.comm == "odc":
+            with odc_fsdp.minibatch(model, divide_factor=global_targets):
+                for samples in batches:
+                    if not samples:  # a planner's padding micro-batch: ODC has no need to run it
+                        continue
+                    loss, _ = micro_batch_loss(model, samples, device)
+                    loss.backward()
+                    loss_sum += loss.detach()
+        else:
+            for samples in batches:
+                if samples:
+                    loss, _ = micro_batch_loss(model, samples, device)
+                    weight = world / global_targets  # FSDP averages over ranks: undo it, then / global tokens
+                else:  # padding micro-batch: take part in the collectives, contribute nothing
+                    loss, _ = micro_batch_loss(model, [torch.zeros(2, dtype=torch.long)], device)
+                    weight = 0.0
+                (loss * weight).backward()
+                loss_sum += loss.detach() * (weight != 0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+
+        dist.all_reduce(loss_sum)
+        counts = [len([mb for mb in r if mb]) for r in plan]
+        rec = {
+            "step": step,
+            "loss": loss_sum.item() / global_targets,
+            "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+            "tokens": sum(lengths),
+            "seconds": dt,
+            "tokens_per_s": sum(lengths) / dt,
+            "micro_batches": counts,
+        }
+        records.append(rec)
+        if rank == 0:
+            print(
+                f"step {step:3d}  loss {rec['loss']:.5f}  grad_norm {rec['grad_norm']:.4f}  "
+                f"tokens {rec['tokens']:6d}  {dt:6.2f}s  {rec['tokens_per_s']:8.0f} tok/s  "
+                f"micro-batches/rank {counts}",
+                flush=True,
+            )
+    if rank == 0:
+        steady = records[1:] or records
+        tps = sum(r["tokens"] for r in steady) / sum(r["seconds"] for r in steady)
+        print(f"mean tokens/s (steps 1..{args.steps - 1}): {tps:.0f}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "records": records, "tokens_per_s": tps}, f, indent=1)
+    if args.comm == "odc":
+        odc_fsdp.disable(model)
+        odc.finalize()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
