@@ -102,6 +102,16 @@ class Timer:
         return time.perf_counter() - t0
 
 
+def heap_size(backend: str, largest: int, world: int) -> int | None:
+    """Symmetric heap to ask for: None (the default, 1 GiB, or what the user's env var says) unless the
+    largest size's parameter shard + fp32 gradient shard would not fit in the default."""
+    env = "ODC_HEAP_SIZE" if backend == "host" else "NVSHMEM_SYMMETRIC_SIZE"
+    need = 2 * -(-largest // world) + (64 << 20)
+    if os.environ.get(env) or need <= (1 << 30) - (64 << 20):
+        return None
+    return need
+
+
 def make_ops(nbytes: int, world: int, device):
     """The timed operations at one size: ``{op: (fn, untimed_after_fn)}`` and the ShardedTensor."""
     import torch
@@ -144,8 +154,7 @@ def worker(args: argparse.Namespace) -> None:
     unknown = set(ops) - set(OPS)
     if unknown:
         raise SystemExit(f"unknown ops {sorted(unknown)}; choose from {OPS}")
-    heap = max(sizes) * 2 // world + (64 << 20)  # param shard + fp32 grad shard of the largest size
-    odc.init(args.backend, heap_size=max(heap, 256 << 20))
+    odc.init(args.backend, heap_size=heap_size(args.backend, max(sizes), world))
     timer = Timer(device)
     collective = "nccl" if device_kind == "cuda" else "gloo"
     results = []
