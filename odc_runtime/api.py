@@ -293,7 +293,7 @@ def _check_tensor(what: str, t: object, st: ShardedTensor, device: torch.device,
         raise OdcUsageError(f"odc_runtime.{what}: dtype {t.dtype} not allowed for {st.name!r}; use {dtypes}")
     if t.device != device:
         raise OdcUsageError(
-            f"odc_runtime.{what}: tensor is on {t.device} but the {st.name!r} transport works on {device}"
+            f"odc_runtime.{what}: tensor is on device {t.device} but the transport of {st.name!r} works on {device}"
         )
     return t
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from odc_runtime import config
-from odc_runtime.errors import OdcBackendError, OdcTimeoutError, OdcUsageError
+from odc_runtime.errors import OdcBackendError, OdcMismatchError, OdcTimeoutError, OdcUsageError
 from odc_runtime.transport.base import (
     AccumulateRequest,
     GetRequest,
@@ -52,19 +52,25 @@ from odc_runtime.transport.heap import HeapAllocator
 
 log = logging.getLogger(__name__)
 
-CONTROL_BYTES = 4096  # control page at the start of every segment: epoch (int64), pid (int64)
-_CONTROL = struct.Struct("<qq")
+CONTROL_BYTES = 4096  # control page at the start of every segment: epoch, pid, name of the barrier's operation
+_OP_BYTES = 64
+_CONTROL = struct.Struct(f"<qq{_OP_BYTES}s{_OP_BYTES}s")
 _SEGMENT_RE = re.compile(r"^odc-(?P<job>[0-9a-f]+)-r(?P<rank>\d+)-p(?P<pid>\d+)\.heap$")
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (killed but not yet reaped by its parent)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, belongs to someone else
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def remove_stale_segments(directory: str) -> list[str]:
@@ -155,6 +161,7 @@ class HostTransport(Transport):
         self._segments: list[_Segment | None] = [None] * world_size
         self._peer_locks = [threading.Lock() for _ in range(world_size)]
         self._epoch = 0
+        self._last_op = b""
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
         self._own_path: str | None = None
@@ -183,7 +190,7 @@ class HostTransport(Transport):
             os.close(fd)
             raise OdcBackendError(f"odc host transport: cannot size {path} to {self._segment_bytes} bytes: {e}") from e
         seg = _Segment(path, fd, self._segment_bytes)
-        seg.bytes[: _CONTROL.size].copy_(torch.frombuffer(bytearray(_CONTROL.pack(0, pid)), dtype=torch.uint8))
+        seg.map[: _CONTROL.size] = _CONTROL.pack(0, pid, b"init", b"")
         self._segments[self.rank] = seg
         return pid
 
@@ -288,32 +295,51 @@ class HostTransport(Transport):
                 ) from None
 
     # -- barrier --------------------------------------------------------------------------------------
-    def _read_control(self, peer: int) -> tuple[int, int]:
+    def _read_control(self, peer: int) -> tuple[int, int, bytes, bytes]:
+        """``(epoch, pid, op of barrier #epoch, op of barrier #epoch-1)`` of ``peer``."""
         seg = self._seg(peer)
         fcntl.lockf(seg.fd, fcntl.LOCK_SH, _CONTROL.size, 0)
         try:
             raw = bytes(seg.map[: _CONTROL.size])
         finally:
             fcntl.lockf(seg.fd, fcntl.LOCK_UN, _CONTROL.size, 0)
-        return _CONTROL.unpack(raw)
+        epoch, pid, op, previous_op = _CONTROL.unpack(raw)
+        return epoch, pid, op.rstrip(b"\0"), previous_op.rstrip(b"\0")
 
-    def _write_epoch(self, epoch: int) -> None:
+    def _write_control(self, epoch: int, op: bytes, previous_op: bytes) -> None:
         seg = self._seg(self.rank)
         fcntl.lockf(seg.fd, fcntl.LOCK_EX, _CONTROL.size, 0)
         try:
-            seg.map[:8] = struct.pack("<q", epoch)
+            seg.map[: _CONTROL.size] = _CONTROL.pack(epoch, os.getpid(), op, previous_op)
         finally:
             fcntl.lockf(seg.fd, fcntl.LOCK_UN, _CONTROL.size, 0)
 
     def barrier(self, op: str = "barrier") -> None:
         self.quiet()
         self._epoch += 1
-        self._write_epoch(self._epoch)
+        tag = op.encode()[:_OP_BYTES]
+        self._write_control(self._epoch, tag, self._last_op)
+        self._last_op = tag
         waiting = [p for p in range(self.world_size) if p != self.rank]
         deadline = time.monotonic() + self.timeout
         spins = 0
         while waiting:
-            waiting = [p for p in waiting if self._read_control(p)[0] < self._epoch]
+            still = []
+            for p in waiting:
+                epoch, _, peer_op, peer_previous_op = self._read_control(p)
+                if epoch < self._epoch:
+                    still.append(p)
+                    continue
+                # A peer is at most one barrier ahead (it cannot pass the next one without us), so the op it
+                # ran at our epoch is its current or its previous one.
+                theirs = peer_op if epoch == self._epoch else peer_previous_op
+                if theirs != tag:
+                    raise OdcMismatchError(
+                        f"odc collective mismatch at barrier #{self._epoch}: rank {self.rank} is in {op!r} but rank "
+                        f"{p} is in {theirs.decode(errors='replace')!r}; every rank must call the same collectives "
+                        "in the same order"
+                    )
+            waiting = still
             if not waiting:
                 break
             if time.monotonic() > deadline:
@@ -325,9 +351,10 @@ class HostTransport(Transport):
     def _describe_missing(self, op: str, missing: list[int]) -> str:
         parts = []
         for p in missing:
-            epoch, pid = self._read_control(p)
+            epoch, pid, peer_op, _ = self._read_control(p)
             state = "alive" if _pid_alive(pid) else "DEAD"
-            parts.append(f"rank {p} (pid {pid}, {state}, at barrier #{epoch})")
+            where = peer_op.decode(errors="replace")
+            parts.append(f"rank {p} (pid {pid}, {state}, last at barrier #{epoch} in {where!r})")
         return (
             f"odc {op}: rank {self.rank} timed out after {self.timeout:g} s waiting at barrier #{self._epoch} for "
             f"{', '.join(parts)}. A dead rank means its process crashed; an alive one is stuck or did not call "

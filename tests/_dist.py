@@ -1,0 +1,97 @@
+"""Run a test function on several ranks: spawned processes, gloo over a FileStore, one torch thread each.
+
+``run_ranks(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` in every rank after
+``init_process_group`` and returns the list of per-rank return values. A rank that raises fails the test with its
+traceback; ranks that do not finish within ``timeout`` seconds are killed and fail the test (a hang never stalls
+the suite).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+_CTX = mp.get_context("spawn")
+
+
+def _entry(
+    fn: Callable, rank: int, world: int, store: str, env: dict, args: tuple, results: Any, timeout: float
+) -> None:
+    # A failing rank leaves its peers waiting in a collective: let them give up well before the harness does.
+    os.environ["ODC_TIMEOUT"] = str(max(5, int(timeout / 3)))
+    os.environ.update(env)
+    # If this rank hangs, print where before the parent gives up on it.
+    faulthandler.dump_traceback_later(max(1.0, timeout - 5), exit=False)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        import odc_runtime
+
+        try:
+            value = fn(rank, world, *args)
+        except BaseException:
+            # Do not enter a collective finalize that the other ranks may never match.
+            runtime = odc_runtime.api._runtime
+            if runtime is not None:
+                runtime.transport.finalize()
+            raise
+        odc_runtime.finalize()
+        dist.destroy_process_group()
+        results.put((rank, "ok", value))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 90.0, env: dict[str, str] | None = None,
+    expect_exit: set[int] | frozenset[int] = frozenset(),
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return per-rank results.
+
+    Ranks in ``expect_exit`` may die without reporting (their result is ``None``).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        results = _CTX.Queue()
+        procs = [
+            _CTX.Process(
+                target=_entry,
+                args=(fn, r, world_size, os.path.join(tmp, "store"), dict(env or {}), args, results, timeout),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        errors: list[str] = []
+        expected = world_size - len(expect_exit)
+        try:
+            while len(out) + len(errors) < expected:
+                try:
+                    rank, status, value = results.get(timeout=timeout)
+                except queue.Empty:
+                    missing = sorted(set(range(world_size)) - set(out) - set(expect_exit))
+                    errors.append(f"ranks {missing} did not finish within {timeout} s")
+                    break
+                if status == "ok":
+                    out[rank] = value
+                else:
+                    errors.append(f"--- rank {rank} ---\n{value}")
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return [out.get(r) for r in range(world_size)]

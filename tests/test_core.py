@@ -1,0 +1,213 @@
+"""Core API over the host transport, with several real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from _dist import run_ranks
+
+import odc_runtime as odc
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _full_value(numel: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    # Small integers are exact in every dtype, so fetched values compare exactly.
+    return (torch.arange(numel) % 97 - 40).to(dtype).reshape(shape)
+
+
+def _grad_value(src: int, round_: int, numel: int, shape: tuple[int, ...]) -> torch.Tensor:
+    return ((torch.arange(numel) * (src + 1) + round_) % 13 - 6).reshape(shape)
+
+
+def _pushes(src: int) -> int:
+    return [2, 0, 3, 1][src % 4]  # differing counts, including a rank that never pushes
+
+
+def _rank_roundtrip(rank: int, world: int, shape: tuple[int, ...]) -> None:
+    odc.init("host")
+    numel = int(torch.tensor(shape).prod())
+    for dtype in DTYPES:
+        full = _full_value(numel, dtype, shape)
+        st = odc.shard(full, name=f"w_{dtype}")
+        start, stop = st.shard_range
+        assert st.local.numel() == stop - start and st.grad.dtype == torch.float32
+        assert torch.equal(odc.fetch(st), full)
+
+        # Pushes: rank s pushes _pushes(s) times with scale 0.5; exact in fp32 (integers and halves).
+        for i in range(_pushes(rank)):
+            odc.push(st, _grad_value(rank, i, numel, shape).to(dtype), scale=0.5)
+        odc.sync()
+        expected = sum(
+            _grad_value(s, i, numel, shape).to(torch.float32) * 0.5 for s in range(world) for i in range(_pushes(s))
+        )
+        expected = torch.zeros(shape) + expected  # the sum may be the int 0 when nobody pushes
+        assert torch.equal(st.grad, expected.reshape(-1)[start:stop]), (dtype, st.grad)
+
+        # The owner updates its shard; after sync every rank fetches the new values.
+        st.local.add_(1)
+        st.zero_grad()
+        odc.sync()
+        assert torch.equal(odc.fetch(st), full + 1)
+
+        # Async handles: fetch into a given out, push, then wait / sync.
+        out = torch.empty(shape, dtype=dtype)
+        handle = odc.fetch(st, out, async_op=True)
+        assert handle.wait() is out and torch.equal(out, full + 1)
+        handle = odc.push(st, torch.ones(shape, dtype=dtype), async_op=True)
+        assert handle.wait() is None
+        odc.sync()
+        assert torch.equal(st.grad, torch.full((stop - start,), float(world)))
+        st.free()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_fetch_push_sync_all_dtypes_uneven(world: int) -> None:
+    # 7 * 11 = 77 elements: not divisible by 2, 3 or 4, so the last owners hold fewer (or padded) elements.
+    run_ranks(_rank_roundtrip, world, (7, 11))
+
+
+def _rank_concurrent(rank: int, world: int, rounds: int) -> list[float]:
+    odc.init("host")
+    numel = 50_001  # spans several lock chunks (ODC_HOST_CHUNK_BYTES is small in this test)
+    st = odc.shard(torch.zeros(numel))
+    for r in range(rounds):
+        # every rank pushes to every owner at once, many rounds, async and sync mixed
+        grad = _grad_value(rank, r, numel, (numel,)).float()
+        handle = odc.push(st, grad, async_op=(r % 2 == 0))
+        if handle is not None:
+            handle.wait()
+    odc.sync()
+    expected = sum(_grad_value(s, r, numel, (numel,)).float() for s in range(world) for r in range(rounds))
+    start, stop = st.shard_range
+    assert torch.equal(st.grad, expected[start:stop])
+    return [float(st.grad.sum())]
+
+
+def test_concurrent_pushes_are_exact() -> None:
+    run_ranks(_rank_concurrent, 4, 30, env={"ODC_HOST_CHUNK_BYTES": "16K"})
+
+
+def _rank_misuse(rank: int, world: int) -> None:
+    with pytest.raises(odc.OdcNotInitializedError, match=r"before odc_runtime\.init"):
+        odc.sync()
+    with pytest.raises(odc.OdcUsageError, match="unknown ODC backend"):
+        odc.init("tcp")
+    odc.init("host", heap_size="1M")
+    with pytest.raises(odc.OdcUsageError, match="called twice"):
+        odc.init("host")
+    st = odc.shard(torch.zeros(10, 3))
+    bad_calls = [
+        (lambda: odc.push(st, torch.ones(30)), "shape"),
+        (lambda: odc.push(st, torch.ones(10, 3, dtype=torch.float64)), "dtype"),
+        (lambda: odc.push(st, torch.ones(10, 3, dtype=torch.int32)), "dtype"),
+        (lambda: odc.push(st, torch.ones(10, 3, device="meta")), "device"),
+        (lambda: odc.push(st, torch.ones(10, 3), scale=float("nan")), "scale"),
+        (lambda: odc.push(st, [[1.0] * 3] * 10), "torch.Tensor"),
+        (lambda: odc.fetch(st, torch.empty(3, 10)), "shape"),
+        (lambda: odc.fetch(st, torch.empty(10, 3, dtype=torch.bfloat16)), "dtype"),
+        (lambda: odc.fetch(st, torch.empty(3, 10).t()), "contiguous"),
+        (lambda: odc.shard(torch.zeros(3, dtype=torch.int64)), "not supported"),
+        (lambda: odc.shard(torch.zeros(3), accum_dtype=torch.bfloat16), "accum_dtype"),
+    ]
+    for call, match in bad_calls:
+        with pytest.raises(odc.OdcUsageError, match=match):
+            call()
+    odc.sync()
+    assert not st.grad.any(), "a rejected push changed an accumulator"
+
+    # Mismatched shard calls are detected on every rank before anything is allocated.
+    used = odc.api._require_runtime("test").transport.heap_used()
+    with pytest.raises(odc.OdcMismatchError, match=r"rank 1: .*\(4,"):
+        odc.shard(torch.zeros(3 + rank))
+    assert odc.api._require_runtime("test").transport.heap_used() == used
+
+    # Heap exhausted: the message says how much was asked, how much is left and what raises it.
+    with pytest.raises(odc.OdcMemoryError, match=r"asked for 4\.00 MiB .* free .*ODC_HEAP_SIZE"):
+        odc.shard(torch.zeros(world, 1 << 20))
+    assert odc.api._require_runtime("test").transport.heap_used() == used
+    odc.sync()
+
+    # Ranks in different collectives are told so instead of silently pairing up.
+    transport = odc.api._require_runtime("test").transport
+    with pytest.raises(odc.OdcMismatchError, match=r"collective mismatch.*('sync'.*'checkpoint'|'checkpoint'.*'sync')"):
+        odc.sync() if rank == 0 else transport.barrier("checkpoint")
+    odc.sync()  # still usable afterwards
+
+    odc.finalize()
+    odc.finalize()  # idempotent
+    assert not odc.is_initialized()
+    with pytest.raises(odc.OdcNotInitializedError):
+        odc.fetch(st)
+    odc.init("host")
+    with pytest.raises(odc.OdcNotInitializedError, match="finalized"):
+        odc.push(st, torch.ones(10, 3))
+
+
+def test_misuse_raises_typed_errors_and_changes_nothing() -> None:
+    run_ranks(_rank_misuse, 2)
+
+
+def _rank_dies(rank: int, world: int) -> None:
+    odc.init("host")
+    st = odc.shard(torch.zeros(8))
+    odc.push(st, torch.ones(8))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    with pytest.raises(odc.OdcTimeoutError, match=r"odc sync: rank \d timed out .* rank 1 \(pid \d+, DEAD"):
+        odc.sync()
+    # finalize after a dead peer: still releases local resources, raises the same kind of error
+    with pytest.raises(odc.OdcTimeoutError, match="finalize"):
+        odc.finalize()
+    assert not odc.is_initialized()
+
+
+def test_dead_peer_times_out_instead_of_hanging(tmp_path) -> None:
+    run_ranks(
+        _rank_dies, 3, env={"ODC_TIMEOUT": "3", "ODC_SHM_DIR": str(tmp_path)}, expect_exit={1}, timeout=60
+    )
+    assert os.listdir(tmp_path) == [], "segments left behind after a crashed job"
+
+
+def _rank_leftovers(rank: int, world: int, directory: str) -> int:
+    odc.init("host")
+    st = odc.shard(torch.ones(100))
+    # Segment names are unlinked once every rank mapped them; the data lives on in the mappings.
+    count = len(os.listdir(directory))
+    odc.push(st, torch.ones(100))
+    odc.sync()
+    assert torch.equal(st.grad, torch.full_like(st.grad, world))
+    return count
+
+
+def test_no_segments_left_and_stale_ones_removed(tmp_path) -> None:
+    directory = str(tmp_path)
+    # A stale segment from a dead job (pid that cannot exist) and an unrelated file that must survive.
+    stale = tmp_path / "odc-deadbeef0000-r0-p4194399.heap"
+    stale.write_bytes(b"\0" * 4096)
+    keep = tmp_path / "not-odc.txt"
+    keep.write_text("x")
+    counts = run_ranks(_rank_leftovers, 2, directory, env={"ODC_SHM_DIR": directory})
+    assert counts == [1, 1]  # during the run only the unrelated file is left
+    assert sorted(os.listdir(directory)) == ["not-odc.txt"]
+
+
+def test_segment_is_private_to_owner(tmp_path) -> None:
+    from odc_runtime.transport.host import HostTransport
+
+    t = HostTransport(0, 1, "abc123", timeout=5, heap_size=1 << 20, directory=str(tmp_path), chunk_bytes=1 << 20)
+    try:
+        t.create_segment()
+        (path,) = tmp_path.iterdir()
+        assert (path.stat().st_mode & 0o777) == 0o600
+    finally:
+        t.finalize()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_init_requires_process_group() -> None:
+    with pytest.raises(odc.OdcUsageError, match="init_process_group"):
+        odc.init("host")
