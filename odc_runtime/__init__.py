@@ -20,20 +20,8 @@ Typical loop::
     odc.sync()
 """
 
-from odc_runtime.api import (
-    Handle,
-    ShardedTensor,
-    backend,
-    fetch,
-    finalize,
-    init,
-    is_initialized,
-    push,
-    rank,
-    shard,
-    sync,
-    world_size,
-)
+from typing import TYPE_CHECKING
+
 from odc_runtime.errors import (
     OdcBackendError,
     OdcError,
@@ -45,6 +33,38 @@ from odc_runtime.errors import (
 )
 
 __version__ = "0.1.0"
+
+# The core API imports torch; it is loaded on first use so that torch-free modules such as
+# ``odc_runtime.balance`` can be used in a data loader without importing torch.
+_API_NAMES = frozenset(
+    {"Handle", "ShardedTensor", "backend", "fetch", "finalize", "init", "is_initialized", "push", "rank", "shard",
+     "sync", "world_size"}
+)
+
+
+def __getattr__(name: str):
+    if name in _API_NAMES:
+        from odc_runtime import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'odc_runtime' has no attribute {name!r}")
+
+
+if TYPE_CHECKING:
+    from odc_runtime.api import (
+        Handle,
+        ShardedTensor,
+        backend,
+        fetch,
+        finalize,
+        init,
+        is_initialized,
+        push,
+        rank,
+        shard,
+        sync,
+        world_size,
+    )
 
 __all__ = [
     "Handle",

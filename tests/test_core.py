@@ -211,3 +211,18 @@ def test_segment_is_private_to_owner(tmp_path) -> None:
 def test_init_requires_process_group() -> None:
     with pytest.raises(odc.OdcUsageError, match="init_process_group"):
         odc.init("host")
+
+
+def test_import_needs_no_torch_gpu_or_extension() -> None:
+    # The package and the balancer import without torch; the core API loads torch on first use.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, odc_runtime, odc_runtime.balance, odc_runtime.workloads\n"
+        "assert 'torch' not in sys.modules, 'torch imported eagerly'\n"
+        "assert odc_runtime.fetch.__module__ == 'odc_runtime.api'\n"
+        "assert 'odc_runtime._C' not in sys.modules\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
