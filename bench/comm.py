@@ -167,10 +167,11 @@ def worker(args: argparse.Namespace) -> None:
                 fn()
                 if after is not None:
                     after()
-        # Repeats interleave the operations, so that a slow phase of a shared machine hits all of them alike.
+        # Repeats interleave the operations, so that a slow phase of a shared machine hits all of them alike,
+        # and rotate their order, so that none is always the one after a particular other.
         times: dict[str, list[float]] = {op: [] for op in ops}
-        for _ in progress(range(reps), enabled=rank == 0, desc=f"comm {human(nbytes)}"):
-            for op in ops:
+        for rep in progress(range(reps), enabled=rank == 0, desc=f"comm {human(nbytes)}"):
+            for op in ops[rep % len(ops):] + ops[: rep % len(ops)]:
                 fn, after = fns[op]
                 dist.barrier()
                 times[op].append(timer(fn))
