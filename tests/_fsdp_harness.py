@@ -202,12 +202,17 @@ def scenario_vs_reference(rank: int, world: int, steps: int, counts: list[int], 
     bf16 = opts.get("bf16", False)
     clip = opts.get("clip")
     model = make_model()
+    for name in opts.get(
+        "frozen", ()
+    ):  # frozen parameters: FSDP's reduce-scatter row is shorter than its all-gather row
+        model.get_parameter(name).requires_grad_(False)
     ref = copy.deepcopy(model)  # fp32 master weights of the reference
     ref_compute = copy.deepcopy(model).to(torch.bfloat16) if bf16 else ref
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     shard_model(model, mp, opts.get("reshard_after_forward", True))
     ofsdp.enable(model)
-    opt, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    opt = _sgd([p for p in model.parameters() if p.requires_grad])
+    ref_opt = _sgd([p for p in ref.parameters() if p.requires_grad])
     data = make_data(steps, counts)
     out: dict[str, list] = {"diff": [], "norm": [], "ref_norm": [], "loss": [], "ref_loss": []}
     for step in range(steps):
@@ -220,7 +225,8 @@ def scenario_vs_reference(rank: int, world: int, steps: int, counts: list[int], 
                 local_loss += loss.detach()
         torch.distributed.all_reduce(local_loss)
         if clip is not None:
-            out["norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor()))
+            norm = torch.nn.utils.clip_grad_norm_(opt.param_groups[0]["params"], clip)
+            out["norm"].append(float(norm.full_tensor()))
         opt.step()
         opt.zero_grad()
         # reference: one process, every rank's micro-batches
@@ -236,12 +242,14 @@ def scenario_vs_reference(rank: int, world: int, steps: int, counts: list[int], 
                 ref_loss += loss.item()
                 loss.backward()
                 for g, p in zip(grads, ref_compute.parameters(), strict=True):
-                    g += p.grad.float()  # per micro-batch bf16 grads summed in fp32, as the fp32 accumulator
-                    p.grad = None
+                    if p.grad is not None:
+                        g += p.grad.float()  # per micro-batch bf16 grads summed in fp32, as the fp32 accumulator
+                        p.grad = None
         for g, q in zip(grads, ref.parameters(), strict=True):
-            q.grad = g / tokens
+            if q.requires_grad:
+                q.grad = g / tokens
         if clip is not None:
-            out["ref_norm"].append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
+            out["ref_norm"].append(float(torch.nn.utils.clip_grad_norm_(ref_opt.param_groups[0]["params"], clip)))
         ref_opt.step()
         ref_opt.zero_grad()
         out["diff"].append(max_param_diff(model, ref))
@@ -260,6 +268,8 @@ def scenario_vs_fsdp(rank: int, world: int, steps: int, micro: int, opts: dict) 
 
     bf16 = opts.get("bf16", False)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    if opts.get("fp16"):  # fp16 compute and reduction: FSDP pre-divides the reduce-scatter input (overflow guard)
+        mp = MixedPrecisionPolicy(param_dtype=torch.float16)
     raf = opts.get("reshard_after_forward", True)
     odc_model = shard_model(make_model(), mp, raf)
     fsdp_model = shard_model(make_model(), mp, raf)
@@ -461,6 +471,19 @@ def scenario_misuse(rank: int, world: int) -> dict:
     ok = all(p.grad is not None and bool(torch.isfinite(p.grad.full_tensor()).all()) for p in model.parameters())
     ofsdp.disable(model)
     expect("disable_twice", lambda: ofsdp.disable(model))
+
+    # validate=True: parameters changed inside a minibatch are caught at the next all-gather
+    model = shard_model(make_model())
+    ofsdp.enable(model, validate=True)
+
+    def modified_inside():
+        with ofsdp.minibatch(model):
+            with torch.no_grad():
+                model.head.weight.add_(1.0)  # e.g. an optimizer step inside the minibatch
+            token_loss_sum(model, mb)
+
+    expect("modified_inside", modified_inside)
+    model.reset_iter_state()
     msgs["usable_after"] = str(ok)
     return msgs
 

@@ -25,6 +25,7 @@ import _fsdp_harness as h
 
 FP32_TOL = 1e-5
 BF16_TOL = 2e-3
+FP16_TOL = 5e-4  # fp16 (eps 9.8e-4): FSDP reduces in fp16 after pre-dividing, ODC sums the fp16 rows in fp32
 SUITE_TIMEOUT = 240  # the first test of a suite also pays for its fixture (spawning and running every scenario)
 
 PLAN3 = [
@@ -33,12 +34,15 @@ PLAN3 = [
     # rank 0 runs no micro-batch at all; clip_grad_norm_ on the DTensor grads
     ("zero_clip", "scenario_vs_reference", (3, [0, 2, 1], {"clip": 0.5})),
     ("state_dict", "scenario_state_dict", ()),
+    # frozen parameters (requires_grad=False): the gradient rows are shorter than the parameter rows
+    ("frozen", "scenario_vs_reference", (2, [2, 0, 1], {"frozen": ["pos.weight", "blocks.1.up.bias"]})),
 ]
 PLAN2 = [
     ("bf16_ref", "scenario_vs_reference", (3, [1, 3], {"bf16": True, "reshard_after_forward": False})),
     ("fsdp_fp32", "scenario_vs_fsdp", (3, 2, {})),
     ("fsdp_no_raf", "scenario_vs_fsdp", (3, 2, {"reshard_after_forward": False})),
     ("fsdp_bf16", "scenario_vs_fsdp", (3, 2, {"bf16": True})),
+    ("fsdp_fp16", "scenario_vs_fsdp", (2, 2, {"fp16": True})),
     ("disable", "scenario_disable", ()),
     ("eval", "scenario_eval_outside", ()),
     ("misuse", "scenario_misuse", ()),
@@ -87,6 +91,11 @@ def test_zero_microbatch_rank_and_clip_grad_norm(suite3):
 
 
 @pytest.mark.timeout(SUITE_TIMEOUT)
+def test_frozen_parameters(suite3):
+    _check_vs_reference(_results(suite3, "frozen"), FP32_TOL)
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT)
 def test_state_dict_round_trip(suite3):
     for res in _results(suite3, "state_dict"):
         assert res["moved"] > 1e-3  # training changed the parameters
@@ -101,9 +110,9 @@ def test_bf16_mixed_precision_matches_bf16_reference(suite2):
 
 
 @pytest.mark.timeout(SUITE_TIMEOUT)
-@pytest.mark.parametrize("key", ["fsdp_fp32", "fsdp_no_raf", "fsdp_bf16"])
+@pytest.mark.parametrize("key", ["fsdp_fp32", "fsdp_no_raf", "fsdp_bf16", "fsdp_fp16"])
 def test_equal_counts_match_stock_fsdp_step_by_step(suite2, key):
-    tol = BF16_TOL if key == "fsdp_bf16" else FP32_TOL
+    tol = {"fsdp_bf16": BF16_TOL, "fsdp_fp16": FP16_TOL}.get(key, FP32_TOL)
     for res in _results(suite2, key):
         assert max(res["grad_diff"]) < tol, res
         assert max(res["diff"]) < tol, res
@@ -138,6 +147,7 @@ def test_misuse_raises_clear_errors(suite2):
         assert "backward() ran outside a minibatch" in msgs["backward_outside"]
         assert "divide_factor must be a positive" in msgs["bad_divide_factor"]
         assert "without ODC" in msgs["disable_twice"]
+        assert "must not change inside a minibatch" in msgs["modified_inside"]
         assert msgs["usable_after"] == "True"
 
 
