@@ -15,11 +15,16 @@ Users keep their FSDP2 model, optimizer and checkpoints and add a few lines::
 
 How. :func:`enable` installs, on every FSDP module (the setters are not recursive), a custom all-gather and a
 custom reduce-scatter through FSDP2's public hooks ``set_custom_all_gather`` / ``set_custom_reduce_scatter``;
-nothing of torch is patched. For each FSDP module (one parameter group) it creates ODC sharded tensors of shape
-``(W, I)`` for the parameters and ``(W, R)`` for the gradients, where ``I`` is FSDP's per-rank all-gather input
-numel and ``R`` its per-rank reduce-scatter output numel (both padded as FSDP pads), so ODC owner ``r`` holds
-exactly row ``r``. When ``R == I`` (no frozen parameter in the module) one sharded tensor serves both: its
-parameter buffer holds the published row and its fp32 accumulator the gradient row.
+nothing of torch is patched. To lay out the rows exactly as FSDP does, it *reads* (never writes) each module's
+FSDP parameter-group metadata (``_get_fsdp_state()._fsdp_param_groups``: parameter order, mixed-precision and
+offload policies, meshes), as FSDPModule's own setters do; the layout is re-checked at run time (row sizes and
+dtypes on every call, the published values against FSDP's all-gather input on the first call), so a change in
+torch's internals gives a clear error instead of wrong gradients. For each FSDP module (one parameter group)
+it creates ODC sharded tensors of shape ``(W, I)`` for the parameters and ``(W, R)`` for the gradients, where
+``I`` is FSDP's per-rank all-gather input numel and ``R`` its per-rank reduce-scatter output numel (both padded
+as FSDP pads), so ODC owner ``r`` holds exactly row ``r``. When ``R == I`` (no frozen parameter in the
+module) one sharded tensor serves both: its parameter buffer holds the published row and its fp32 accumulator
+the gradient row.
 
 - All-gather (in place; FSDP's input is row ``rank`` of the output): inside a minibatch the output rows are
   fetched from the owners' published rows (one-sided; the owners do nothing). Outside a minibatch (e.g. an
@@ -548,15 +553,19 @@ def begin_minibatch(model: nn.Module) -> None:
                 f"odc_runtime.fsdp: set_requires_gradient_sync(False) is active on {unit.fqn!r}; ODC accumulates "
                 "across micro-batches itself, keep gradient sync on"
             )
-    with torch.no_grad():
-        for unit in state.units:
-            unit.module.reshard()  # the next forward must all-gather the newly published rows
-            row = unit.st_ag.local
-            for p in unit.params:
-                local = p.sharded_param.to_local().reshape(-1)
-                row[p.ag_offset : p.ag_offset + local.numel()].copy_(local)
-    _device_sync(state)
-    odc.sync()  # S1: every row is published before anyone fetches; every accumulator was zeroed before it
+    try:
+        with torch.no_grad():
+            for unit in state.units:
+                unit.module.reshard()  # the next forward must all-gather the newly published rows
+                row = unit.st_ag.local
+                for p in unit.params:
+                    local = p.sharded_param.to_local().reshape(-1)
+                    row[p.ag_offset : p.ag_offset + local.numel()].copy_(local)
+        _device_sync(state)
+        odc.sync()  # S1: every row is published before anyone fetches; every accumulator was zeroed before it
+    except BaseException as e:
+        state.broken = f"begin_minibatch: {type(e).__name__}: {e}"
+        raise
     state.in_minibatch = True
     state.minibatches += 1
 
@@ -579,9 +588,17 @@ def end_minibatch(model: nn.Module, *, divide_factor: float | None = None) -> No
         or divide_factor <= 0
     ):
         raise OdcUsageError(f"odc_runtime.fsdp: divide_factor must be a positive finite number, got {divide_factor!r}")
-    _device_sync(state)
-    odc.sync()  # S2: every push of this minibatch is in its owner's accumulator
     state.in_minibatch = False
+    try:
+        _device_sync(state)
+        odc.sync()  # S2: every push of this minibatch is in its owner's accumulator
+        _write_grads(state, divide_factor)
+    except BaseException as e:
+        state.broken = f"end_minibatch: {type(e).__name__}: {e}"
+        raise
+
+
+def _write_grads(state: _State, divide_factor: float | None) -> None:
     from torch.distributed.tensor import DTensor
 
     with torch.no_grad():
@@ -597,13 +614,13 @@ def end_minibatch(model: nn.Module, *, divide_factor: float | None = None) -> No
                 sp = p.sharded_param
                 local = sp.to_local()
                 g = acc[p.rs_offset : p.rs_offset + local.numel()].view(local.shape)
-                g = g.div(factor) if factor != 1.0 else g.clone()
+                g = g.div(factor) if factor != 1.0 else g.clone()  # FSDP divides in the reduce dtype, then casts
                 g = g.to(sp.dtype)
                 if sp.grad is None:
                     sp.grad = DTensor.from_local(
                         g, sp.device_mesh, sp.placements, run_check=False, shape=sp.shape, stride=sp.stride()
                     )
-                else:
+                else:  # FSDP adds into an existing sharded gradient (no zero_grad between steps)
                     sp.grad.to_local().add_(g)
             st.zero_grad()  # fenced by the next begin_minibatch's sync (see the module docstring)
 
