@@ -338,6 +338,11 @@ def _build_unit(module: nn.Module, fqn: str, group, world_size: int, cpu_offload
             f"odc_runtime.fsdp: set_requires_gradient_sync(False) is active on {name!r}; ODC accumulates across "
             "micro-batches itself, keep gradient sync on"
         )
+    if getattr(group, "_all_reduce_hook", None) is not None:
+        raise OdcUsageError(
+            f"odc_runtime.fsdp: an all-reduce hook (set_all_reduce_hook) is set on {name!r}; it would only see "
+            "zeros under ODC (gradients arrive at end_minibatch); not supported"
+        )
     params: list[_Param] = []
     ag_dtypes, orig_dtypes, rs_dtypes = set(), set(), set()
     ag_off = rs_off = 0
