@@ -33,8 +33,10 @@ import _common
 from _common import format_table, launch, progress
 from schedule import GPU_PEAK_FLOPS, MODELS, POLICIES, build_schedule, grid, split_minibatches
 
-QUICK = {"minibatches": 6, "minibatch_size": 32, "time_scale": 0.03, "layers": 4}
-FULL = {"minibatches": 12, "minibatch_size": 64, "time_scale": 0.03, "layers": 8}
+# --quick picks the time scale that makes the whole grid's modelled compute last QUICK_BUDGET_S seconds,
+# so that it takes about a minute (with start-up) whatever the preset or model.
+QUICK = {"minibatches": 6, "minibatch_size": 32, "time_scale": None, "layers": 4, "budget_s": 25.0}
+FULL = {"minibatches": 12, "minibatch_size": 64, "time_scale": 0.03, "layers": 8, "budget_s": None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default="h100", choices=sorted(GPU_PEAK_FLOPS))
     p.add_argument("--mfu", type=float, default=0.4, help="achieved fraction of the GPU's bf16 peak")
     p.add_argument("--time-scale", type=float, default=None,
-                   help=f"modelled GPU seconds → executed seconds (default {FULL['time_scale']})")
+                   help=f"modelled GPU seconds → executed seconds (default {FULL['time_scale']}; with "
+                        "--quick or --budget-s: chosen to fit the budget)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help=f"choose the time scale so that the grid's modelled compute (slowest rank, all "
+                        f"configurations) lasts this many seconds (--quick: {QUICK['budget_s']:g})")
     p.add_argument("--minibatches", type=int, default=None, help=f"default {FULL['minibatches']}")
     p.add_argument("--minibatch-size", type=int, default=None,
                    help=f"samples per minibatch, all ranks together (default {FULL['minibatch_size']})")
@@ -72,10 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill defaults: an explicit --time-scale wins, then --budget-s, then --quick's budget, then FULL's scale."""
     defaults = QUICK if args.quick else FULL
-    for key, value in defaults.items():
+    for key in ("minibatches", "minibatch_size", "layers"):
         if getattr(args, key) is None:
-            setattr(args, key, value)
+            setattr(args, key, defaults[key])
+    if args.time_scale is not None:
+        args.budget_s = None
+    elif args.budget_s is None:
+        args.budget_s = defaults["budget_s"]
+        args.time_scale = defaults["time_scale"]
     if args.layers == 0:
         args.layers = MODELS[args.model].num_layers
     return args
@@ -109,6 +121,14 @@ def make_schedules(args, batches, world):
     }
 
 
+def fit_time_scale(schedules, budget_s: float) -> float:
+    """Time scale at which the compute-only simulation of every configuration sums to ``budget_s``."""
+    from simulate import LINKS, simulate
+
+    total = sum(simulate(s, layer_bytes=0, link=LINKS["none"]).time_s for s in schedules.values())
+    return budget_s / total if total > 0 else 1.0
+
+
 def pick_timeline_minibatch(schedules) -> int:
     """The minibatch whose collective/local_sort vs odc/lb_mini compute-only gap is the median one."""
     from simulate import LINKS, simulate
@@ -139,6 +159,8 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(digests, {k: s.digest() for k, s in schedules.items()})
     if any(d != digests[0] for d in digests):
         raise RuntimeError("ranks built different schedules (different lengths files or versions?)")
+    if args.budget_s is not None:
+        args.time_scale = fit_time_scale(schedules, args.budget_s)  # same on every rank: a pure function
     timeline_k = args.timeline_minibatch if args.timeline_minibatch is not None else pick_timeline_minibatch(schedules)
     shard_numel = -(-int(args.layer_mb * 2**20 / 4) // world)
     comms = {}
