@@ -8,69 +8,26 @@ error messages) that the tests assert on in the parent process.
 from __future__ import annotations
 
 import copy
-import multiprocessing as mp
-import os
-import queue
-import tempfile
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-_CTX = mp.get_context("spawn")
+from _dist import run_ranks
 
 
-def _entry(fn: Callable, rank: int, world: int, store: str, args: tuple, init_odc: bool, results: Any) -> None:
-    try:
-        import torch
-        import torch.distributed as dist
+def _with_odc(rank: int, world: int, fn: Callable, *args: Any) -> Any:
+    import odc_runtime as odc
 
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-        import odc_runtime as odc
-
-        try:
-            if init_odc:
-                odc.init("host", timeout=60)
-            value = fn(rank, world, *args)
-        finally:
-            odc.finalize()
-            dist.destroy_process_group()
-        results.put((rank, "ok", value))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+    odc.init("host", timeout=60)
+    return fn(rank, world, *args)
 
 
 def run(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, init_odc: bool = True) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return the per-rank results."""
-    with tempfile.TemporaryDirectory() as tmp:
-        results = _CTX.Queue()
-        procs = [
-            _CTX.Process(target=_entry, args=(fn, r, world_size, os.path.join(tmp, "store"), args, init_odc, results))
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        out: dict[int, Any] = {}
-        errors = []
-        try:
-            while len(out) + len(errors) < world_size:
-                try:
-                    rank, status, value = results.get(timeout=timeout)
-                except queue.Empty:
-                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish") from None
-                if status == "ok":
-                    out[rank] = value
-                else:
-                    errors.append(f"rank {rank}:\n{value}")
-        finally:
-            for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-        if errors:
-            raise AssertionError("\n".join(errors))
-        return [out[r] for r in range(world_size)]
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks (after ``odc.init("host")`` unless
+    ``init_odc`` is false); return the per-rank results."""
+    if init_odc:
+        return run_ranks(_with_odc, world_size, fn, *args, timeout=timeout)
+    return run_ranks(fn, world_size, *args, timeout=timeout)
 
 
 # --------------------------------------------------------------------------------------------------- model

@@ -226,3 +226,25 @@ def test_import_needs_no_torch_gpu_or_extension() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_sizes_and_timeouts_parse_or_fail_clearly(monkeypatch) -> None:
+    from odc_runtime import config
+
+    assert config.parse_size(4096, what="x") == 4096
+    assert config.parse_size("4G", what="x") == 4 << 30
+    assert config.parse_size("512MiB", what="x") == 512 << 20
+    assert config.parse_size("1.5k", what="x") == 1536
+    for bad in ("", "x", "-1", 0, True, "4Q"):
+        with pytest.raises(odc.OdcUsageError, match="x"):
+            config.parse_size(bad, what="x")
+    monkeypatch.setenv("ODC_HEAP_SIZE", "2M")
+    assert config.resolve_size(None, "ODC_HEAP_SIZE", 1) == 2 << 20
+    assert config.resolve_size("1M", "ODC_HEAP_SIZE", 1) == 1 << 20  # the argument wins
+    monkeypatch.setenv("ODC_TIMEOUT", "2.5")
+    assert config.resolve_timeout(None) == 2.5
+    assert config.resolve_timeout(7) == 7.0
+    for bad in ("abc", "-1", "inf"):
+        monkeypatch.setenv("ODC_TIMEOUT", bad)
+        with pytest.raises(odc.OdcUsageError, match=r"ODC_TIMEOUT|timeout"):
+            config.resolve_timeout(None)

@@ -131,13 +131,3 @@ def test_is_available_never_raises():
     assert isinstance(nvshmem.is_available(), bool)
     if not HAS_GPU:
         assert nvshmem.is_available() is False
-
-
-def test_parse_size():
-    assert nvshmem.parse_size(4096) == 4096
-    assert nvshmem.parse_size("4G") == 4 << 30
-    assert nvshmem.parse_size("512MiB") == 512 << 20
-    assert nvshmem.parse_size("1073741824") == 1 << 30
-    for bad in ("", "x", "-1", 0, True):
-        with pytest.raises(ValueError):
-            nvshmem.parse_size(bad)

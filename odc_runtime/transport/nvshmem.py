@@ -37,7 +37,6 @@ import ctypes
 import glob
 import importlib.util
 import os
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from types import ModuleType
 
 import torch
 
+from odc_runtime.config import parse_size
 from odc_runtime.errors import (
     OdcBackendError,
     OdcMemoryError,
@@ -129,23 +129,6 @@ def is_available() -> bool:
         return True
     except Exception:
         return False
-
-
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string such as ``"1073741824"``, ``"512M"``, ``"4G"`` (binary multiples)."""
-    if isinstance(value, bool):
-        raise OdcUsageError(f"bad heap size {value!r}")
-    if isinstance(value, int):
-        if value <= 0:
-            raise OdcUsageError(f"heap size must be positive, got {value}")
-        return value
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgGtT]?)[iI]?[bB]?\s*", str(value))
-    if not m:
-        raise OdcUsageError(f"bad heap size {value!r} (use bytes or e.g. '512M', '4G')")
-    n = int(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " ")
-    if n <= 0:
-        raise OdcUsageError(f"heap size must be positive, got {value!r}")
-    return n
 
 
 def _backend_call(op: str, fn: Callable, *args):
@@ -499,9 +482,9 @@ def create(*, timeout: float, heap_size: int | str | None = None) -> NvshmemTran
             raise OdcBackendError("nvshmem transport: no CUDA device is available (use backend='host')")
         ext = load_extension()
         if heap_size is not None:
-            os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(parse_size(heap_size))
+            os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(parse_size(heap_size, what="heap_size"))
         if os.environ.get("NVSHMEM_SYMMETRIC_SIZE"):
-            capacity = parse_size(os.environ["NVSHMEM_SYMMETRIC_SIZE"])
+            capacity = parse_size(os.environ["NVSHMEM_SYMMETRIC_SIZE"], what="NVSHMEM_SYMMETRIC_SIZE")
     except Exception as exc:
         problem = f"rank {rank}: {exc}"
     problems: list = [None] * world
