@@ -172,6 +172,31 @@ def test_dead_peer_times_out_instead_of_hanging(tmp_path) -> None:
     assert os.listdir(tmp_path) == [], "segments left behind after a crashed job"
 
 
+def _rank_stopped_lock_holder(rank: int, world: int) -> None:
+    import fcntl
+
+    from odc_runtime.transport.host import CONTROL_BYTES
+
+    odc.init("host")
+    st = odc.shard(torch.zeros(1000))
+    transport = odc.api._require_runtime("test").transport
+    if rank == 1:
+        # Lock owner 0's whole accumulator, then freeze while holding the lock (SIGSTOP: alive, not dead).
+        fcntl.lockf(transport._seg(0).fd, fcntl.LOCK_EX, st._grad.nbytes, CONTROL_BYTES + st._grad.handle)
+        transport.barrier("locked")
+        os.kill(os.getpid(), signal.SIGSTOP)
+    transport.barrier("locked")
+    with pytest.raises(odc.OdcTimeoutError, match=r"odc push: rank 0 could not lock .* of rank 0's segment"):
+        odc.push(st, torch.ones(1000))
+    os.kill(transport._read_control(1)[1], signal.SIGKILL)
+    with pytest.raises(odc.OdcTimeoutError, match="finalize"):
+        odc.finalize()
+
+
+def test_stopped_lock_holder_times_out_instead_of_hanging() -> None:
+    run_ranks(_rank_stopped_lock_holder, 2, env={"ODC_TIMEOUT": "2"}, expect_exit={1}, timeout=60)
+
+
 def _rank_leftovers(rank: int, world: int, directory: str) -> int:
     odc.init("host")
     st = odc.shard(torch.ones(100))

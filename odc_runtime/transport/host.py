@@ -9,7 +9,8 @@ during ``create`` itself; those stale files (their pid is dead) are removed by t
 Exact concurrent accumulation. An accumulate holds a POSIX byte-range lock (``fcntl``) on the target bytes of the
 owner's segment while it adds, in chunks of ``ODC_HOST_CHUNK_BYTES`` so pushers into different parts of one
 buffer proceed in parallel. A process holds at most one lock at a time, so lock waits cannot form a cycle; the
-kernel releases a dead process's locks. POSIX locks do not exclude threads of one process, so a per-peer
+kernel releases a dead process's locks, and a contended lock is polled until ``ODC_TIMEOUT`` so that a stopped
+holder cannot hang the pusher. POSIX locks do not exclude threads of one process, so a per-peer
 ``threading.Lock`` serialises this process's own threads (caller and async worker) first.
 
 Barrier. Rank r stores its barrier epoch in its control page and polls the peers' pages until every epoch has
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
 import logging
 import mmap
@@ -32,7 +34,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 
@@ -265,15 +267,12 @@ class HostTransport(Transport):
                 for lo in range(0, src.numel(), chunk):
                     n = min(chunk, src.numel() - lo)
                     start = CONTROL_BYTES + base + lo * itemsize
-                    fcntl.lockf(seg.fd, fcntl.LOCK_EX, n * itemsize, start)
-                    try:
+                    with self._locked(req.peer, start, n * itemsize, exclusive=True, op="push"):
                         dst = seg.view(base + lo * itemsize, n, buf.dtype)
                         if scale == 1.0:
                             dst.add_(src[lo : lo + n])
                         else:
                             dst.add_(src[lo : lo + n], alpha=scale)
-                    finally:
-                        fcntl.lockf(seg.fd, fcntl.LOCK_UN, n * itemsize, start)
 
     def submit(self, fn: Callable[[], None]) -> Work:
         if self._executor is None:
@@ -294,25 +293,50 @@ class HostTransport(Transport):
                     f"odc quiet on rank {self.rank}: async operations still running after {self.timeout:g} s"
                 ) from None
 
+    @contextlib.contextmanager
+    def _locked(self, peer: int, start: int, length: int, *, exclusive: bool, op: str) -> Iterator[None]:
+        """Hold a POSIX lock on bytes ``[start, start+length)`` of ``peer``'s segment.
+
+        Uncontended, this is one system call. Contended, it polls instead of blocking in the kernel, so that a
+        holder that is stopped (not dead: the kernel releases a dead process's locks) cannot hang us forever.
+        """
+        fd = self._seg(peer).fd
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        deadline = None
+        spins = 0
+        while True:
+            try:
+                fcntl.lockf(fd, mode | fcntl.LOCK_NB, length, start)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EACCES, errno.EAGAIN):
+                    raise
+            deadline = deadline or time.monotonic() + self.timeout
+            if time.monotonic() > deadline:
+                raise OdcTimeoutError(
+                    f"odc {op}: rank {self.rank} could not lock bytes [{start}, {start + length}) of rank {peer}'s "
+                    f"segment within {self.timeout:g} s; a process holding it is stopped or stuck"
+                )
+            spins += 1
+            time.sleep(0 if spins < 20 else min(2e-4, 1e-5 * spins))
+        try:
+            yield
+        finally:
+            fcntl.lockf(fd, fcntl.LOCK_UN, length, start)
+
     # -- barrier --------------------------------------------------------------------------------------
     def _read_control(self, peer: int) -> tuple[int, int, bytes, bytes]:
         """``(epoch, pid, op of barrier #epoch, op of barrier #epoch-1)`` of ``peer``."""
         seg = self._seg(peer)
-        fcntl.lockf(seg.fd, fcntl.LOCK_SH, _CONTROL.size, 0)
-        try:
+        with self._locked(peer, 0, _CONTROL.size, exclusive=False, op="barrier"):
             raw = bytes(seg.map[: _CONTROL.size])
-        finally:
-            fcntl.lockf(seg.fd, fcntl.LOCK_UN, _CONTROL.size, 0)
         epoch, pid, op, previous_op = _CONTROL.unpack(raw)
         return epoch, pid, op.rstrip(b"\0"), previous_op.rstrip(b"\0")
 
     def _write_control(self, epoch: int, op: bytes, previous_op: bytes) -> None:
         seg = self._seg(self.rank)
-        fcntl.lockf(seg.fd, fcntl.LOCK_EX, _CONTROL.size, 0)
-        try:
+        with self._locked(self.rank, 0, _CONTROL.size, exclusive=True, op="barrier"):
             seg.map[: _CONTROL.size] = _CONTROL.pack(epoch, os.getpid(), op, previous_op)
-        finally:
-            fcntl.lockf(seg.fd, fcntl.LOCK_UN, _CONTROL.size, 0)
 
     def barrier(self, op: str = "barrier") -> None:
         self.quiet()
