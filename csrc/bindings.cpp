@@ -27,6 +27,7 @@ PYBIND11_MODULE(_C, m) {
     m.def("malloc", &odc::malloc_, py::arg("bytes"));
     m.def("free", &odc::free_, py::arg("ptr"));
     m.def("ptr", &odc::ptr, py::arg("addr"), py::arg("pe"));
+    m.def("p2p_atomics", &odc::p2p_atomics);
     m.def("barrier_all", &odc::barrier_all, py::call_guard<py::gil_scoped_release>());
     m.def("barrier_all_on_stream", &odc::barrier_all_on_stream, py::arg("stream"));
     m.def("quiet_on_stream", &odc::quiet_on_stream, py::arg("stream"));

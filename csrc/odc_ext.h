@@ -27,6 +27,9 @@ int team_shared_n_pes();
 uint64_t malloc_(uint64_t bytes);
 void free_(uint64_t ptr);
 uint64_t ptr(uint64_t addr, int pe);  // 0 when pe is not reachable by loads/stores
+// True when NVSHMEM decided (job-wide, the same on every PE) that every PE reaches every other PE with
+// load/store atomics; only then may pushes use plain GPU atomics through peer pointers.
+bool p2p_atomics();
 void barrier_all();
 void barrier_all_on_stream(uint64_t stream);
 void quiet_on_stream(uint64_t stream);

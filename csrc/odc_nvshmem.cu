@@ -206,6 +206,11 @@ __global__ void accumulate_locked_kernel(float* dst_sym, const T* src, uint64_t 
                 __nanosleep(ns);
                 ns = min(ns * 2, 8192u);
             }
+            // Acquire side of the lock: the CAS is a relaxed atomic; this fence (with the __syncthreads below)
+            // orders the whole block's following get after it. It matters when the get is served by loads
+            // through a peer pointer (same-node owner on the locked path), where the previous holder's
+            // quiet (fence.sys) + release only pair with a fence on our side.
+            __threadfence_system();
         }
         __syncthreads();
         nvshmemx_getmem_block(slot, remote, m * sizeof(float), pe);
@@ -218,6 +223,17 @@ __global__ void accumulate_locked_kernel(float* dst_sym, const T* src, uint64_t 
         if (threadIdx.x == 0) nvshmem_int_atomic_set(lock, 0, pe);
         __syncthreads();  // the slot is reused for the next cell only after the release
     }
+}
+
+// NVSHMEM's own job-wide decision (allgathered over all PEs at init) whether every PE reaches every other by
+// load/store *atomics* (NVLink, or PCIe P2P with native atomics). When it is false, NVSHMEM itself routes every
+// AMO, even to same-node peers, through the network transport, because NIC atomics are only atomic with
+// respect to other NIC atomics, not to GPU atomics on the same word.
+// (The predicate lives in NVSHMEM's device headers, which are only visible in the device compilation pass.)
+__global__ void p2p_atomics_kernel(int* out) {
+#ifdef __CUDA_ARCH__
+    *out = nvshmemi_use_ldst_atomics_path() ? 1 : 0;
+#endif
 }
 
 int sm_count() {
@@ -321,6 +337,19 @@ void free_(uint64_t p) { require_init("free"); nvshmem_free(as_ptr<void>(p)); }
 uint64_t ptr(uint64_t addr, int pe) {
     require_init("ptr");
     return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(nvshmem_ptr(as_ptr<void>(addr), pe)));
+}
+
+bool p2p_atomics() {
+    require_init("p2p_atomics");
+    int* d = nullptr;
+    int h = 0;
+    ODC_CUDA_CHECK(cudaMalloc(&d, sizeof(int)));
+    p2p_atomics_kernel<<<1, 1>>>(d);
+    cudaError_t err = cudaGetLastError();
+    if (err == cudaSuccess) err = cudaMemcpy(&h, d, sizeof(int), cudaMemcpyDeviceToHost);
+    cudaFree(d);
+    ODC_CUDA_CHECK(err);
+    return h != 0;
 }
 
 void barrier_all() {

@@ -15,11 +15,12 @@ by one chunked copy kernel, peers rotated across blocks; other peers (across nod
 ``nvshmemx_getmem_on_stream`` into the symmetric scratch and copied to the destination, because an IB get may
 only target symmetric or registered memory and the destination is the caller's ordinary tensor.
 
-push (:meth:`accumulate`): see ``docs/design.md`` ("GPU push protocol"). Same node: a fused
-cast·scale·atomic-add kernel writes into the owner's fp32 accumulator through the peer pointer (vector
-``red.global.add.v4.f32`` on sm_90; ``ODC_NVSHMEM_VECTOR_ATOMICS=0`` forces scalar atomics). Across nodes:
-lock + get + add + put per 64 KiB cell of the owner's address space, with a lock word per cell stripe on the
-owner (2× the bytes, no owner work, bounded scratch).
+push (:meth:`accumulate`): see ``docs/design.md`` ("GPU push protocol"). One protocol for the whole job.
+When every PE reaches every PE with load/store atomics (one NVLink domain): a fused cast·scale·atomic-add kernel
+writes into the owner's fp32 accumulator through the peer pointer (vector ``red.global.add.v4.f32`` on sm_90;
+``ODC_NVSHMEM_VECTOR_ATOMICS=0`` forces scalar atomics). Otherwise (multi-node), every push, same-node ones
+included: lock + get + add + put per 64 KiB cell of the owner's address space, with a lock word per cell stripe
+on the owner (2× the bytes, no owner work, bounded scratch). ``ODC_NVSHMEM_PUSH=locked`` forces the latter.
 
 Streams: everything is ordered on the current torch CUDA stream. Cross-node operations run on one internal
 stream (they share the scratch) that waits for the current stream and is joined back into it. ``submit`` runs a
@@ -200,9 +201,23 @@ class NvshmemTransport(Transport):
         if self._cell_bytes <= 0 or self._cell_bytes % 16 or slots <= 0:
             raise OdcUsageError("ODC_NVSHMEM_CELL_BYTES must be a positive multiple of 16, SCRATCH_SLOTS > 0")
         self._nlocks = 1024
+        mode = os.environ.get("ODC_NVSHMEM_PUSH", "auto").strip().lower()  # must be the same on every rank
+        if mode not in ("auto", "locked"):
+            raise OdcUsageError(f"ODC_NVSHMEM_PUSH must be 'auto' or 'locked', got {mode!r}")
         self._scratch_bytes = self._cell_bytes * slots
         self._scratch = self.alloc(self._scratch_bytes, torch.uint8, tag="odc.scratch")
         self._locks = self.alloc(self._nlocks, torch.int32, tag="odc.locks")
+        # One push protocol for the whole job, never a mix: atomics through peer pointers and lock+get+add+put
+        # into the same accumulator words are not atomic with respect to each other (the get/put would undo
+        # atomics that land in between), and the lock AMOs themselves must all take one path. So the atomic
+        # path is used only when NVSHMEM found that every PE reaches every PE with load/store atomics (its own
+        # job-wide decision, identical on all PEs); otherwise (multi-node, or PCIe P2P without atomics) every
+        # push, same-node and to self included, takes the locked path. ODC_NVSHMEM_PUSH=locked forces it.
+        self._atomic_push = (
+            mode == "auto"
+            and bool(_backend_call("p2p_atomics", self._C.p2p_atomics))
+            and all(self._scratch.handle.peer_ptrs)
+        )
         self.barrier("init")
 
     # -- helpers ----------------------------------------------------------------------------------------
@@ -366,7 +381,7 @@ class NvshmemTransport(Transport):
         for r in requests:
             if r.src.numel() == 0:
                 continue
-            if h.peer_ptrs[r.peer]:
+            if self._atomic_push and h.peer_ptrs[r.peer]:
                 lists = p2p.setdefault(_DTYPE_CODES[r.src.dtype], ([], [], []))
                 lists[0].append(h.peer_ptrs[r.peer] + r.offset * 4)
                 lists[1].append(r.src.data_ptr())

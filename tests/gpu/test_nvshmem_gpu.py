@@ -1,6 +1,7 @@
 """GPU tests of the nvshmem backend through the public API (fetch, push, sync, async, bf16, uneven shards,
 many concurrent pushers, heap exhaustion). Each group runs under ``torchrun`` in child processes (NVSHMEM is
-initialised once per process and may ``exit()`` on fatal errors); skipped without CUDA, the extension, or, for
+initialised once per process and may ``exit()`` on fatal errors; the locked push protocol is also run on one
+node with ``ODC_NVSHMEM_PUSH=locked``); skipped without CUDA, the extension, or, for
 the multi-GPU group, fewer than 2 GPUs."""
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 
 WORKER = os.path.join(os.path.dirname(__file__), "_nvshmem_worker.py")
 SCENARIOS = ("fetch", "push", "uneven_and_sync", "async", "many_pushers", "heap_exhausted")
+# The lock + get + add + put push (the multi-node protocol), forced on one node: same results expected.
+LOCKED_SCENARIOS = ("push", "async", "many_pushers")
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
@@ -31,11 +34,12 @@ def _require_backend() -> None:
         pytest.skip("odc_runtime._C not built (run .ci/build_ext.sh)")
 
 
-def _run(nproc: int, tmp_path_factory) -> dict:
+def _run(nproc: int, tmp_path_factory, env: dict | None = None, scenarios: tuple = ()) -> dict:
     _require_backend()
     out = tmp_path_factory.mktemp(f"nvshmem{nproc}") / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", WORKER, str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=850)
+    cmd += list(scenarios)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=850, env={**os.environ, **(env or {})})
     assert proc.returncode == 0 and out.exists(), (
         f"torchrun failed rc={proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     )
@@ -63,3 +67,13 @@ def test_single_gpu(single, scenario):
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_multi_gpu(multi, scenario):
     assert multi[scenario] == "ok", multi[scenario]
+
+
+@pytest.fixture(scope="module")
+def locked(tmp_path_factory):
+    return _run(max(1, min(NGPU, 8)), tmp_path_factory, env={"ODC_NVSHMEM_PUSH": "locked"}, scenarios=LOCKED_SCENARIOS)
+
+
+@pytest.mark.parametrize("scenario", LOCKED_SCENARIOS)
+def test_locked_push(locked, scenario):
+    assert locked[scenario] == "ok", locked[scenario]
