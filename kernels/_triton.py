@@ -46,8 +46,12 @@ def _accumulate_slots_kernel(
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     total = tl.load(slots_ptr + offs, mask=mask, other=0).to(tl.float32)
-    for j in range(1, k):
-        total += tl.load(slots_ptr + j * slot_stride + offs, mask=mask, other=0).to(tl.float32)
+    # 64-bit row offset: j * slot_stride overflows int32 once K * n passes 2**31 even when n alone does not
+    # (slot_stride is passed as int32 whenever it fits).
+    row = tl.zeros([], dtype=tl.int64)
+    for _ in range(1, k):
+        row += slot_stride
+        total += tl.load(slots_ptr + row + offs, mask=mask, other=0).to(tl.float32)
     d = tl.load(dst_ptr + offs, mask=mask, other=0)
     r = d + total * scale
     tl.store(dst_ptr + offs, r, mask=mask)
@@ -74,7 +78,10 @@ def accumulate_slots_(
     if n == 0:
         return dst
     if sumsq_out is None:
-        _accumulate_slots_kernel[_grid(n)](dst, slots, dst, n, k, slots.stride(0), float(scale), WITH_SUMSQ=False)
+        # sumsq_ptr is unused, but it must not alias dst: the autotuner zeroes every reset_to_zero argument
+        # after benchmarking, right before the real launch, which would wipe the accumulator.
+        unused = torch.empty(1, dtype=torch.float32, device=dst.device)
+        _accumulate_slots_kernel[_grid(n)](dst, slots, unused, n, k, slots.stride(0), float(scale), WITH_SUMSQ=False)
         return dst
     # Per-block partial sums are atomically added into a zeroed scratch word, then added to sumsq_out
     # (autotuning may run the kernel several times; reset_to_zero keeps the scratch correct).
