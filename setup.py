@@ -3,17 +3,19 @@
 ``kernels/`` is installed as ``odc_runtime.kernels`` (never as a top-level ``kernels`` package).
 
 The extension is built with CMake (``CMakeLists.txt``) when ``nvcc`` is found and NVSHMEM (a
-``nvidia-nvshmem-cu12``/``-cu13`` wheel, or ``NVSHMEM_HOME``) is available; otherwise one line is logged and the
-build continues without it (the host backend still works). Environment:
+``nvidia-nvshmem-cu12``/``-cu13`` wheel, or ``NVSHMEM_HOME``) is installed in the environment being installed
+into; otherwise one line is logged and the build continues without it (the host backend still works), so a CPU
+user on a machine that happens to have nvcc pays for no CUDA build. Environment:
 
 * ``ODC_BUILD_EXT=0`` never build it; ``ODC_BUILD_EXT=1`` a failed or impossible build is an error; unset: auto.
 * ``ODC_CUDA_ARCHS`` CUDA architectures (default ``"80;90"``); ``NVSHMEM_HOME`` an NVSHMEM install to use;
   ``CUDACXX`` / ``CUDA_HOME`` locate nvcc; ``ODC_BUILD_JOBS`` parallel compile jobs.
 
-Build isolation: ``pip install -e .`` builds in an isolated environment. When nvcc is present, this script asks
-pip (through ``setup_requires``, which setuptools' PEP 517 backend reports as extra build requirements) for
-``pybind11`` and ``cmake`` if they are missing and for the NVSHMEM wheel matching the installed torch's CUDA
-(else nvcc's) if the target environment does not already have one. NVSHMEM found in the target environment is
+Build isolation: ``pip install -e .`` builds in an isolated environment. When nvcc is present and the build is
+wanted (NVSHMEM installed in the target environment, or ``ODC_BUILD_EXT=1``), this script asks pip (through
+``setup_requires``, which setuptools' PEP 517 backend reports as extra build requirements) for ``pybind11`` and
+``cmake`` if they are missing, and, with ``ODC_BUILD_EXT=1`` only, for the NVSHMEM wheel matching the installed
+torch's CUDA (else nvcc's) if the target environment has none. NVSHMEM found in the target environment is
 preferred and its library directory is baked into the rpath; at run time ``odc_runtime.transport.nvshmem``
 preloads ``libnvshmem_host.so.3`` from the installed ``nvidia-nvshmem`` wheel, so install the matching extra
 (``pip install -e ".[cu13]"``) to run it.
@@ -136,12 +138,15 @@ def _extra_build_requires() -> list[str]:
     nvcc = _find_nvcc()
     if nvcc is None:
         return []
+    home, in_target = _find_nvshmem()
+    if _build_mode() == "auto" and not in_target:
+        return []  # auto mode builds only against an NVSHMEM the installed package can load at run time
     reqs = []
     if importlib.util.find_spec("pybind11") is None:
         reqs.append("pybind11>=2.12")
     if not _cmake_ok():
         reqs.append("cmake>=3.24")
-    if _find_nvshmem()[0] is None:
+    if home is None:
         major = _torch_cuda_major() or _nvcc_major(nvcc)
         if major in (12, 13):
             reqs.append(f"nvidia-nvshmem-cu{major}>=3.3")
@@ -171,12 +176,18 @@ class CMakeBuildExt(build_ext):
     def _missing(self) -> str | None:
         if _find_nvcc() is None:
             return "nvcc not found; set CUDA_HOME or CUDACXX"
+        home, in_target = _find_nvshmem()
+        if home is None:
+            return "NVSHMEM not found: pip install nvidia-nvshmem-cu13 (or -cu12), or set NVSHMEM_HOME"
+        if not in_target and _build_mode() == "auto":
+            return (
+                "NVSHMEM is not installed in this environment: pip install nvidia-nvshmem-cu13 (or -cu12) first, "
+                "or set ODC_BUILD_EXT=1 to build against a wheel fetched for the build"
+            )
         if importlib.util.find_spec("pybind11") is None:
             return "pybind11 is not importable"
         if not _cmake_ok():
             return "cmake >= 3.24 not found"
-        if _find_nvshmem()[0] is None:
-            return "NVSHMEM not found: pip install nvidia-nvshmem-cu13 (or -cu12), or set NVSHMEM_HOME"
         return None
 
     def build_extension(self, ext: Extension) -> None:

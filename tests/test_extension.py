@@ -7,6 +7,7 @@ built, unless ``ODC_REQUIRE_EXTENSION=1`` (CI sets it after ``.ci/build_ext.sh``
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import subprocess
@@ -26,12 +27,21 @@ def _extension_built() -> bool:
     return importlib.util.find_spec("odc_runtime._C") is not None
 
 
+def _nvshmem_runtime_installed() -> bool:
+    return any(glob.glob(os.path.join(d, "libnvshmem_host.so*")) for d in nvshmem._nvshmem_lib_dirs())
+
+
 @pytest.fixture
 def extension():
     if not _extension_built():
-        if REQUIRE:
-            pytest.fail("odc_runtime._C was not built but ODC_REQUIRE_EXTENSION=1 (run .ci/build_ext.sh)")
-        pytest.skip("odc_runtime._C not built (needs nvcc + an NVSHMEM wheel; see .ci/build_ext.sh)")
+        reason = "odc_runtime._C not built (needs nvcc + an NVSHMEM wheel; see .ci/build_ext.sh)"
+    elif not _nvshmem_runtime_installed():
+        reason = "odc_runtime._C is built but libnvshmem_host.so.3 is not installed (pip install nvidia-nvshmem-cu13)"
+    else:
+        return
+    if REQUIRE:
+        pytest.fail(f"{reason}, and ODC_REQUIRE_EXTENSION=1")
+    pytest.skip(reason)
 
 
 def _run(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
