@@ -256,7 +256,8 @@ def shard(
     """Collective: shard ``tensor`` over all ranks (same order, shapes and dtypes on every rank).
 
     Each rank keeps its slice of ``tensor``'s values as the initial parameter shard (ranks normally pass the same
-    values). Raises OdcMismatchError if ranks disagree on name, shape or dtypes.
+    values). A tensor on the ``meta`` device gives zero shards without materialising the full tensor anywhere.
+    Raises OdcMismatchError if ranks disagree on name, shape or dtypes.
     """
     runtime = _require_runtime("shard")
     if not isinstance(tensor, torch.Tensor):
@@ -276,8 +277,9 @@ def shard(
         transport.free(param)
         raise
     st = ShardedTensor(name, tensor.shape, tensor.dtype, accum_dtype, param, grad, runtime)
-    start, stop = st.shard_range
-    st.local.copy_(tensor.detach().reshape(-1)[start:stop])
+    if not tensor.is_meta:  # the symmetric buffers start zeroed
+        start, stop = st.shard_range
+        st.local.copy_(tensor.detach().reshape(-1)[start:stop])
     transport.barrier(f"shard({name})")  # initial values are in place before anyone fetches them
     return st
 

@@ -463,17 +463,16 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
     reduce_scatter_cls = _make_reduce_scatter(reduce_scatter_base)
     try:
         for unit in units:
-            device = unit.group.device
             shared = unit.rs_numel == unit.ag_numel
             unit.st_ag = odc.shard(
-                torch.zeros((world_size, unit.ag_numel), dtype=unit.ag_dtype, device=device),
+                torch.empty((world_size, unit.ag_numel), dtype=unit.ag_dtype, device="meta"),
                 name=f"fsdp.{unit.fqn}.params",
             )
             if shared:
                 unit.st_rs = unit.st_ag
             elif unit.rs_numel > 0:
                 unit.st_rs = odc.shard(
-                    torch.zeros((world_size, unit.rs_numel), dtype=unit.rs_dtype, device=device),
+                    torch.empty((world_size, unit.rs_numel), dtype=unit.rs_dtype, device="meta"),
                     name=f"fsdp.{unit.fqn}.grads",
                 )
     except BaseException:

@@ -63,6 +63,11 @@ def _rank_roundtrip(rank: int, world: int, shape: tuple[int, ...]) -> None:
         assert torch.equal(st.grad, torch.full((stop - start,), float(world)))
         st.free()
 
+    # A meta tensor gives zero shards without materialising the full tensor.
+    st = odc.shard(torch.empty(shape, device="meta"), name="from_meta")
+    assert not st.local.any() and st.local.device.type == "cpu"
+    assert torch.equal(odc.fetch(st), torch.zeros(shape))
+
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_fetch_push_sync_all_dtypes_uneven(world: int) -> None:
