@@ -54,12 +54,17 @@ def human(n: int) -> str:
     return f"{n}B"
 
 
+DEFAULT_SIZES = {"host": "1M,4M,16M,64M,256M", "nvshmem": "1M,4M,16M,64M,256M,1G"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=None, help="processes to spawn (default 4 on CPU, all GPUs)")
     p.add_argument("--backend", choices=("host", "nvshmem"), default=None,
                    help="ODC transport (default: nvshmem when CUDA is available, else host)")
-    p.add_argument("--sizes", default="1M,4M,16M,64M,256M", help="full-tensor sizes, comma separated")
+    p.add_argument("--sizes", default=None,
+                   help=f"full-tensor sizes, comma separated (default {DEFAULT_SIZES['host']} on CPU, "
+                        f"{DEFAULT_SIZES['nvshmem']} on GPUs)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per op and size (default by size)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--ops", default=",".join(OPS), help=f"subset of {','.join(OPS)}")
@@ -269,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         args.backend = "nvshmem" if torch.cuda.is_available() else "host"
+    args.sizes = args.sizes or DEFAULT_SIZES[args.backend]
     nproc = args.nproc
     if nproc is None:
         if args.backend == "nvshmem":
