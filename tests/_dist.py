@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -73,15 +74,28 @@ def run_ranks(
             p.start()
         out: dict[int, Any] = {}
         errors: list[str] = []
+        reported: set[int] = set()
         expected = world_size - len(expect_exit)
+        deadline = time.monotonic() + timeout
         try:
             while len(out) + len(errors) < expected:
                 try:
-                    rank, status, value = results.get(timeout=timeout)
+                    rank, status, value = results.get(timeout=1.0)
                 except queue.Empty:
-                    missing = sorted(set(range(world_size)) - set(out) - set(expect_exit))
-                    errors.append(f"ranks {missing} did not finish within {timeout} s")
-                    break
+                    # A rank that died without reporting (segfault, bus error) fails the test now, not at timeout.
+                    dead = [
+                        r for r, p in enumerate(procs)
+                        if r not in reported and r not in expect_exit and p.exitcode is not None
+                    ]
+                    if dead and results.empty():
+                        errors += [f"rank {r} died with exit code {procs[r].exitcode} without reporting" for r in dead]
+                        break
+                    if time.monotonic() > deadline:
+                        missing = sorted(set(range(world_size)) - reported - set(expect_exit))
+                        errors.append(f"ranks {missing} did not finish within {timeout} s")
+                        break
+                    continue
+                reported.add(rank)
                 if status == "ok":
                     out[rank] = value
                 else:

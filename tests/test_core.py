@@ -278,3 +278,118 @@ def test_sizes_and_timeouts_parse_or_fail_clearly(monkeypatch) -> None:
         monkeypatch.setenv("ODC_TIMEOUT", bad)
         with pytest.raises(odc.OdcUsageError, match=r"ODC_TIMEOUT|timeout"):
             config.resolve_timeout(None)
+
+
+def _rank_views_after_finalize(rank: int, world: int) -> list[list[float]]:
+    odc.init("host")
+    st = odc.shard(torch.arange(8.0))
+    odc.push(st, torch.ones(8))
+    odc.sync()
+    local, grad = st.local, st.grad
+    odc.finalize()
+    # Views the user still holds must stay valid memory (not unmapped underneath: that is a segfault).
+    local.add_(100)
+    return [local.tolist(), grad.tolist()]
+
+
+def test_views_kept_after_finalize_stay_valid() -> None:
+    results = run_ranks(_rank_views_after_finalize, 2, timeout=30)
+    assert results == [[[100.0, 101.0, 102.0, 103.0], [2.0] * 4], [[104.0, 105.0, 106.0, 107.0], [2.0] * 4]]
+
+
+def _rank_heap_mismatch(rank: int, world: int) -> None:
+    # Different heaps would give different allocator offsets, and a rank with the larger heap cannot map its
+    # peer's smaller segment (a bare ValueError there while the others hang): refuse at init, on every rank.
+    os.environ["ODC_HEAP_SIZE"] = "1M" if rank == 0 else "2M"
+    with pytest.raises(odc.OdcMismatchError, match=r"ODC_HEAP_SIZE.*rank 0: 1048576.*rank 1: 2097152"):
+        odc.init("host")
+    assert not odc.is_initialized()
+    os.environ["ODC_HEAP_SIZE"] = "1M"
+    odc.init("host")  # nothing half-initialised was left behind
+
+
+def test_heap_size_mismatch_is_refused(tmp_path) -> None:
+    run_ranks(_rank_heap_mismatch, 2, env={"ODC_SHM_DIR": str(tmp_path)}, timeout=30)
+    assert os.listdir(tmp_path) == []
+
+
+def _rank_async_failure(rank: int, world: int) -> None:
+    import time
+
+    odc.init("host")
+    st = odc.shard(torch.zeros(4))
+    transport = odc.api._require_runtime("test").transport
+
+    def fail() -> None:
+        raise odc.OdcBackendError("push failed on the worker")
+
+    def slow_push() -> None:
+        time.sleep(1.0)
+        odc.push(st, torch.ones(4))
+
+    failed = transport.submit(fail)
+    while not failed.is_completed():
+        time.sleep(0.01)
+    transport.submit(slow_push)  # a later async operation must neither hide the failure nor be forgotten
+    with pytest.raises(odc.OdcBackendError, match="push failed on the worker"):
+        odc.sync()
+    odc.sync()  # reported once; the slow push was still waited for
+    assert torch.equal(st.grad, torch.full_like(st.grad, world)), st.grad
+
+
+def test_failed_async_op_is_reported_by_sync() -> None:
+    run_ranks(_rank_async_failure, 2, timeout=30)
+
+
+def _rank_reinit(rank: int, world: int) -> None:
+    import gc
+    import threading
+
+    from odc_runtime.transport.host import HostTransport
+
+    def odc_maps() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(".heap" in line for line in f)
+
+    fds = len(os.listdir("/proc/self/fd"))
+    for i in range(3):
+        odc.init("host")
+        st = odc.shard(torch.zeros(6))
+        odc.push(st, torch.full((6,), float(i)), async_op=True).wait()
+        odc.sync()
+        assert torch.equal(st.grad, torch.full_like(st.grad, i * world))
+        odc.finalize()
+    del st
+    gc.collect()
+    assert [o for o in gc.get_objects() if isinstance(o, HostTransport)] == [], "transports kept alive"
+    assert [t.name for t in threading.enumerate() if t.name.startswith("odc-host")] == []
+    assert odc_maps() == 0, "segments still mapped"
+    assert len(os.listdir("/proc/self/fd")) <= fds, "file descriptors leaked"
+
+
+def test_init_finalize_cycles_leak_nothing() -> None:
+    run_ranks(_rank_reinit, 2, timeout=30)
+
+
+def _rank_fork(rank: int, world: int) -> None:
+    odc.init("host")
+    st = odc.shard(torch.zeros(4))
+    pid = os.fork()
+    if pid == 0:  # the child shares the parent's segments but is not a rank: it must not touch them
+        code = 1
+        try:
+            odc.sync()
+        except odc.OdcUsageError as e:
+            code = 0 if "fork" in str(e) else 2
+        except BaseException:
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    odc.push(st, torch.ones(4))
+    odc.sync()
+    assert torch.equal(st.grad, torch.full_like(st.grad, world))
+
+
+def test_forked_child_cannot_use_parents_runtime() -> None:
+    run_ranks(_rank_fork, 2, env={"ODC_TIMEOUT": "3"}, timeout=40)

@@ -129,11 +129,12 @@ class _Segment:
         return self.bytes[start : start + numel * dtype.itemsize].view(dtype)
 
     def close(self) -> None:
+        # Drop our references instead of calling ``map.close()``: torch.frombuffer holds no buffer export, so
+        # close() would unmap memory under tensors the user still holds (st.local after finalize) and turn
+        # their next access into a segfault. Every view references the mmap object, which unmaps when the
+        # last of them dies (at once if none is left).
         self.bytes = None  # type: ignore[assignment]
-        # A tensor the user still holds (st.local after finalize) keeps the mapping alive; it is unmapped
-        # when that tensor dies. Closing it underneath would turn later accesses into segfaults.
-        with contextlib.suppress(BufferError):
-            self.map.close()
+        self.map = None  # type: ignore[assignment]
         with contextlib.suppress(OSError):
             os.close(self.fd)
 
@@ -168,6 +169,7 @@ class HostTransport(Transport):
         self._pending: list[Future] = []
         self._own_path: str | None = None
         self._closed = False
+        self._pid = os.getpid()
 
     # -- setup ----------------------------------------------------------------------------------------
     def _path(self, rank: int, pid: int) -> str:
@@ -226,6 +228,12 @@ class HostTransport(Transport):
         seg = self._segments[peer]
         if seg is None:
             raise OdcUsageError("odc host transport is finalized")
+        if os.getpid() != self._pid:
+            raise OdcUsageError(
+                f"odc host transport: process {os.getpid()} is a fork of rank {self.rank} (pid {self._pid}) and "
+                "must not use its runtime (it would write into the rank's segments and barrier state); call odc "
+                "only in the process that called odc_runtime.init()"
+            )
         return seg
 
     def heap_capacity(self) -> int:
@@ -278,20 +286,29 @@ class HostTransport(Transport):
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="odc-host")
         future = self._executor.submit(fn)
-        self._pending = [f for f in self._pending if not f.done()]
+        # Keep failed operations until quiet() reports them: a failed push must not vanish silently.
+        self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
         self._pending.append(future)
         return FutureWork(future, self.timeout, "async operation")
 
     def quiet(self) -> None:
+        """Wait for every submitted operation; then re-raise the first error of one that failed since the last
+        quiet (so ``sync`` cannot report success after a lost push)."""
         pending, self._pending = self._pending, []
         deadline = time.monotonic() + self.timeout
-        for future in pending:
+        error: BaseException | None = None
+        for i, future in enumerate(pending):
             try:
                 future.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeoutError:
+                self._pending = pending[i:] + self._pending  # still running: the next quiet waits for them
                 raise OdcTimeoutError(
                     f"odc quiet on rank {self.rank}: async operations still running after {self.timeout:g} s"
                 ) from None
+            except BaseException as e:  # re-raised below, after the others completed
+                error = error or e
+        if error is not None:
+            raise error
 
     @contextlib.contextmanager
     def _locked(self, peer: int, start: int, length: int, *, exclusive: bool, op: str) -> Iterator[None]:
@@ -395,6 +412,7 @@ class HostTransport(Transport):
                 self._executor.shutdown(wait=True, cancel_futures=False)
         finally:
             self._unlink_own()
+            atexit.unregister(self._unlink_own)  # it would keep this transport alive until exit
             for seg in self._segments:
                 if seg is not None:
                     seg.close()
@@ -414,8 +432,17 @@ def create(*, timeout: float, heap_size: int | None = None) -> HostTransport:
         rank, world, job[0], timeout=timeout, heap_size=heap, directory=directory, chunk_bytes=chunk
     )
     try:
-        pids: list[int | None] = [None] * world
-        dist.all_gather_object(pids, transport.create_segment())
+        infos: list[tuple[int, int] | None] = [None] * world
+        dist.all_gather_object(infos, (transport.create_segment(), heap))
+        heaps = [info[1] for info in infos]  # type: ignore[index]
+        if any(h != heap for h in heaps):
+            # Different heaps give different offsets, and a peer's smaller segment cannot be mapped.
+            listing = "; ".join(f"rank {r}: {h}" for r, h in enumerate(heaps))
+            raise OdcMismatchError(
+                f"odc host transport: ODC_HEAP_SIZE / init(heap_size=...) must resolve to the same size on every "
+                f"rank; got {listing} bytes"
+            )
+        pids = [info[0] for info in infos]  # type: ignore[index]
         error = None
         try:
             transport.map_peers(pids)  # type: ignore[arg-type]
