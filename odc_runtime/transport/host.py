@@ -356,7 +356,18 @@ class HostTransport(Transport):
             seg.map[: _CONTROL.size] = _CONTROL.pack(epoch, os.getpid(), op, previous_op)
 
     def barrier(self, op: str = "barrier") -> None:
-        self.quiet()
+        failed: BaseException | None = None
+        try:
+            self.quiet()
+        except OdcTimeoutError:
+            raise
+        except BaseException as e:  # every operation completed, one failed: still meet the peers, then report it
+            failed = e
+        self._barrier(op)
+        if failed is not None:
+            raise failed
+
+    def _barrier(self, op: str) -> None:
         self._epoch += 1
         tag = op.encode()[:_OP_BYTES]
         self._write_control(self._epoch, tag, self._last_op)
