@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import numbers
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from odc_runtime import config
 from odc_runtime.errors import (
+    OdcError,
     OdcMismatchError,
     OdcNotInitializedError,
     OdcUsageError,
@@ -73,15 +75,33 @@ def _select_backend(backend: str | None) -> str:
     return choice
 
 
-def _check_same_on_all_ranks(what: str, value: object) -> None:
-    """Collective: raise OdcMismatchError on every rank if ranks passed different ``value``s."""
-    values: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    if any(v != values[0] for v in values):
-        listing = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+def _agree(what: str, local_checks: Callable[[], object], key: Callable[[object], object] = lambda v: v) -> object:
+    """Collective: run this rank's checks of a collective call, then compare ``key(result)`` across ranks.
+
+    Every rank raises if any rank's checks failed (that rank its own error, the others OdcMismatchError naming
+    it) or if the keys differ, so no rank is left waiting in a collective its peers abandoned.
+    """
+    error: OdcError | None = None
+    value = None
+    try:
+        value = local_checks()
+    except OdcError as e:
+        error = e
+    gathered: list[object] = [None] * dist.get_world_size()
+    mine = (None, f"{type(error).__name__}: {error}") if error is not None else (key(value), None)
+    dist.all_gather_object(gathered, mine)
+    if error is not None:
+        raise error
+    failed = [f"rank {r} rejected the call ({msg})" for r, (_, msg) in enumerate(gathered) if msg]  # type: ignore[misc]
+    if failed:
+        raise OdcMismatchError(f"odc {what}: " + "; ".join(failed))
+    keys = [k for k, _ in gathered]  # type: ignore[misc]
+    if any(k != keys[0] for k in keys):
+        listing = "; ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
         raise OdcMismatchError(
             f"odc {what} must be called with the same arguments, in the same order, on every rank; got {listing}"
         )
+    return value
 
 
 def init(
@@ -101,9 +121,14 @@ def init(
         raise OdcUsageError("odc_runtime.init() called twice; call odc_runtime.finalize() first")
     if not (dist.is_available() and dist.is_initialized()):
         raise OdcUsageError("odc_runtime.init() needs torch.distributed.init_process_group() to have been called")
-    name = _select_backend(backend)
-    resolved_timeout = config.resolve_timeout(timeout)
-    _check_same_on_all_ranks("init", (name, heap_size))
+
+    def local_checks() -> tuple[str, float]:
+        if heap_size is not None:
+            config.parse_size(heap_size, what="heap_size")
+        return _select_backend(backend), config.resolve_timeout(timeout)
+
+    # The transports compare the resolved heap sizes themselves (an argument may be overridden by env vars).
+    name, resolved_timeout = _agree("init", local_checks, key=lambda v: v[0])  # type: ignore[misc]
     if name == "host":
         from odc_runtime.transport import host as module
     else:
@@ -260,14 +285,18 @@ def shard(
     Raises OdcMismatchError if ranks disagree on name, shape or dtypes.
     """
     runtime = _require_runtime("shard")
-    if not isinstance(tensor, torch.Tensor):
-        raise OdcUsageError(f"odc_runtime.shard() expects a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in PARAM_DTYPES:
-        raise OdcUsageError(f"odc_runtime.shard(): dtype {tensor.dtype} not supported; use one of {PARAM_DTYPES}")
-    if accum_dtype not in ACCUM_DTYPES:
-        raise OdcUsageError(f"odc_runtime.shard(): accum_dtype {accum_dtype} not supported; use torch.float32")
     name = name if name is not None else f"shard{next(runtime.names)}"
-    _check_same_on_all_ranks("shard", (name, tuple(tensor.shape), str(tensor.dtype), str(accum_dtype)))
+
+    def local_checks() -> tuple[str, tuple[int, ...], str, str]:
+        if not isinstance(tensor, torch.Tensor):
+            raise OdcUsageError(f"odc_runtime.shard() expects a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in PARAM_DTYPES:
+            raise OdcUsageError(f"odc_runtime.shard(): dtype {tensor.dtype} not supported; use one of {PARAM_DTYPES}")
+        if accum_dtype not in ACCUM_DTYPES:
+            raise OdcUsageError(f"odc_runtime.shard(): accum_dtype {accum_dtype} not supported; use torch.float32")
+        return name, tuple(tensor.shape), str(tensor.dtype), str(accum_dtype)
+
+    _agree("shard", local_checks)
     transport = runtime.transport
     size = -(-tensor.numel() // transport.world_size)
     param = transport.alloc(size, tensor.dtype, tag=f"{name}.param")
@@ -321,6 +350,8 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
         _check_tensor("fetch(out=...)", out, st, device, (st.dtype,))
         if not out.is_contiguous():
             raise OdcUsageError("odc_runtime.fetch(out=...): out must be contiguous")
+        if out.requires_grad:
+            raise OdcUsageError("odc_runtime.fetch(out=...): out must not require grad (pass a detached tensor)")
     requests = [GetRequest(owner, piece) for owner, piece in st._pieces(out.view(-1))]
     return _issue(runtime, lambda: runtime.transport.get(st._param, requests), async_op, out)
 
@@ -334,8 +365,11 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     """
     runtime = st._check_alive("push")
     _check_tensor("push(grad)", grad, st, runtime.transport.device, PARAM_DTYPES)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise OdcUsageError(f"odc_runtime.push: scale must be a finite number, got {scale!r}")
+    try:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(float(scale)):
+            raise ValueError
+    except (ValueError, OverflowError):
+        raise OdcUsageError(f"odc_runtime.push: scale must be a finite real number, got {scale!r}") from None
     flat = grad.detach().reshape(-1)
     requests = [AccumulateRequest(owner, piece) for owner, piece in st._pieces(flat)]
     return _issue(runtime, lambda: runtime.transport.accumulate(st._grad, requests, float(scale)), async_op, None)

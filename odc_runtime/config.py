@@ -28,8 +28,8 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 def parse_size(value: str | int, *, what: str) -> int:
     """Parse a byte count such as ``4096``, ``512M``, ``1.5G`` or ``2GiB`` (binary units)."""
-    if isinstance(value, bool):
-        raise OdcUsageError(f"{what}: expected a size, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise OdcUsageError(f"{what}: expected a byte count (int) or a string such as '512M', got {value!r}")
     if isinstance(value, int):
         size = value
     else:

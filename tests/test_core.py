@@ -101,6 +101,17 @@ def _rank_misuse(rank: int, world: int) -> None:
         odc.sync()
     with pytest.raises(odc.OdcUsageError, match="unknown ODC backend"):
         odc.init("tcp")
+    with pytest.raises(odc.OdcUsageError, match="heap_size"):
+        odc.init("host", heap_size=1.5)
+    # A bad argument on one rank only: that rank gets its error, the others are told who rejected the call
+    # (nobody is left waiting in the collective).
+    if rank == 0:
+        with pytest.raises(odc.OdcUsageError, match="unknown ODC backend"):
+            odc.init("tcp")
+    else:
+        with pytest.raises(odc.OdcMismatchError, match=r"rank 0 rejected the call .*unknown ODC backend"):
+            odc.init("host")
+    assert not odc.is_initialized()
     odc.init("host", heap_size="1M")
     with pytest.raises(odc.OdcUsageError, match="called twice"):
         odc.init("host")
@@ -111,6 +122,8 @@ def _rank_misuse(rank: int, world: int) -> None:
         (lambda: odc.push(st, torch.ones(10, 3, dtype=torch.int32)), "dtype"),
         (lambda: odc.push(st, torch.ones(10, 3, device="meta")), "device"),
         (lambda: odc.push(st, torch.ones(10, 3), scale=float("nan")), "scale"),
+        (lambda: odc.push(st, torch.ones(10, 3), scale=10**400), "scale"),
+        (lambda: odc.fetch(st, torch.empty(10, 3, requires_grad=True)), "require grad"),
         (lambda: odc.push(st, [[1.0] * 3] * 10), "torch.Tensor"),
         (lambda: odc.fetch(st, torch.empty(3, 10)), "shape"),
         (lambda: odc.fetch(st, torch.empty(10, 3, dtype=torch.bfloat16)), "dtype"),
@@ -123,6 +136,16 @@ def _rank_misuse(rank: int, world: int) -> None:
             call()
     odc.sync()
     assert not st.grad.any(), "a rejected push changed an accumulator"
+    import numpy as np
+
+    odc.push(st, torch.ones(10, 3), scale=np.float32(0.5))  # any real scalar type is a valid scale
+    odc.sync()
+    assert torch.equal(st.grad, torch.full_like(st.grad, 0.5 * world))
+    st.zero_grad()
+    odc.sync()
+
+    with pytest.raises(odc.OdcUsageError if rank == 0 else odc.OdcMismatchError, match="not supported"):
+        odc.shard(torch.zeros(3, dtype=torch.int64 if rank == 0 else torch.float32))
 
     # Mismatched shard calls are detected on every rank before anything is allocated.
     used = odc.api._require_runtime("test").transport.heap_used()

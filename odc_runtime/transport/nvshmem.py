@@ -49,6 +49,7 @@ from odc_runtime.config import parse_size
 from odc_runtime.errors import (
     OdcBackendError,
     OdcMemoryError,
+    OdcMismatchError,
     OdcNotInitializedError,
     OdcTimeoutError,
     OdcUsageError,
@@ -502,11 +503,14 @@ def create(*, timeout: float, heap_size: int | str | None = None) -> NvshmemTran
             capacity = parse_size(os.environ["NVSHMEM_SYMMETRIC_SIZE"], what="NVSHMEM_SYMMETRIC_SIZE")
     except Exception as exc:
         problem = f"rank {rank}: {exc}"
-    problems: list = [None] * world
-    dist.all_gather_object(problems, problem)
-    bad = [p for p in problems if p]
+    reports: list = [None] * world
+    dist.all_gather_object(reports, (problem, capacity))
+    bad = [p for p, _ in reports if p]
     if bad:
         raise OdcBackendError("nvshmem transport cannot start: " + "; ".join(bad))
+    if len({c for _, c in reports}) > 1:  # the symmetric heap must be the same size on every PE
+        sizes = "; ".join(f"rank {r}: {c} bytes" for r, (_, c) in enumerate(reports))
+        raise OdcMismatchError(f"nvshmem transport: NVSHMEM_SYMMETRIC_SIZE / heap_size differ across ranks ({sizes})")
     assert ext is not None
     device = torch.device("cuda", torch.cuda.current_device())
 
