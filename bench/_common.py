@@ -151,6 +151,26 @@ def default_plot_path(name: str) -> Path:
     return RESULTS_DIR / f"{name}.png"
 
 
+def write_outputs(args, name: str, payload: dict, draw: Callable[[object, str], None]) -> None:
+    """Write ``payload`` to ``--json`` if given, then ``draw(plots_module, path)`` unless ``--plot none``.
+
+    The plot is skipped with one line when matplotlib (the ``bench`` extra) is missing.
+    """
+    if args.json:
+        write_json(args.json, payload)
+        print(f"wrote {args.json}")
+    if (args.plot or "").lower() == "none":
+        return
+    try:
+        import plots
+    except ImportError as e:
+        print(f"no plot ({e}); pip install matplotlib (the 'bench' extra)")
+        return
+    path = args.plot or str(default_plot_path(name))
+    draw(plots, path)
+    print(f"wrote {path}")
+
+
 def progress(iterable: Iterable, *, enabled: bool, total: int | None = None, desc: str = "") -> Iterable:
     """tqdm on the reporting rank when tqdm is installed (the ``bench`` extra); the plain iterable otherwise."""
     if not enabled:

@@ -248,18 +248,10 @@ def report(args, results: list[dict], world: int, collective: str, device) -> No
                    "host_chunk_bytes": os.environ.get("ODC_HOST_CHUNK_BYTES")},
         "machine": _common.machine_info(),
     }
-    if args.json:
-        _common.write_json(args.json, payload)
-        print(f"wrote {args.json}")
-    if (args.plot or "").lower() != "none":
-        path = args.plot or str(_common.default_plot_path("comm"))
-        try:
-            import plots
-
-            plots.plot_comm(results, path, title=f"{args.backend} vs {collective}, {world} ranks")
-            print(f"wrote {path}")
-        except ImportError as e:
-            print(f"no plot ({e}); pip install matplotlib (the 'bench' extra)")
+    _common.write_outputs(
+        args, "comm", payload,
+        lambda plots, path: plots.plot_comm(results, path, title=f"{args.backend} vs {collective}, {world} ranks"),
+    )
 
 
 def _torch_version() -> str:

@@ -265,24 +265,16 @@ def report(args, schedules, gathered, world, source, timeline_k, run_s, load_bef
                   flops_per_second=GPU_PEAK_FLOPS[args.gpu] * args.mfu, run_s=run_s,
                   load_average_before=load_before, load_average_after=load_after)
     payload = {"runs": runs, "config": config, "machine": _common.machine_info()}
-    if args.json:
-        _common.write_json(args.json, payload)
-        print(f"wrote {args.json}")
-    if (args.plot or "").lower() != "none":
-        try:
-            import plots
-        except ImportError as e:
-            print(f"no plot ({e}); pip install matplotlib (the 'bench' extra)")
-            return
-        timelines = {}
-        for key in (("collective", "local_sort"), ("collective", "lb_micro"), ("odc", "lb_mini")):
-            if key in schedules:
-                timelines[f"{key[0]} + {key[1]}"] = [g[key][timeline_k]["events"] for g in gathered]
-        path = args.plot or str(_common.default_plot_path("imbalance"))
-        plots.plot_imbalance(runs, timelines, path, minibatch=timeline_k,
-                             title=f"{world} ranks, {source}, {spec.name} on {args.gpu.upper()} "
-                                   f"(×{args.time_scale:g} time)")
-        print(f"wrote {path}")
+    timelines = {
+        f"{comm} + {policy}": [g[(comm, policy)][timeline_k]["events"] for g in gathered]
+        for comm, policy in (("collective", "local_sort"), ("collective", "lb_micro"), ("odc", "lb_mini"))
+        if (comm, policy) in schedules
+    }
+    title = f"{world} ranks, {source}, {spec.name} on {args.gpu.upper()} (×{args.time_scale:g} time)"
+    _common.write_outputs(
+        args, "imbalance", payload,
+        lambda plots, path: plots.plot_imbalance(runs, timelines, path, minibatch=timeline_k, title=title),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -176,20 +176,12 @@ def main(argv: list[str] | None = None) -> None:
           f"{r['speedup']:.3f}"] for r in rows]))
     config = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     config.update(minibatch_size=mbs, layer_bytes=layer_bytes, links={k: vars(v) for k, v in LINKS.items()})
-    if args.json:
-        _common.write_json(args.json, {"runs": rows, "config": config, "machine": _common.machine_info()})
-        print(f"wrote {args.json}")
-    if (args.plot or "").lower() != "none":
-        try:
-            import plots
-        except ImportError as e:
-            print(f"no plot ({e}); pip install matplotlib (the 'bench' extra)")
-            return
-        path = args.plot or str(_common.default_plot_path("simulate"))
-        first = rows[0]["link"]
-        plots.plot_simulation([r for r in rows if r["link"] == first], path,
-                              title=f"simulated, {args.world}×{args.gpu} {first}, {spec.name}, {args.preset}")
-        print(f"wrote {path}")
+    first = rows[0]["link"]
+    title = f"simulated, {args.world}×{args.gpu} {first}, {spec.name}, {args.preset}"
+    _common.write_outputs(
+        args, "simulate", {"runs": rows, "config": config, "machine": _common.machine_info()},
+        lambda plots, path: plots.plot_simulation([r for r in rows if r["link"] == first], path, title=title),
+    )
 
 
 if __name__ == "__main__":
