@@ -23,9 +23,8 @@ import torch
 import torch.distributed as dist
 
 from odc_runtime import config
+from odc_runtime.agree import gather_checked, require_same
 from odc_runtime.errors import (
-    OdcError,
-    OdcMismatchError,
     OdcNotInitializedError,
     OdcUsageError,
 )
@@ -75,35 +74,6 @@ def _select_backend(backend: str | None) -> str:
     return choice
 
 
-def _agree(what: str, local_checks: Callable[[], object], key: Callable[[object], object] = lambda v: v) -> object:
-    """Collective: run this rank's checks of a collective call, then compare ``key(result)`` across ranks.
-
-    Every rank raises if any rank's checks failed (that rank its own error, the others OdcMismatchError naming
-    it) or if the keys differ, so no rank is left waiting in a collective its peers abandoned.
-    """
-    error: OdcError | None = None
-    value = None
-    try:
-        value = local_checks()
-    except OdcError as e:
-        error = e
-    gathered: list[object] = [None] * dist.get_world_size()
-    mine = (None, f"{type(error).__name__}: {error}") if error is not None else (key(value), None)
-    dist.all_gather_object(gathered, mine)
-    if error is not None:
-        raise error
-    failed = [f"rank {r} rejected the call ({msg})" for r, (_, msg) in enumerate(gathered) if msg]  # type: ignore[misc]
-    if failed:
-        raise OdcMismatchError(f"odc {what}: " + "; ".join(failed))
-    keys = [k for k, _ in gathered]  # type: ignore[misc]
-    if any(k != keys[0] for k in keys):
-        listing = "; ".join(f"rank {r}: {k}" for r, k in enumerate(keys))
-        raise OdcMismatchError(
-            f"odc {what} must be called with the same arguments, in the same order, on every rank; got {listing}"
-        )
-    return value
-
-
 def init(
     backend: str | None = None, *, timeout: float | None = None, heap_size: int | str | None = None
 ) -> None:
@@ -127,8 +97,10 @@ def init(
             config.parse_size(heap_size, what="heap_size")
         return _select_backend(backend), config.resolve_timeout(timeout)
 
-    # The transports compare the resolved heap sizes themselves (an argument may be overridden by env vars).
-    name, resolved_timeout = _agree("init", local_checks, key=lambda v: v[0])  # type: ignore[misc]
+    results = gather_checked("init", local_checks)
+    # Only the backend must match here; the transports compare the resolved heap sizes themselves.
+    require_same("init", [backend_name for backend_name, _ in results])
+    name, resolved_timeout = results[dist.get_rank()]
     if name == "host":
         from odc_runtime.transport import host as module
     else:
@@ -296,7 +268,7 @@ def shard(
             raise OdcUsageError(f"odc_runtime.shard(): accum_dtype {accum_dtype} not supported; use torch.float32")
         return name, tuple(tensor.shape), str(tensor.dtype), str(accum_dtype)
 
-    _agree("shard", local_checks)
+    require_same("shard", gather_checked("shard", local_checks))
     transport = runtime.transport
     size = -(-tensor.numel() // transport.world_size)
     param = transport.alloc(size, tensor.dtype, tag=f"{name}.param")

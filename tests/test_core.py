@@ -225,6 +225,23 @@ def test_stopped_lock_holder_times_out_instead_of_hanging() -> None:
     run_ranks(_rank_stopped_lock_holder, 2, env={"ODC_TIMEOUT": "2"}, expect_exit={1}, timeout=60)
 
 
+def _rank_one_cannot_create(rank: int, world: int, directory: str) -> None:
+    # Only rank 1 gets an unusable segment directory: every rank must fail init together, nobody may hang.
+    os.environ["ODC_SHM_DIR"] = directory if rank == 0 else os.path.join(directory, "missing", "dir")
+    if rank == 1:
+        with pytest.raises(odc.OdcBackendError, match=r"cannot create shared-memory segment.*ODC_SHM_DIR"):
+            odc.init("host")
+    else:
+        with pytest.raises(odc.OdcMismatchError, match=r"rank 1 rejected the call \(OdcBackendError"):
+            odc.init("host")
+    assert not odc.is_initialized()
+
+
+def test_init_failing_on_one_rank_fails_on_all(tmp_path) -> None:
+    run_ranks(_rank_one_cannot_create, 2, str(tmp_path), timeout=60)
+    assert os.listdir(tmp_path) == [], "the ranks that did create a segment must remove it"
+
+
 def _rank_leftovers(rank: int, world: int, directory: str) -> int:
     odc.init("host")
     st = odc.shard(torch.ones(100))

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from odc_runtime import config
+from odc_runtime.agree import gather_checked, require_same
 from odc_runtime.errors import OdcBackendError, OdcMismatchError, OdcTimeoutError, OdcUsageError
 from odc_runtime.transport.base import (
     AccumulateRequest,
@@ -430,46 +431,46 @@ class HostTransport(Transport):
             self._segments = [None] * self.world_size
 
 
-def create(*, timeout: float, heap_size: int | None = None) -> HostTransport:
-    """Collective: build the host transport over the default ``torch.distributed`` group."""
+def create(*, timeout: float, heap_size: int | str | None = None) -> HostTransport:
+    """Collective: build the host transport over the default ``torch.distributed`` group.
+
+    Every step that can fail on one rank only (bad settings, a segment that cannot be created or mapped) is
+    agreed on with :func:`~odc_runtime.agree.gather_checked`, so all ranks raise together instead of some of
+    them waiting forever for the others.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
-    directory = config.shm_dir()
-    heap = config.resolve_size(heap_size, "ODC_HEAP_SIZE", config.DEFAULT_HOST_HEAP_BYTES)
-    chunk = config.resolve_size(None, "ODC_HOST_CHUNK_BYTES", config.DEFAULT_HOST_CHUNK_BYTES)
-    remove_stale_segments(directory)
     job = [uuid.uuid4().hex[:12] if rank == 0 else None]
     dist.broadcast_object_list(job, src=0)
-    transport = HostTransport(
-        rank, world, job[0], timeout=timeout, heap_size=heap, directory=directory, chunk_bytes=chunk
-    )
+    transport: HostTransport | None = None
+
+    def create_own_segment() -> tuple[int, int]:
+        nonlocal transport
+        directory = config.shm_dir()
+        heap = config.resolve_size(heap_size, "ODC_HEAP_SIZE", config.DEFAULT_HOST_HEAP_BYTES)
+        chunk = config.resolve_size(None, "ODC_HOST_CHUNK_BYTES", config.DEFAULT_HOST_CHUNK_BYTES)
+        remove_stale_segments(directory)
+        transport = HostTransport(
+            rank, world, job[0], timeout=timeout, heap_size=heap, directory=directory, chunk_bytes=chunk
+        )
+        return transport.create_segment(), heap
+
     try:
-        infos: list[tuple[int, int] | None] = [None] * world
-        dist.all_gather_object(infos, (transport.create_segment(), heap))
-        heaps = [info[1] for info in infos]  # type: ignore[index]
-        if any(h != heap for h in heaps):
-            # Different heaps give different offsets, and a peer's smaller segment cannot be mapped.
-            listing = "; ".join(f"rank {r}: {h}" for r, h in enumerate(heaps))
-            raise OdcMismatchError(
-                f"odc host transport: ODC_HEAP_SIZE / init(heap_size=...) must resolve to the same size on every "
-                f"rank; got {listing} bytes"
-            )
-        pids = [info[0] for info in infos]  # type: ignore[index]
-        error = None
-        try:
-            transport.map_peers(pids)  # type: ignore[arg-type]
-        except OdcBackendError as e:
-            error = str(e)
-        errors: list[str | None] = [None] * world
-        dist.all_gather_object(errors, error)  # also the point after which every rank has mapped every segment
-        failed = [e for e in errors if e]
-        if failed:
-            raise OdcBackendError(failed[0])
+        infos = gather_checked("init (host segments)", create_own_segment)
+        # Different heaps give different offsets, and a peer's smaller segment cannot be mapped.
+        require_same(
+            "init:", [heap for _, heap in infos],
+            rule="ODC_HEAP_SIZE / init(heap_size=...) must resolve to the same number of bytes on every rank",
+        )
+        assert transport is not None
+        # Returning from this gather also means every rank has mapped every segment.
+        gather_checked("init (map peers)", lambda: transport.map_peers([pid for pid, _ in infos]))
         transport.unlink_own()
     except BaseException:
-        transport.finalize()
+        if transport is not None:
+            transport.finalize()
         raise
     log.info(
         "odc host transport: rank %d/%d, job %s, heap %d MiB per rank in %s",
-        rank, world, transport.job, transport.heap_capacity() >> 20, directory,
+        rank, world, transport.job, transport.heap_capacity() >> 20, transport.directory,
     )
     return transport

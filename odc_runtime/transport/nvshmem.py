@@ -45,11 +45,11 @@ from types import ModuleType
 
 import torch
 
+from odc_runtime.agree import require_same
 from odc_runtime.config import parse_size
 from odc_runtime.errors import (
     OdcBackendError,
     OdcMemoryError,
-    OdcMismatchError,
     OdcNotInitializedError,
     OdcTimeoutError,
     OdcUsageError,
@@ -508,9 +508,10 @@ def create(*, timeout: float, heap_size: int | str | None = None) -> NvshmemTran
     bad = [p for p, _ in reports if p]
     if bad:
         raise OdcBackendError("nvshmem transport cannot start: " + "; ".join(bad))
-    if len({c for _, c in reports}) > 1:  # the symmetric heap must be the same size on every PE
-        sizes = "; ".join(f"rank {r}: {c} bytes" for r, (_, c) in enumerate(reports))
-        raise OdcMismatchError(f"nvshmem transport: NVSHMEM_SYMMETRIC_SIZE / heap_size differ across ranks ({sizes})")
+    require_same(
+        "init:", [c for _, c in reports],
+        rule="NVSHMEM_SYMMETRIC_SIZE / init(heap_size=...) must resolve to the same number of bytes on every rank",
+    )
     assert ext is not None
     device = torch.device("cuda", torch.cuda.current_device())
 
