@@ -170,7 +170,8 @@ class ShardedTensor:
 
     Attributes:
         local: this rank's parameter shard (1-D, writable; the optimizer updates it in place).
-        grad: this rank's gradient accumulator shard (1-D, ``accum_dtype``).
+        grad: this rank's gradient accumulator shard (1-D, ``accum_dtype``); ``None`` for a tensor sharded with
+            ``requires_grad=False`` (no accumulator is allocated; pushing into it is an error).
         shard_range: ``(start, stop)`` of the flattened full tensor owned by this rank.
     """
 
@@ -181,7 +182,7 @@ class ShardedTensor:
         dtype: torch.dtype,
         accum_dtype: torch.dtype,
         param: SymmetricBuffer,
-        grad: SymmetricBuffer,
+        grad: SymmetricBuffer | None,
         runtime: _Runtime,
     ) -> None:
         self.name = name
@@ -197,7 +198,7 @@ class ShardedTensor:
         self._generation = runtime.generation
         start, stop = self.owner_range(self.rank)
         self.local = param.local[: stop - start]
-        self.grad = grad.local[: stop - start]
+        self.grad = None if grad is None else grad.local[: stop - start]
 
     def owner_range(self, owner: int) -> tuple[int, int]:
         """``(start, stop)`` of the flattened tensor owned by rank ``owner``."""
@@ -209,14 +210,16 @@ class ShardedTensor:
         return self.owner_range(self.rank)
 
     def zero_grad(self) -> None:
-        """Zero this rank's accumulator. Call ``sync()`` before peers push into it again."""
+        """Zero this rank's accumulator (no-op without one). Call ``sync()`` before peers push into it again."""
         self._check_alive("zero_grad")
-        self.grad.zero_()
+        if self.grad is not None:
+            self.grad.zero_()
 
     def free(self) -> None:
         """Collective: release this tensor's symmetric memory (same order on all ranks)."""
         runtime = self._check_alive("free")
-        runtime.transport.free(self._grad)
+        if self._grad is not None:
+            runtime.transport.free(self._grad)
         runtime.transport.free(self._param)
 
     def _check_alive(self, what: str) -> _Runtime:
@@ -248,35 +251,42 @@ class ShardedTensor:
 
 
 def shard(
-    tensor: torch.Tensor, *, accum_dtype: torch.dtype = torch.float32, name: str | None = None
+    tensor: torch.Tensor,
+    *,
+    accum_dtype: torch.dtype = torch.float32,
+    name: str | None = None,
+    requires_grad: bool = True,
 ) -> ShardedTensor:
     """Collective: shard ``tensor`` over all ranks (same order, shapes and dtypes on every rank).
 
     Each rank keeps its slice of ``tensor``'s values as the initial parameter shard (ranks normally pass the same
     values). A tensor on the ``meta`` device gives zero shards without materialising the full tensor anywhere.
+    ``requires_grad=False`` allocates no gradient accumulator (frozen weights, e.g. a LoRA base model).
     Raises OdcMismatchError if ranks disagree on name, shape or dtypes.
     """
     runtime = _require_runtime("shard")
     name = name if name is not None else f"shard{next(runtime.names)}"
 
-    def local_checks() -> tuple[str, tuple[int, ...], str, str]:
+    def local_checks() -> tuple[str, tuple[int, ...], str, str, bool]:
         if not isinstance(tensor, torch.Tensor):
             raise OdcUsageError(f"odc_runtime.shard() expects a torch.Tensor, got {type(tensor).__name__}")
         if tensor.dtype not in PARAM_DTYPES:
             raise OdcUsageError(f"odc_runtime.shard(): dtype {tensor.dtype} not supported; use one of {PARAM_DTYPES}")
         if accum_dtype not in ACCUM_DTYPES:
             raise OdcUsageError(f"odc_runtime.shard(): accum_dtype {accum_dtype} not supported; use torch.float32")
-        return name, tuple(tensor.shape), str(tensor.dtype), str(accum_dtype)
+        return name, tuple(tensor.shape), str(tensor.dtype), str(accum_dtype), bool(requires_grad)
 
     require_same("shard", gather_checked("shard", local_checks))
     transport = runtime.transport
     size = -(-tensor.numel() // transport.world_size)
     param = transport.alloc(size, tensor.dtype, tag=f"{name}.param")
-    try:
-        grad = transport.alloc(size, accum_dtype, tag=f"{name}.grad")
-    except BaseException:
-        transport.free(param)
-        raise
+    grad = None
+    if requires_grad:
+        try:
+            grad = transport.alloc(size, accum_dtype, tag=f"{name}.grad")
+        except BaseException:
+            transport.free(param)
+            raise
     st = ShardedTensor(name, tensor.shape, tensor.dtype, accum_dtype, param, grad, runtime)
     if not tensor.is_meta:  # the symmetric buffers start zeroed
         start, stop = st.shard_range
@@ -336,6 +346,10 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     ``grad`` until the returned handle's ``wait()`` returned.
     """
     runtime = st._check_alive("push")
+    if st._grad is None:
+        raise OdcUsageError(
+            f"odc_runtime.push: {st.name!r} was sharded with requires_grad=False and has no gradient accumulator"
+        )
     _check_tensor("push(grad)", grad, st, runtime.transport.device, PARAM_DTYPES)
     try:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(float(scale)):

@@ -467,6 +467,7 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
             unit.st_ag = odc.shard(
                 torch.empty((world_size, unit.ag_numel), dtype=unit.ag_dtype, device="meta"),
                 name=f"fsdp.{unit.fqn}.params",
+                requires_grad=shared,  # with frozen parameters the gradients get their own, smaller buffer
             )
             if shared:
                 unit.st_rs = unit.st_ag

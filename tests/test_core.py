@@ -68,6 +68,21 @@ def _rank_roundtrip(rank: int, world: int, shape: tuple[int, ...]) -> None:
     assert not st.local.any() and st.local.device.type == "cpu"
     assert torch.equal(odc.fetch(st), torch.zeros(shape))
 
+    # A frozen tensor has no accumulator: less symmetric memory, and pushing into it is refused.
+    transport = odc.api._require_runtime("test").transport
+    used = transport.heap_used()
+    frozen = odc.shard(_full_value(numel, torch.bfloat16, shape), name="frozen", requires_grad=False)
+    from odc_runtime.transport.heap import ALIGNMENT
+
+    param_bytes = max(ALIGNMENT, -(-frozen.shard_size * 2 // ALIGNMENT) * ALIGNMENT)
+    assert frozen.grad is None and transport.heap_used() - used == param_bytes  # the parameters only
+    assert torch.equal(odc.fetch(frozen), _full_value(numel, torch.bfloat16, shape))
+    frozen.zero_grad()  # no-op, so loops over all tensors need no special case
+    with pytest.raises(odc.OdcUsageError, match="requires_grad=False"):
+        odc.push(frozen, torch.ones(shape, dtype=torch.bfloat16))
+    frozen.free()
+    assert transport.heap_used() == used
+
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_fetch_push_sync_all_dtypes_uneven(world: int) -> None:
