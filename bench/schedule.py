@@ -115,9 +115,6 @@ class Minibatch:
     def tokens(self) -> int:
         return sum(mb.tokens for mbs in self.ranks for mb in mbs)
 
-    def rank_costs(self) -> list[float]:
-        return [sum(mb.cost_s for mb in mbs) for mbs in self.ranks]
-
 
 @dataclass(frozen=True)
 class Task:

@@ -60,10 +60,6 @@ class SimResult:
     def utilization(self) -> float:
         return sum(self.busy_s) / (len(self.busy_s) * self.time_s) if self.time_s > 0 else 1.0
 
-    @property
-    def idle_s(self) -> list[float]:
-        return [self.time_s - b for b in self.busy_s]
-
 
 def comm_seconds(link: Link, nbytes: float, world: int, *, odc: bool) -> float:
     if nbytes <= 0 or world <= 1:

@@ -122,7 +122,6 @@ class _Param:
     fsdp_param: object  # torch's FSDPParam (read only: .sharded_param)
     fqn: str
     ag_offset: int  # offset of this parameter's padded shard in the all-gather row
-    padded_numel: int  # its padded shard numel (FSDP pads dim 0 to a multiple of the world size)
     rs_offset: int | None  # offset in the reduce-scatter row; None if frozen
 
     @property
@@ -374,7 +373,7 @@ def _build_unit(module: nn.Module, fqn: str, group, world_size: int, cpu_offload
             rs_dtypes.add(reduce_dtype or param_dtype or orig)
             rs_off_this = rs_off
             rs_off += padded
-        params.append(_Param(fp, pname, ag_off, padded, rs_off_this))
+        params.append(_Param(fp, pname, ag_off, rs_off_this))
         ag_off += padded
     if len(ag_dtypes) > 1:
         raise OdcUsageError(

@@ -34,6 +34,7 @@ import struct
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -59,6 +60,18 @@ CONTROL_BYTES = 4096  # control page at the start of every segment: epoch, pid, 
 _OP_BYTES = 64
 _CONTROL = struct.Struct(f"<qq{_OP_BYTES}s{_OP_BYTES}s")
 _SEGMENT_RE = re.compile(r"^odc-(?P<job>[0-9a-f]+)-r(?P<rank>\d+)-p(?P<pid>\d+)\.heap$")
+
+# Transports alive in this process; a forked child marks them all, once, instead of every operation asking
+# the kernel for its pid. Weak references: the hook must not keep finalized transports alive.
+_live_transports: weakref.WeakSet[HostTransport] = weakref.WeakSet()
+
+
+def _mark_forked() -> None:
+    for transport in _live_transports:
+        transport._forked = True
+
+
+os.register_at_fork(after_in_child=_mark_forked)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -171,6 +184,8 @@ class HostTransport(Transport):
         self._own_path: str | None = None
         self._closed = False
         self._pid = os.getpid()
+        self._forked = False
+        _live_transports.add(self)
 
     # -- setup ----------------------------------------------------------------------------------------
     def _path(self, rank: int, pid: int) -> str:
@@ -229,7 +244,7 @@ class HostTransport(Transport):
         seg = self._segments[peer]
         if seg is None:
             raise OdcUsageError("odc host transport is finalized")
-        if os.getpid() != self._pid:
+        if self._forked:
             raise OdcUsageError(
                 f"odc host transport: process {os.getpid()} is a fork of rank {self.rank} (pid {self._pid}) and "
                 "must not use its runtime (it would write into the rank's segments and barrier state); call odc "

@@ -165,10 +165,8 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class _CudaWork(Work):
-    def __init__(self, event: torch.cuda.Event, timeout: float, op: str) -> None:
+    def __init__(self, event: torch.cuda.Event) -> None:
         self._event = event
-        self._timeout = timeout
-        self._op = op
 
     def wait(self, timeout: float | None = None) -> None:
         # Stream-ordered: the caller's current stream waits; the host does not block.
@@ -439,7 +437,7 @@ class NvshmemTransport(Transport):
         ev = torch.cuda.Event()
         ev.record(self._side)
         self._side_event = ev
-        return _CudaWork(ev, self.timeout, "async op")
+        return _CudaWork(ev)
 
     def quiet(self) -> None:
         self._check("quiet")
