@@ -1,18 +1,22 @@
-"""Shared plumbing of the benchmarks: process launch, machine description, tables, JSON, progress bars.
+"""Shared plumbing of the benchmarks: process launch, common arguments, loading sequence lengths, result checks,
+tables with legends, JSON, plots, progress bars. Every tool in ``bench/`` goes through these, so each takes
+``--json PATH`` and ``--plot PATH`` (:func:`add_output_args`), loads lengths one way (:func:`add_workload_args`,
+:func:`load_minibatches`) and prints every table with a legend of its columns (:func:`print_table`).
 
-Every benchmark runs either under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) or, started as a
-plain ``python bench/X.py``, spawns its own processes with :mod:`torch.multiprocessing` on one machine.
+Distributed benchmarks run either under ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) or, started as
+a plain ``python bench/X.py``, spawn their own processes with :mod:`torch.multiprocessing` on one machine.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
 import platform
 import socket
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -87,22 +91,98 @@ def init_distributed(device: str):
     return rank, world, torch.device("cpu")
 
 
+# --------------------------------------------------------------------------------------------------- arguments
+
+
+def add_output_args(parser: argparse.ArgumentParser, name: str) -> None:
+    """``--json PATH`` and ``--plot PATH`` (default ``bench/results/<name>.png``; ``none`` skips the plot)."""
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--plot", default=None, metavar="PATH",
+                        help=f"PNG path (default {default_plot_path(name).relative_to(REPO_ROOT)}); 'none' to skip")
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """Where the sequence lengths come from: ``--preset`` (synthetic, seeded) or ``--lengths-file`` (real)."""
+    from odc_runtime.workloads import PRESETS
+
+    parser.add_argument("--preset", default="longalign_sft", choices=sorted(PRESETS),
+                        help="sequence-length preset (odc_runtime.workloads.PRESETS says what each models)")
+    parser.add_argument("--lengths-file", default=None, metavar="PATH",
+                        help="real sequence lengths instead of a preset (JSON list, or one int per line)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the preset's sampler")
+
+
+def load_lengths(args: argparse.Namespace, n: int) -> tuple[list[int], str]:
+    """``n`` sequence lengths as :func:`add_workload_args` asked for, and a description of their source.
+
+    From ``--lengths-file`` the first ``n`` (fewer when the file is shorter; callers check what they need).
+    """
+    from odc_runtime.workloads import load_lengths as read_lengths
+    from odc_runtime.workloads import sample_lengths
+
+    if args.lengths_file:
+        return read_lengths(args.lengths_file)[:n], str(args.lengths_file)
+    return sample_lengths(args.preset, n, seed=args.seed), f"preset {args.preset} (seed {args.seed})"
+
+
+def split_minibatches(lengths: Sequence[int], minibatch_size: int) -> list[list[int]]:
+    """Consecutive minibatches of ``minibatch_size`` samples (a short tail is dropped, as drop_last does)."""
+    n = len(lengths) // minibatch_size
+    return [list(lengths[k * minibatch_size : (k + 1) * minibatch_size]) for k in range(n)]
+
+
+def load_minibatches(args: argparse.Namespace, count: int, size: int) -> tuple[list[list[int]], str]:
+    """Up to ``count`` minibatches of ``size`` lengths (:func:`load_lengths`), and their source.
+
+    Raises ``SystemExit`` with what is missing when not even one full minibatch can be formed.
+    """
+    lengths, source = load_lengths(args, count * size)
+    batches = split_minibatches(lengths, size)
+    if not batches:
+        raise SystemExit(f"need at least {size} lengths for one minibatch, got {len(lengths)} from {source}")
+    return batches, source
+
+
+# --------------------------------------------------------------------------------------------------- checks
+
+
+def check_plan(plan: Sequence[Sequence[Sequence[int]]], lengths: Sequence[int], *, world_size: int, max_tokens: int,
+               equal_counts: bool, what: str = "plan") -> None:
+    """Raise ``RuntimeError`` unless ``plan`` places every sample exactly once on ``world_size`` ranks, keeps
+    every micro-batch of several samples within ``max_tokens``, and (``equal_counts``) gives every rank the same
+    number of micro-batches. Benchmarks call it before they time anything, so that a wrong plan never gets a
+    number."""
+    if len(plan) != world_size:
+        raise RuntimeError(f"{what}: {len(plan)} ranks, expected {world_size}")
+    seen = sorted(i for rank in plan for mb in rank for i in mb)
+    if seen != list(range(len(lengths))):
+        raise RuntimeError(f"{what}: samples are not each placed exactly once")
+    over = [mb for rank in plan for mb in rank if len(mb) > 1 and sum(lengths[i] for i in mb) > max_tokens]
+    if over:
+        raise RuntimeError(f"{what}: a micro-batch of {len(over[0])} samples exceeds max_tokens={max_tokens}")
+    if equal_counts and len({len(rank) for rank in plan}) > 1:
+        raise RuntimeError(f"{what}: micro-batch counts differ between ranks: {[len(r) for r in plan]}")
+
+
 # --------------------------------------------------------------------------------------------------- reporting
 
 
 def machine_info() -> dict:
-    import torch
-
+    """Where a result was measured (torch and GPUs only when torch is installed)."""
     info = {
         "hostname": platform.node(),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
         "cpu_model": _cpu_model(),
     }
     with contextlib.suppress(Exception):
         info["mem_total_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    try:
+        import torch
+    except ImportError:
+        return info
+    info["torch"] = torch.__version__
     if torch.cuda.is_available():
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return info
@@ -127,6 +207,24 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> st
     out = [line(cells[0]), "  ".join("-" * w for w in widths)]
     out += [line(r) for r in cells[1:]]
     return "\n".join(out)
+
+
+def print_table(headers: Sequence[str], rows: Iterable[Sequence[object]], legend: Mapping[str, str], *,
+                title: str | None = None) -> str:
+    """Print (and return) ``title``, the table and one legend line per column: what it holds, in which unit.
+
+    Every column needs a legend entry (``ValueError`` otherwise), so that no benchmark prints a column
+    without saying what it is.
+    """
+    missing = [h for h in headers if h not in legend]
+    if missing:
+        raise ValueError(f"table columns without a legend entry: {missing}")
+    width = max(len(h) for h in headers)
+    text = ([title] if title else []) + [format_table(headers, rows)]
+    text += [f"  {h:<{width}}  {legend[h]}" for h in headers]
+    out = "\n".join(text)
+    print(out, flush=True)
+    return out
 
 
 def _fmt(v: object) -> str:

@@ -1,59 +1,75 @@
-"""Load-balancing benchmark: planning time and per-rank balance of each policy on a long-tailed preset.
+"""Load-balancing benchmark: planning time and per-rank balance of every registered policy.
 
-For each world size, ``samples_per_rank × world_size`` lengths are drawn from the preset and planned with every
-policy. Reported per policy: median planning time over ``--repeats`` runs (wall clock, and CPU time, which is
+    python bench/balance.py                                  # 8 and 32 ranks × 64 samples, then 64 × 10,000
+    python bench/balance.py --ranks 8 --big-samples 0 --preset swe_agentic --json out.json --plot out.png
+
+For each world size, ``samples_per_rank × world_size`` lengths are drawn from the preset (or read from
+``--lengths-file``) and planned with every policy of :data:`odc_runtime.balance.POLICY_REGISTRY`. Each plan is
+checked first (every sample exactly once, the token cap, equal counts where the policy promises them), then
+timed. Reported per policy: median planning time over ``--repeats`` runs (wall clock, and CPU time, which is
 steadier on a shared machine), max/mean of per-rank total cost, micro-batches per rank, and the predicted
 minibatch time (default cost model, seconds) under a collective schedule (every micro-batch step is a barrier,
 FSDP) and under ODC (one barrier per minibatch). The last column is each policy's time under the schedule it
-is meant for (collective for local_sort and lb_micro, ODC for lb_mini). A final case times the largest input
-(64 ranks × 10,000 samples by default).
-
-Run: ``python bench/balance.py [--json out.json]``.
+is meant for (``Policy.native_comm``: collective for equal-count policies, ODC otherwise). A final case times
+the largest input (64 ranks × 10,000 samples by default; ``--big-samples 0`` skips it).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import _common
 
-from odc_runtime.balance import POLICIES, imbalance, plan
-from odc_runtime.workloads import PRESETS, sample_lengths
+from odc_runtime.balance import POLICY_REGISTRY, imbalance, plan
 
-# The schedule each policy is designed for: collectives need equal counts, ODC does not.
-NATIVE_SCHEDULE = {"local_sort": "collective", "lb_micro": "collective", "lb_mini": "odc"}
+LEGEND = {
+    "ranks": "world size (data-parallel ranks)",
+    "samples": "samples planned (one minibatch)",
+    "policy": "balancing policy (odc_runtime.balance.POLICY_REGISTRY)",
+    "plan ms": "median wall-clock milliseconds of one plan() call",
+    "cpu ms": "median CPU milliseconds of the same call (steadier on a shared machine)",
+    "max/mean": "largest per-rank total cost / mean per-rank total cost (1 = perfectly balanced)",
+    "mb/rank": "micro-batches per rank, min-max (equal for policies that collectives can run)",
+    "coll s": "predicted minibatch seconds under a collective schedule: sum over micro-batch steps of the slowest "
+              "rank's micro-batch (default cost model, compute only)",
+    "odc s": "predicted minibatch seconds under ODC: the slowest rank's total",
+    "native s": "the policy's time under the schedule it is designed for (coll s for equal-count policies, "
+                "odc s otherwise)",
+}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="longalign_sft", choices=sorted(PRESETS))
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common.add_workload_args(parser)
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 32], help="world sizes to compare")
     parser.add_argument("--samples-per-rank", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=131072, help="token cap per micro-batch")
-    parser.add_argument("--big-ranks", type=int, default=64, help="world size of the timing-only case")
-    parser.add_argument("--big-samples", type=int, default=10_000, help="samples of the timing-only case")
+    parser.add_argument("--big-ranks", type=int, default=64, help="world size of the largest case")
+    parser.add_argument("--big-samples", type=int, default=10_000, help="samples of the largest case (0: skip)")
     parser.add_argument("--repeats", type=int, default=5, help="timing repeats (the median is reported)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write results as JSON")
-    return parser.parse_args(argv)
+    _common.add_output_args(parser, "balance")
+    return parser
 
 
 def run_case(lengths: list[int], world_size: int, policy: str, args: argparse.Namespace) -> dict:
-    """Plan ``repeats`` times; return the median time and the plan's predicted balance."""
+    """Check one plan, then plan ``repeats`` times; return the median times and the plan's predicted balance."""
+    entry = POLICY_REGISTRY[policy]
+    result = plan(lengths, world_size, max_tokens=args.max_tokens, policy=policy)
+    _common.check_plan(result, lengths, world_size=world_size, max_tokens=args.max_tokens,
+                       equal_counts=entry.equal_counts, what=f"{policy} on {world_size} ranks")
     times, cpu_times = [], []
     for _ in range(args.repeats):
         start, cpu_start = time.perf_counter(), time.process_time()
-        result = plan(lengths, world_size, max_tokens=args.max_tokens, policy=policy)
+        again = plan(lengths, world_size, max_tokens=args.max_tokens, policy=policy)
         cpu_times.append(time.process_time() - cpu_start)
         times.append(time.perf_counter() - start)
+        if again != result:
+            raise RuntimeError(f"{policy}: plan() is not deterministic")
     imb = imbalance(result, lengths)
     counts = [len(micro_batches) for micro_batches in result]
-    native = imb.collective_time if NATIVE_SCHEDULE[policy] == "collective" else imb.odc_time
     return {
         "world_size": world_size,
         "samples": len(lengths),
@@ -65,41 +81,43 @@ def run_case(lengths: list[int], world_size: int, policy: str, args: argparse.Na
         "micro_batches_max": max(counts),
         "collective_time": imb.collective_time,
         "odc_time": imb.odc_time,
-        "native_schedule": NATIVE_SCHEDULE[policy],
-        "native_time": native,
+        "native_schedule": entry.native_comm,
+        "native_time": imb.collective_time if entry.native_comm == "collective" else imb.odc_time,
     }
 
 
-def format_table(rows: list[dict]) -> str:
-    header = (
-        f"{'ranks':>5} {'samples':>7} {'policy':<10} {'plan ms':>8} {'cpu ms':>8} {'max/mean':>8} {'mb/rank':>7} "
-        f"{'coll s':>8} {'odc s':>8} {'native s':>8}"
-    )
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        counts = f"{r['micro_batches_min']}-{r['micro_batches_max']}"
-        lines.append(
-            f"{r['world_size']:>5} {r['samples']:>7} {r['policy']:<10} {r['plan_seconds_median'] * 1e3:>8.1f} "
-            f"{r['plan_cpu_seconds_median'] * 1e3:>8.1f} "
-            f"{r['max_over_mean']:>8.4f} {counts:>7} {r['collective_time']:>8.3f} {r['odc_time']:>8.3f} "
-            f"{r['native_time']:>8.3f}"
-        )
-    return "\n".join(lines)
+def table_rows(rows: list[dict]) -> list[list[object]]:
+    return [[r["world_size"], r["samples"], r["policy"], r["plan_seconds_median"] * 1e3,
+             r["plan_cpu_seconds_median"] * 1e3, f"{r['max_over_mean']:.4f}",
+             f"{r['micro_batches_min']}-{r['micro_batches_max']}", f"{r['collective_time']:.3f}",
+             f"{r['odc_time']:.3f}", f"{r['native_time']:.3f}"] for r in rows]
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    cases = [(w, w * args.samples_per_rank) for w in args.ranks] + [(args.big_ranks, args.big_samples)]
-    rows = []
+    args = build_parser().parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
+    cases = [(w, w * args.samples_per_rank) for w in args.ranks]
+    if args.big_samples > 0:
+        cases.append((args.big_ranks, args.big_samples))
+    rows, sources = [], set()
     for world_size, n in cases:
-        lengths = sample_lengths(args.preset, n, seed=args.seed)
-        rows.extend(run_case(lengths, world_size, policy, args) for policy in POLICIES)
-    print(f"preset={args.preset} max_tokens={args.max_tokens} repeats={args.repeats} seed={args.seed}")
-    print(format_table(rows))
-    if args.json is not None:
-        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        args.json.write_text(json.dumps({"config": config, "results": rows}, indent=2))
+        lengths, source = _common.load_lengths(args, n)
+        if len(lengths) < n:
+            raise SystemExit(f"{source}: {len(lengths)} lengths, the case of {world_size} ranks needs {n}")
+        sources.add(source)
+        rows.extend(run_case(lengths, world_size, policy, args) for policy in POLICY_REGISTRY)
+    title = (f"\nplanners on {', '.join(sorted(sources))}: max_tokens={args.max_tokens}, median of "
+             f"{args.repeats} repeats")
+    _common.print_table(list(LEGEND), table_rows(rows), LEGEND, title=title)
+    config = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
+    config["policies"] = {name: {"equal_counts": p.equal_counts, "summary": p.summary}
+                          for name, p in POLICY_REGISTRY.items()}
+    _common.write_outputs(
+        args, "balance", {"results": rows, "config": config, "machine": _common.machine_info()},
+        lambda plots, path: plots.plot_balance(rows, path, title=f"planners, {', '.join(sorted(sources))}"),
+    )
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -66,16 +66,25 @@ class CollectiveComm:
         self.shards = [torch.zeros(shard_numel, device=device) for _ in range(num_layers)]
         self.grad_acc = [torch.zeros(shard_numel, device=device) for _ in range(num_layers)]
         self.grad_out = [torch.empty(shard_numel, device=device) for _ in range(num_layers)]
-        self.gathered = [torch.empty(world * shard_numel, device=device) for _ in range(2)]
+        self.gathered_bufs = [torch.empty(world * shard_numel, device=device) for _ in range(2)]
         self.ones = torch.ones(world * shard_numel, device=device)
         self.zeros = torch.zeros(world * shard_numel, device=device)
 
     def gather(self, layer: int, slot: int):
-        return dist.all_gather_single(self.gathered[slot], self.shards[layer], async_op=True)
+        return dist.all_gather_single(self.gathered_bufs[slot], self.shards[layer], async_op=True)
 
     def scatter(self, layer: int, empty: bool):
         work = dist.reduce_scatter_single(self.grad_out[layer], self.zeros if empty else self.ones, async_op=True)
         return _Then(work, lambda: self.grad_acc[layer].add_(self.grad_out[layer]))
+
+    def set_shard(self, layer: int, value: float) -> None:
+        self.shards[layer].fill_(value)
+
+    def publish(self) -> None:
+        """Make :meth:`set_shard` writes what later gathers return (local tensors: nothing to do)."""
+
+    def gathered(self, slot: int) -> torch.Tensor:
+        return self.gathered_bufs[slot]
 
     def end_minibatch(self, expected: int) -> bool:
         ok = all(bool((g == expected).all()) for g in self.grad_acc)
@@ -105,6 +114,15 @@ class OdcComm:
 
     def scatter(self, layer: int, empty: bool):
         return self.odc.push(self.sts[layer], self.zeros if empty else self.ones, async_op=True)
+
+    def set_shard(self, layer: int, value: float) -> None:
+        self.sts[layer].local.fill_(value)
+
+    def publish(self) -> None:
+        self.odc.sync()  # writes to st.local before a sync are what later fetches return
+
+    def gathered(self, slot: int) -> torch.Tensor:
+        return self.out[slot]
 
     def end_minibatch(self, expected: int) -> bool:
         self.odc.sync()  # every rank's pushes have landed in the owners' accumulators
@@ -195,10 +213,32 @@ def expected_grad(schedule: Schedule, k: int) -> int:
     return sum(1 for mbs in schedule.minibatches[k].ranks for mb in mbs if not mb.empty)
 
 
+def check_gather(comm, num_layers: int, world: int) -> None:
+    """Every layer's gather returns every owner's shard: owner r's shard of layer l is set to ``r·L + l + 1``,
+    gathered, compared, and reset to zero. Raises ``RuntimeError`` naming the layer otherwise."""
+    rank = dist.get_rank()
+    for layer in range(num_layers):
+        comm.set_shard(layer, rank * num_layers + layer + 1)
+    comm.publish()
+    for layer in range(num_layers):
+        comm.gather(layer, 0).wait()
+        got = comm.gathered(0).view(world, -1)
+        want = torch.arange(world, dtype=got.dtype, device=got.device) * num_layers + layer + 1
+        if not bool((got == want[:, None]).all()):
+            raise RuntimeError(f"{comm.name}: layer {layer}'s gathered parameters are not the owners' shards")
+    for layer in range(num_layers):
+        comm.set_shard(layer, 0.0)
+    comm.publish()
+    dist.barrier()  # nobody starts gathering the zeroed shards while a slower rank still checks
+
+
 def warm_up(comm, num_layers: int, world: int) -> None:
-    """One zero-compute micro-batch through every layer (maps pages, starts threads), then reset."""
+    """Check that gathers return the owners' parameters (:func:`check_gather`), then run one zero-compute
+    micro-batch through every layer (maps pages, starts threads) and check its gradients, then reset: no
+    configuration is timed unless its communication moved the right data."""
     from schedule import Task as T
 
+    check_gather(comm, num_layers, world)
     tasks = [T(0, layer, "fwd", 0.0, False, False) for layer in range(num_layers)]
     tasks += [T(0, layer, "bwd", 0.0, True, False) for layer in reversed(range(num_layers))]
     rec = run_minibatch(comm, tasks, expected_grad=world, time_scale=0.0, record=False)

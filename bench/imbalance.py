@@ -30,8 +30,8 @@ import sys
 import time
 
 import _common
-from _common import format_table, launch, progress
-from schedule import GPU_PEAK_FLOPS, MODELS, POLICIES, build_schedule, grid, split_minibatches
+from _common import launch, progress
+from schedule import GPU_PEAK_FLOPS, MODELS, POLICIES, build_schedule, grid
 
 # --quick picks the time scale that makes the whole grid's modelled compute last QUICK_BUDGET_S seconds,
 # so that it takes about a minute (with start-up) whatever the preset or model.
@@ -40,15 +40,11 @@ FULL = {"minibatches": 12, "minibatch_size": 64, "time_scale": 0.03, "layers": 8
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from odc_runtime.workloads import PRESETS
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
     p.add_argument("--quick", action="store_true",
                    help=f"short run (about a minute on 2 cores): {QUICK}")
-    p.add_argument("--preset", default="longalign_sft", choices=sorted(PRESETS), help="sequence-length preset")
-    p.add_argument("--lengths-file", default=None, help="real sequence lengths (JSON list or one per line)")
-    p.add_argument("--seed", type=int, default=0)
+    _common.add_workload_args(p)
     p.add_argument("--model", default="7b", choices=sorted(MODELS), help="model whose compute is modelled")
     p.add_argument("--gpu", default="h100", choices=sorted(GPU_PEAK_FLOPS))
     p.add_argument("--mfu", type=float, default=0.4, help="achieved fraction of the GPU's bf16 peak")
@@ -72,8 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--timeline-minibatch", type=int, default=None,
                    help="minibatch shown in the timeline plot (default: the one with the median imbalance)")
-    p.add_argument("--json", default=None, help="write results as JSON to this path")
-    p.add_argument("--plot", default=None, help="PNG path (default bench/results/imbalance.png); 'none' to skip")
+    _common.add_output_args(p, "imbalance")
     return p
 
 
@@ -91,22 +86,6 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.layers == 0:
         args.layers = MODELS[args.model].num_layers
     return args
-
-
-def load_stream(args, world: int) -> tuple[list[list[int]], str]:
-    from odc_runtime.workloads import load_lengths, sample_lengths
-
-    n = args.minibatches * args.minibatch_size
-    if args.lengths_file:
-        lengths = load_lengths(args.lengths_file)[:n]
-        source = f"{args.lengths_file}"
-    else:
-        lengths = sample_lengths(args.preset, n, seed=args.seed)
-        source = f"preset {args.preset} (seed {args.seed})"
-    batches = split_minibatches(lengths, args.minibatch_size)
-    if not batches:
-        raise SystemExit(f"need at least {args.minibatch_size} lengths for one minibatch, got {len(lengths)}")
-    return batches, source
 
 
 def make_schedules(args, batches, world):
@@ -153,7 +132,7 @@ def worker(args: argparse.Namespace) -> None:
 
     rank, world, device = _common.init_distributed("cpu")
     load_before = os.getloadavg()
-    batches, source = load_stream(args, world)
+    batches, source = _common.load_minibatches(args, args.minibatches, args.minibatch_size)
     schedules = make_schedules(args, batches, world)
     digests: list = [None] * world
     dist.all_gather_object(digests, {k: s.digest() for k, s in schedules.items()})
@@ -189,6 +168,9 @@ def worker(args: argparse.Namespace) -> None:
         odc.finalize()
     dist.barrier()
     dist.destroy_process_group()
+    wrong = sorted({f"{c}/{p}" for g in gathered for (c, p), recs in g.items() if not all(r["grad_ok"] for r in recs)})
+    if wrong:  # every rank has every rank's records: all fail together, after a clean teardown
+        raise RuntimeError(f"wrong gradients (data lost or duplicated in transit) in {', '.join(wrong)}")
 
 
 # --------------------------------------------------------------------------------------------------- report
@@ -231,6 +213,24 @@ def summarize(schedules, gathered: list[dict], world: int, time_scale: float) ->
     return runs
 
 
+LEGEND = {
+    "comm": "collective = gloo all-gather / reduce-scatter per layer in lockstep; odc = odc.fetch / odc.push, "
+            "one odc.sync per minibatch",
+    "policy": "balancing policy (odc_runtime.balance.POLICY_REGISTRY); every configuration plans the same samples",
+    "tokens/s": "real tokens / wall seconds at the scaled compute",
+    "util": "device utilisation: modelled compute time / (ranks × wall)",
+    "idle s/rank": "wall − compute per rank, seconds (min-max over ranks)",
+    "comm wait s": "mean seconds a rank was blocked on communication (inside a collective this includes "
+                   "waiting for slower ranks)",
+    "wall s": "sum over minibatches of first rank's start to last rank's end",
+    "speedup": "wall time of collective + local_sort / this configuration's",
+    "sim speedup": "the same ratio predicted by bench/simulate.py from the schedule's compute alone (no "
+                   "communication): the part of the speedup due to balancing",
+    "sim util": "utilisation the same simulation predicts",
+    "grads": "ok: every rank's gradient shard held exactly the expected sum after every minibatch",
+}
+
+
 def report(args, schedules, gathered, world, source, timeline_k, run_s, load_before) -> None:
     runs = summarize(schedules, gathered, world, args.time_scale)
     spec = MODELS[args.model]
@@ -251,12 +251,7 @@ def report(args, schedules, gathered, world, source, timeline_k, run_s, load_bef
             f"{r['sim_speedup']:.3f}" if r["sim_speedup"] else "-", f"{r['sim_utilization']:.1%}",
             "ok" if r["grad_check_ok"] else "WRONG",
         ])
-    print(format_table(
-        ["comm", "policy", "tokens/s", "util", "idle s/rank", "comm wait s", "wall s", "speedup", "sim speedup",
-         "sim util", "grads"], rows))
-    print("  util = compute time / (ranks × wall); idle = wall − compute per rank (min-max over ranks); "
-          "comm wait = mean time blocked on communication (includes waiting for slower ranks inside "
-          "collectives); sim = simulator on the same schedule, compute only (no communication).")
+    _common.print_table(list(LEGEND), rows, LEGEND)
     load_after = os.getloadavg()
     print(f"  executed in {run_s:.1f} s; load average {load_before[0]:.1f} → {load_after[0]:.1f} on "
           f"{os.cpu_count()} cores")

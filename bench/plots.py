@@ -100,3 +100,29 @@ def plot_simulation(rows: list[dict], path: str | Path, *, title: str = "") -> N
     ax.set_title(title)
     ax.grid(True, axis="y", alpha=0.3)
     _save(fig, path)
+
+
+def plot_balance(rows: list[dict], path: str | Path, *, title: str = "") -> None:
+    """Left: max/mean per-rank cost per policy, grouped by case. Right: median planning time (log scale)."""
+    cases = list(dict.fromkeys((r["world_size"], r["samples"]) for r in rows))
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    by = {(r["world_size"], r["samples"], r["policy"]): r for r in rows}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(len(policies), 1)
+    for j, policy in enumerate(policies):
+        xs = [i + (j - (len(policies) - 1) / 2) * width for i in range(len(cases))]
+        got = [by.get((*case, policy)) for case in cases]
+        left.bar(xs, [g["max_over_mean"] if g else 0 for g in got], width, label=policy)
+        right.bar(xs, [g["plan_seconds_median"] * 1e3 if g else 0 for g in got], width, label=policy)
+    labels = [f"{w} ranks\n{n} samples" for w, n in cases]
+    for ax in (left, right):
+        ax.set_xticks(range(len(cases)), labels, fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    left.axhline(1.0, color="black", linewidth=0.8)
+    left.set_ylabel("max / mean per-rank cost (1 = balanced)")
+    left.set_ylim(bottom=min(0.95, min((r["max_over_mean"] for r in rows), default=1.0)))
+    right.set_yscale("log")
+    right.set_ylabel("planning time (ms, median)")
+    left.legend(fontsize=8)
+    fig.suptitle(title or "load-balancing policies")
+    _save(fig, path)

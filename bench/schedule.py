@@ -26,18 +26,18 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import _common  # noqa: F401  (makes odc_runtime importable from a checkout)
+from _common import check_plan  # _common also makes odc_runtime importable from a checkout
 
-from odc_runtime.balance import CostModel, plan
+from odc_runtime.balance import POLICIES, CostModel, get_policy, plan
 
 COMMS = ("collective", "odc")
-POLICIES = ("local_sort", "lb_micro", "lb_mini")
 FORWARD_FRACTION = 1.0 / 3.0  # backward ≈ 2 × forward (activation and weight gradients)
 
 
 def valid(comm: str, policy: str) -> bool:
-    """lb_mini gives ranks different micro-batch counts: only ODC can run it."""
-    return not (comm == "collective" and policy == "lb_mini")
+    """Collectives need every rank to run the same number of micro-batches: only ODC can run a policy whose
+    counts differ (``equal_counts=False`` in :data:`odc_runtime.balance.POLICY_REGISTRY`, e.g. lb_mini)."""
+    return comm == "odc" or get_policy(policy).equal_counts
 
 
 def grid(comms: Sequence[str] = COMMS, policies: Sequence[str] = POLICIES) -> list[tuple[str, str]]:
@@ -158,12 +158,6 @@ class Schedule:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def split_minibatches(lengths: Sequence[int], minibatch_size: int) -> list[list[int]]:
-    """Consecutive minibatches of ``minibatch_size`` samples (a short tail is dropped, as drop_last does)."""
-    n = len(lengths) // minibatch_size
-    return [list(lengths[k * minibatch_size : (k + 1) * minibatch_size]) for k in range(n)]
-
-
 def build_schedule(
     minibatch_lengths: Sequence[Sequence[int]],
     world_size: int,
@@ -176,7 +170,8 @@ def build_schedule(
 ) -> Schedule:
     """Plan every minibatch with ``policy`` and lay it out for ``comm`` (see the module docstring).
 
-    Samples longer than ``max_tokens`` get a micro-batch of their own (``allow_oversized``).
+    Samples longer than ``max_tokens`` get a micro-batch of their own (``allow_oversized``). The result is
+    checked (:func:`check_schedule`) before it is returned, so no benchmark times a wrong schedule.
     """
     if comm not in COMMS:
         raise ValueError(f"unknown comm {comm!r}; choose from {COMMS}")
@@ -204,4 +199,26 @@ def build_schedule(
             ranks = [r + [MicroBatch((), 0, 0.0)] * (depth - len(r)) for r in ranks]
         minibatches.append(Minibatch(tuple(tuple(r) for r in ranks)))
         offset += len(lengths)
-    return Schedule(comm, policy, world_size, num_layers, tuple(minibatches))
+    schedule = Schedule(comm, policy, world_size, num_layers, tuple(minibatches))
+    check_schedule(schedule, minibatch_lengths, max_tokens=max_tokens)
+    return schedule
+
+
+def check_schedule(schedule: Schedule, minibatch_lengths: Sequence[Sequence[int]], *, max_tokens: int) -> None:
+    """Raise ``RuntimeError`` unless every minibatch places each of its samples exactly once within the token
+    cap (:func:`_common.check_plan`), with equal micro-batch counts under ``collective``, only non-empty
+    micro-batches under ``odc``, and token counts and costs that match the samples."""
+    if len(schedule.minibatches) != len(minibatch_lengths):
+        raise RuntimeError(f"schedule has {len(schedule.minibatches)} minibatches, expected {len(minibatch_lengths)}")
+    offset = 0
+    for k, (mb, lengths) in enumerate(zip(schedule.minibatches, minibatch_lengths, strict=True)):
+        what = f"{schedule.comm}/{schedule.policy} minibatch {k}"
+        local = [[[i - offset for i in m.samples] for m in mbs] for mbs in mb.ranks]
+        check_plan(local, lengths, world_size=schedule.world_size, max_tokens=max_tokens,
+                   equal_counts=schedule.comm == "collective", what=what)
+        if schedule.comm == "odc" and any(m.empty for mbs in mb.ranks for m in mbs):
+            raise RuntimeError(f"{what}: ODC schedule holds an empty micro-batch")
+        for m, ids in zip((m for mbs in mb.ranks for m in mbs), (ids for rank in local for ids in rank), strict=True):
+            if m.tokens != sum(lengths[i] for i in ids) or (m.empty and m.cost_s != 0.0):
+                raise RuntimeError(f"{what}: a micro-batch's token count or cost does not match its samples")
+        offset += len(lengths)

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 
 import _common
-from schedule import GPU_PEAK_FLOPS, MODELS, POLICIES, Schedule, build_schedule, grid, split_minibatches
+from schedule import GPU_PEAK_FLOPS, MODELS, POLICIES, Schedule, build_schedule, grid
 
 
 @dataclass(frozen=True)
@@ -114,12 +114,9 @@ def simulate(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from odc_runtime.workloads import PRESETS
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=8, help="GPUs (data-parallel ranks)")
-    p.add_argument("--preset", default="longalign_sft", choices=sorted(PRESETS))
-    p.add_argument("--lengths-file", default=None, help="sequence lengths (JSON list or one per line)")
+    _common.add_workload_args(p)
     p.add_argument("--model", default="7b", choices=sorted(MODELS))
     p.add_argument("--gpu", default="h100", choices=sorted(GPU_PEAK_FLOPS))
     p.add_argument("--mfu", type=float, default=0.4, help="achieved fraction of the GPU's bf16 peak")
@@ -128,31 +125,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minibatches", type=int, default=50)
     p.add_argument("--max-tokens", type=int, default=65536, help="token cap of a micro-batch")
     p.add_argument("--no-overlap", action="store_true", help="communication not overlapped with compute")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None)
-    p.add_argument("--plot", default=None, help="PNG path (default bench/results/simulate.png); 'none' to skip")
+    _common.add_output_args(p, "simulate")
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
-    from odc_runtime.workloads import load_lengths, sample_lengths
+LEGEND = {
+    "link": "modelled interconnect (LINKS: bandwidth and latency per operation)",
+    "comm": "collective = lockstep all-gather / reduce-scatter per layer; odc = fetch / push, one sync per minibatch",
+    "policy": "balancing policy (odc_runtime.balance.POLICY_REGISTRY)",
+    "s/minibatch": "predicted seconds per minibatch (compute + communication not hidden by overlap)",
+    "tokens/s": "predicted tokens per second over all GPUs",
+    "util": "predicted device utilisation: compute time / (GPUs × wall)",
+    "speedup": "time of the link's first configuration (collective + local_sort) / this one's",
+}
 
+
+def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     spec = MODELS[args.model]
     cost = spec.cost_model(GPU_PEAK_FLOPS[args.gpu] * args.mfu)
     mbs = args.minibatch_size or 16 * args.world
-    if args.lengths_file:
-        lengths = load_lengths(args.lengths_file)
-        source = args.lengths_file
-    else:
-        lengths = sample_lengths(args.preset, mbs * args.minibatches, seed=args.seed)
-        source = f"preset {args.preset} (seed {args.seed})"
-    batches = split_minibatches(lengths, mbs)
-    if not batches:
-        raise SystemExit(f"need at least {mbs} lengths for one minibatch, got {len(lengths)}")
+    batches, source = _common.load_minibatches(args, args.minibatches, mbs)
+    links = [name.strip() for name in args.link.split(",") if name.strip()]
+    unknown = sorted(set(links) - set(LINKS))
+    if unknown or not links:
+        raise SystemExit(f"--link: unknown {unknown}; choose from {', '.join(LINKS)}")
     layer_bytes = 2 * spec.layer_params()
     rows = []
-    for link_name in [s.strip() for s in args.link.split(",") if s.strip()]:
+    for link_name in links:
         link = LINKS[link_name]
         base = None
         for comm, policy in grid(policies=POLICIES):
@@ -166,10 +166,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nSimulated: {args.world} × {args.gpu.upper()} at MFU {args.mfu:g}, {spec.name} "
           f"({layer_bytes / 2**20:.0f} MiB bf16 per layer), {len(batches)} minibatches × {mbs} samples from "
           f"{source}, max {args.max_tokens} tokens per micro-batch, overlap={not args.no_overlap}")
-    print(_common.format_table(
-        ["link", "comm", "policy", "s/minibatch", "tokens/s", "util", "speedup"],
+    _common.print_table(
+        list(LEGEND),
         [[r["link"], r["comm"], r["policy"], r["s_per_minibatch"], r["tokens_per_s"], f"{r['utilization']:.1%}",
-          f"{r['speedup']:.3f}"] for r in rows]))
+          f"{r['speedup']:.3f}"] for r in rows], LEGEND)
     config = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     config.update(minibatch_size=mbs, layer_bytes=layer_bytes, links={k: vars(v) for k, v in LINKS.items()})
     first = rows[0]["link"]

@@ -6,7 +6,8 @@ rank's micro-batch. With ODC the only barrier is once per minibatch, so the time
 This module plans both kinds of schedule from sequence lengths and a per-sequence cost model, and predicts what
 each would waste (:func:`imbalance`). It is pure Python (no torch) so it can run in a data loader.
 
-A plan is ``plan[rank][i] = [sample indices of rank's i-th micro-batch]``. Policies (:data:`POLICIES`):
+A plan is ``plan[rank][i] = [sample indices of rank's i-th micro-batch]``. Policies (:data:`POLICY_REGISTRY`;
+:data:`POLICIES` lists their names):
 
 ``"local_sort"``
     The baseline: samples dealt round robin (``rank r`` gets indices ``r, r + W, r + 2W, ...``, as
@@ -28,25 +29,28 @@ import bisect
 import heapq
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from operator import itemgetter
+from types import MappingProxyType
 
 from odc_runtime.errors import OdcUsageError
 
 __all__ = [
     "DEFAULT_COST_MODEL",
     "POLICIES",
+    "POLICY_REGISTRY",
     "CostModel",
     "Imbalance",
     "Plan",
+    "Policy",
+    "get_policy",
     "imbalance",
     "plan",
 ]
 
 Plan = list[list[list[int]]]
-POLICIES = ("local_sort", "lb_micro", "lb_mini")
 
 
 # --------------------------------------------------------------------------------------------------- cost model
@@ -279,8 +283,7 @@ def plan(
     ``"lb_micro"`` on the same input (it evaluates their rank assignments as candidates), and within
     ``4/3 - 1/(3·world_size)`` of the optimum (it includes the LPT assignment, Graham's bound).
     """
-    if policy not in _PLANNERS:
-        raise OdcUsageError(f"unknown policy {policy!r}; valid policies: {', '.join(POLICIES)}")
+    planner = get_policy(policy).planner
     world_size = _check_positive_int("world_size", world_size)
     max_tokens = _check_positive_int("max_tokens", max_tokens)
     if not isinstance(cost, CostModel):
@@ -288,7 +291,7 @@ def plan(
     lens = _check_lengths(lengths)
     _check_oversized(lens, max_tokens, allow_oversized)
     job = _Job(lens, [cost.cost(s) for s in lens], world_size, max_tokens)
-    return _PLANNERS[policy](job)
+    return planner(job)
 
 
 def _plan_local_sort(job: _Job) -> Plan:
@@ -323,7 +326,51 @@ def _plan_lb_mini(job: _Job) -> Plan:
     return _pack_ranks(job, best)
 
 
-_PLANNERS = {"local_sort": _plan_local_sort, "lb_micro": _plan_lb_micro, "lb_mini": _plan_lb_mini}
+@dataclass(frozen=True)
+class Policy:
+    """One balancing policy: its name, its planner and what its plans promise.
+
+    ``planner`` receives the validated problem (lengths, per-sample costs, ranks, token cap) and returns a
+    :data:`Plan` with the guarantees :func:`plan` documents. ``equal_counts``: every rank gets the same number
+    of micro-batches (padded with empty ones where needed), so collectives (FSDP) can run the plan; when
+    ``False`` counts differ between ranks and only ODC can run it. ``summary`` is one line for tables and help.
+    """
+
+    name: str
+    planner: Callable[[_Job], Plan]
+    equal_counts: bool
+    summary: str
+
+    @property
+    def native_comm(self) -> str:
+        """The communication the policy is designed for: ``"collective"`` (equal counts) or ``"odc"``."""
+        return "collective" if self.equal_counts else "odc"
+
+
+#: Every balancing policy by name, in a fixed order (the baseline first). Adding a policy is one entry here:
+#: :func:`plan`, :data:`POLICIES`, the benchmarks and the examples all derive from this mapping.
+POLICY_REGISTRY: Mapping[str, Policy] = MappingProxyType({
+    p.name: p
+    for p in (
+        Policy("local_sort", _plan_local_sort, equal_counts=True,
+               summary="deal round robin, each rank sorts and packs its own samples; counts padded equal"),
+        Policy("lb_micro", _plan_lb_micro, equal_counts=True,
+               summary="equal counts, each micro-batch step balanced across ranks (the best for collectives)"),
+        Policy("lb_mini", _plan_lb_mini, equal_counts=False,
+               summary="each rank's total balanced over the minibatch; counts differ, zero allowed (ODC)"),
+    )
+})
+
+#: The policy names, in registry order.
+POLICIES: tuple[str, ...] = tuple(POLICY_REGISTRY)
+
+
+def get_policy(name: str) -> Policy:
+    """The registered policy called ``name``; :class:`OdcUsageError` naming the valid ones otherwise."""
+    policy = POLICY_REGISTRY.get(name) if isinstance(name, str) else None
+    if policy is None:
+        raise OdcUsageError(f"unknown policy {name!r}; valid policies: {', '.join(POLICY_REGISTRY)}")
+    return policy
 
 
 def _deal_round_robin(n: int, w: int) -> list[list[int]]:

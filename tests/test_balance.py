@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from odc_runtime import balance, workloads
-from odc_runtime.balance import DEFAULT_COST_MODEL, POLICIES, CostModel, imbalance, plan
+from odc_runtime.balance import DEFAULT_COST_MODEL, POLICIES, POLICY_REGISTRY, CostModel, get_policy, imbalance, plan
 from odc_runtime.errors import OdcUsageError
 from odc_runtime.workloads import PRESETS, TARGET_MEANS, load_lengths, sample_lengths
 
@@ -70,8 +70,9 @@ def test_deterministic(problem: tuple) -> None:
 def test_counts_and_order(problem: tuple) -> None:
     lengths, w, max_tokens, cost = problem
     plans = all_plans(lengths, w, max_tokens, cost)
-    for policy in ("local_sort", "lb_micro"):
-        assert len({len(rank) for rank in plans[policy]}) == 1, policy
+    for policy, entry in POLICY_REGISTRY.items():  # the registry's promise, for every registered policy
+        if entry.equal_counts:
+            assert len({len(rank) for rank in plans[policy]}) == 1, policy
     mb_cost = lambda mb: cost.cost_of(lengths[i] for i in mb)
     for policy in ("local_sort", "lb_mini"):
         for rank in plans[policy]:
@@ -178,6 +179,18 @@ def test_bad_arguments(kwargs: dict, message: str) -> None:
     args = {"lengths": [3, 4], "world_size": 2, "max_tokens": 10, "policy": "lb_mini"} | kwargs
     with pytest.raises(OdcUsageError, match=message):
         plan(args.pop("lengths"), args.pop("world_size"), **args)
+
+
+def test_policy_registry() -> None:
+    assert POLICIES == tuple(POLICY_REGISTRY) == ("local_sort", "lb_micro", "lb_mini")
+    assert {name: p.native_comm for name, p in POLICY_REGISTRY.items()} == {
+        "local_sort": "collective", "lb_micro": "collective", "lb_mini": "odc"}
+    for name, entry in POLICY_REGISTRY.items():
+        assert entry.name == name and entry.summary and get_policy(name) is entry
+    with pytest.raises(OdcUsageError, match="unknown policy 'nope'; valid policies: local_sort, lb_micro, lb_mini"):
+        get_policy("nope")
+    with pytest.raises(TypeError):
+        POLICY_REGISTRY["x"] = POLICY_REGISTRY["lb_mini"]  # read-only: register by editing the registry
 
 
 def test_balance_needs_no_torch() -> None:

@@ -13,6 +13,7 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
 
+import _common  # noqa: E402
 import schedule as sch  # noqa: E402
 import simulate  # noqa: E402
 
@@ -23,7 +24,7 @@ COST = sch.cost_model_for("7b", "h100", 0.4)
 
 
 def _batches(n_batches=3, size=24, seed=1):
-    return sch.split_minibatches(sample_lengths("longalign_sft", n_batches * size, seed=seed), size)
+    return _common.split_minibatches(sample_lengths("longalign_sft", n_batches * size, seed=seed), size)
 
 
 def _build(comm, policy, batches, world=4, layers=3):
