@@ -59,6 +59,7 @@ class ModelSpec:
     num_kv_heads: int
     intermediate_size: int
     vocab_size: int
+    tied_embeddings: bool = False  # the LM head shares the input embedding's weights
 
     def cost_model(self, flops_per_second: float) -> CostModel:
         """Seconds per sequence (forward + backward) at ``flops_per_second`` achieved."""
@@ -74,11 +75,16 @@ class ModelSpec:
         h_kv = self.num_kv_heads * (h // self.num_heads)
         return h * (h + 2 * h_kv) + h * h + 3 * h * self.intermediate_size
 
+    def params(self) -> int:
+        """All parameters: the layers, the input embedding and (untied) the LM head (norms, biases ignored)."""
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+        return self.num_layers * self.layer_params() + embeddings
+
 
 #: Qwen2.5 shapes (the model family of the ODC paper's experiments), plus Llama-3-8B.
 MODELS: dict[str, ModelSpec] = {
-    "0.5b": ModelSpec("Qwen2.5-0.5B", 24, 896, 14, 2, 4864, 151936),
-    "1.5b": ModelSpec("Qwen2.5-1.5B", 28, 1536, 12, 2, 8960, 151936),
+    "0.5b": ModelSpec("Qwen2.5-0.5B", 24, 896, 14, 2, 4864, 151936, tied_embeddings=True),
+    "1.5b": ModelSpec("Qwen2.5-1.5B", 28, 1536, 12, 2, 8960, 151936, tied_embeddings=True),
     "7b": ModelSpec("Qwen2.5-7B", 28, 3584, 28, 4, 18944, 152064),
     "8b": ModelSpec("Llama-3-8B", 32, 4096, 32, 8, 14336, 128256),
     "14b": ModelSpec("Qwen2.5-14B", 48, 5120, 40, 8, 13824, 152064),

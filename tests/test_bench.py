@@ -14,6 +14,7 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
 
 import _common  # noqa: E402
+import netmodel as nm  # noqa: E402
 import schedule as sch  # noqa: E402
 import simulate  # noqa: E402
 
@@ -148,3 +149,165 @@ def _has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+# ----------------------------------------------------------------------------------------------- shared plumbing
+
+
+@pytest.mark.parametrize("tool", ["balance", "comm", "imbalance", "netmodel", "simulate"])
+def test_every_benchmark_takes_json_and_plot(tool):
+    """The README promises --json PATH and --plot PATH for every benchmark."""
+    module = __import__(tool)
+    args = module.build_parser().parse_args(["--json", "out.json", "--plot", "none"])
+    assert args.json == "out.json" and args.plot == "none"
+
+
+def test_print_table_needs_a_legend_for_every_column(capsys):
+    text = _common.print_table(["a", "b"], [[1, 2.5]], {"a": "first", "b": "second"}, title="T")
+    assert capsys.readouterr().out.strip() == text.strip()
+    assert text.splitlines()[0] == "T" and "  a  first" in text and "  b  second" in text
+    with pytest.raises(ValueError, match=r"without a legend entry: \['b'\]"):
+        _common.print_table(["a", "b"], [[1, 2]], {"a": "first"})
+
+
+def test_check_plan_rejects_wrong_plans():
+    lengths = [5, 5, 5]
+    ok = [[[0, 1]], [[2]]]
+    _common.check_plan(ok, lengths, world_size=2, max_tokens=10, equal_counts=True)
+    bad = {
+        "ranks": [[[0, 1, 2]]],
+        "exactly once": [[[0, 1]], [[1, 2]]],
+        "exceeds max_tokens": [[[0, 1, 2]], []],
+        "counts differ": [[[0], [1]], [[2]]],
+    }
+    for message, plan in bad.items():
+        with pytest.raises(RuntimeError, match=message):
+            _common.check_plan(plan, lengths, world_size=2, max_tokens=10, equal_counts=True)
+    _common.check_plan([[[0], [1]], [[2]]], lengths, world_size=2, max_tokens=10, equal_counts=False)
+
+
+def test_schedule_check_catches_a_lost_sample():
+    batches = _batches(1)
+    s = _build("odc", "lb_mini", batches)
+    ranks = list(s.minibatches[0].ranks)
+    ranks[0] = ranks[0][1:]  # drop rank 0's first micro-batch
+    broken = sch.Schedule(s.comm, s.policy, s.world_size, s.num_layers, (sch.Minibatch(tuple(ranks)),))
+    with pytest.raises(RuntimeError, match="exactly once"):
+        sch.check_schedule(broken, batches, max_tokens=65536)
+
+
+def test_schedule_grid_follows_the_policy_registry():
+    from odc_runtime.balance import POLICY_REGISTRY
+
+    assert tuple(POLICY_REGISTRY) == sch.POLICIES
+    for name, policy in POLICY_REGISTRY.items():
+        assert ("odc", name) in sch.grid()
+        assert (("collective", name) in sch.grid()) == policy.equal_counts
+
+
+def test_load_minibatches_from_file_and_preset(tmp_path):
+    import argparse
+
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(str(n) for n in range(1, 12)))
+    args = argparse.Namespace(lengths_file=str(path), preset="longalign_sft", seed=0)
+    batches, source = _common.load_minibatches(args, 5, 4)
+    assert batches == [[1, 2, 3, 4], [5, 6, 7, 8]] and source == str(path)  # short tail dropped
+    with pytest.raises(SystemExit, match="need at least 20 lengths"):
+        _common.load_minibatches(args, 1, 20)
+    args.lengths_file = None
+    batches, source = _common.load_minibatches(args, 2, 3)
+    assert batches == _common.split_minibatches(sample_lengths("longalign_sft", 6, seed=0), 3)
+    assert source == "preset longalign_sft (seed 0)"
+
+
+def test_balance_cli(tmp_path):
+    import balance as bench_balance
+
+    out = tmp_path / "balance.json"
+    plot = tmp_path / "balance.png"
+    bench_balance.main(["--ranks", "2", "4", "--samples-per-rank", "8", "--big-samples", "0", "--repeats", "1",
+                        "--json", str(out), "--plot", str(plot) if _has_matplotlib() else "none"])
+    data = json.loads(out.read_text())
+    from odc_runtime.balance import POLICY_REGISTRY
+
+    assert [(r["world_size"], r["policy"]) for r in data["results"]] == [
+        (w, p) for w in (2, 4) for p in POLICY_REGISTRY]
+    for r in data["results"]:
+        assert r["native_schedule"] == POLICY_REGISTRY[r["policy"]].native_comm
+        assert r["max_over_mean"] >= 1.0
+    if _has_matplotlib():
+        assert plot.stat().st_size > 0
+
+
+# ----------------------------------------------------------------------------------------------- α–β model
+
+# Round numbers, so that every expected value below is computed by hand: G = 2 GPUs per node, NVLink 4 GB/s
+# (1 ms), atomics at half of it, network 1 GB/s per GPU (10 ms), HBM 8 GB/s, 1 GB locked cells and fetch chunks.
+HAND = nm.Cluster(gpus_per_node=2, nvlink_GBps=4.0, nvlink_latency_s=1e-3, atomic_efficiency=0.5, nic_GBps=1.0,
+                  nics_per_gpu=1.0, ib_latency_s=1e-2, hbm_GBps=8.0, locked_cell_bytes=10**9, locked_inflight=2,
+                  locked_latencies=7.0, fetch_chunk_bytes=10**9)
+S = 8e9  # bytes of one layer; on 2 nodes W = 4 and a shard is 2e9
+
+
+def test_netmodel_per_layer_formulas_by_hand():
+    approx = lambda x: pytest.approx(x, rel=1e-12)
+    # ring: 3 steps × 10 ms + max(3/4·8e9 / (2 NICs × 1 GB/s), 3/4·8e9·1/2 / 4 GB/s) = 0.03 + max(3, 0.75)
+    assert nm.ring_s(HAND, 2, S) == approx(3.03)
+    assert nm.ring_s(HAND, 1, S) == approx(0.001 + 1.0)  # one node: 1 NVLink step + 1/2·8e9 / 4e9
+    # tree: across nodes 1 step + 1/2·(8e9/2) / 1e9; inside 1 step + 1/2·8e9 / 4e9
+    assert nm.tree_phases(HAND, 2, S) == (approx(2.01), approx(1.001))
+    # hierarchical fetch: one remote shard over the NIC; the 2 non-own-index shards over NVLink
+    assert nm.hier_fetch_phases(HAND, 2, S) == (approx(0.01 + 2.0), approx(0.001 + 1.0))
+    # hierarchical push: 1/2·8e9 by atomics at 2 GB/s; one shard over the NIC + fold of 3 shards at 8 GB/s
+    assert nm.hier_push_phases(HAND, 2, S) == (approx(0.001 + 2.0), approx(0.01 + 2.0 + 0.75))
+    # direct: 2 remote shards over the NIC (4 s) vs 1 local shard over NVLink (0.5 s), in flight together
+    assert nm.direct_s(HAND, 2, S) == approx(0.01 + 4.0)
+    # locked push: 3 owners × 2 cells = 6 cells, 2 in flight: 3 rounds × 7 × 10 ms; wire max(2·2·2e9/1e9, ...)
+    assert nm.locked_push_s(HAND, 2, S) == approx(0.21 + 8.0)
+    # locked fetch: local 1 ms + 2e9/4e9; then 2 remote owners serially, each 2 gets (20 ms) + 2 s + copy 0.25 s
+    assert nm.locked_fetch_s(HAND, 2, S) == approx(0.501 + 2 * 2.27)
+    assert nm.pipelined(2.0, 1.0, 3) == 7.0
+    assert nm.sync_s(HAND, 2) == approx(2 * 2 * 0.01)
+
+
+def test_netmodel_minibatch_by_hand():
+    approx = lambda x: pytest.approx(x, rel=1e-12)
+    one = nm.Workload(params=4 * 10**9, layers=1, micro_batches=1, gathers=1, param_bytes=2, grad_bytes=2)
+    t = nm.minibatch_s(HAND, one, 2)
+    assert t["nccl_ring"] == approx(2 * 3.03)
+    assert t["nccl_tree"] == approx(2 * (2.01 + 1.001))
+    assert t["odc_hier"] == approx((2.01 + 1.001) + (2.76 + 2.001) + 0.04)
+    # 2 layers of 8e9 bytes, 2 micro-batches × 2 gathers: the layers pipeline, the cached variant fetches once
+    two = nm.Workload(params=8 * 10**9, layers=2, micro_batches=2, gathers=2, param_bytes=2, grad_bytes=2)
+    t = nm.minibatch_s(HAND, two, 2)
+    assert t["nccl_ring"] == approx(2 * 2 * (2 * 3.03 + 3.03))
+    fetch, push = 2 * 2.01 + 1.001, 2 * 2.76 + 2.001
+    assert t["odc_hier"] == approx(4 * fetch + 2 * push + 0.04)
+    assert t["odc_hier_cached"] == approx(fetch + 3 * 2 * 1.001 + 2 * 2 * 2.001 + 2 * 2.76 + 0.04)
+    assert t["odc_direct"] == approx(2 * (4 * 4.01 + 2 * 4.01) + 0.04)
+    assert t["odc_locked"] == approx(2 * (4 * 5.041 + 2 * 8.21) + 0.04)
+    assert nm.cache_bytes(HAND, two, 2) == approx(8e9)  # 1 remote shard of 2e9 params × (2 + 2) bytes
+    assert nm.cut_bound_s(HAND, two, 2) == approx(4.0)  # 1/2 · 16e9 bytes through 2 NICs of 1 GB/s
+    nm.check(HAND, two, 2, t)
+    with pytest.raises(RuntimeError, match="beats the network cut bound"):
+        nm.check(HAND, two, 2, {"too_fast": 3.9})
+
+
+def test_netmodel_cluster_validates():
+    with pytest.raises(ValueError, match="nic_GBps"):
+        nm.Cluster(nic_GBps=0.0)
+    with pytest.raises(ValueError, match="atomic_efficiency"):
+        nm.Cluster(atomic_efficiency=1.5)
+
+
+def test_netmodel_cli(tmp_path, capsys):
+    out = tmp_path / "net.json"
+    nm.main(["--models", "7b", "--nodes", "1,4", "--json", str(out), "--plot", "none"])
+    text = capsys.readouterr().out
+    assert "hier/nccl" in text and "at 4 nodes" in text
+    data = json.loads(out.read_text())
+    assert [r["nodes"] for r in data["rows"]] == [1, 4]
+    assert set(data["rows"][1]["seconds"]) == set(nm.DESIGNS)
+    at4 = data["rows"][1]["ratio_to_nccl"]["odc_hier"]
+    assert data["summary"]["Qwen2.5-7B"]["0.5"]["to_best"] == pytest.approx(at4)

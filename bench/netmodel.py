@@ -1,0 +1,385 @@
+"""α–β model of one minibatch's communication across nodes: hierarchical ODC, locked ODC, direct ODC, NCCL.
+
+    python bench/netmodel.py                                  # 7B/14B/32B, 2-64 nodes of 8 GPUs: table, JSON, PNG
+    python bench/netmodel.py --models 7b --nodes 4 --atomic-efficiency 1.0 --micro-batches 8
+
+Every transfer costs ``α + bytes / β`` (α: latency of one message or one algorithm step, β: achievable
+bandwidth). A minibatch is, on every rank, ``--micro-batches`` micro-batches; each gathers all parameters
+``--gathers`` times (forward, and again in backward: FSDP's ``reshard_after_forward``) and reduces its
+gradient once, layer by layer (one FSDP unit per transformer layer, parameters spread evenly over the
+layers). Parameters travel in bf16 (2 B), gradients in fp32 (4 B) in every design (ODC accumulates in fp32;
+FSDP2 with ``reduce_dtype=float32`` reduces in fp32). Compute, and its overlap with communication, is not
+modelled: the numbers are communication seconds per minibatch. ``W = N·G`` GPUs, ``N`` nodes of ``G`` GPUs;
+a full layer of ``S`` bytes is sharded ``S/W`` per owner.
+
+Designs (formulas per layer; ``B_nvl``: NVLink per GPU and direction, ``B_ib``: NIC bandwidth per GPU):
+
+``nccl_ring``
+    Ring all-gather / reduce-scatter over all ``W`` GPUs, one ring per NIC (as NCCL builds them), so each node
+    moves ``(W−1)/W·S`` through its ``G`` NICs and each GPU about ``(G−1)/G`` of its ring traffic over NVLink:
+    ``(W−1)·α_ib + max((W−1)/W·S / (G·B_ib), (W−1)/W·(G−1)/G·S / B_nvl)``.
+``nccl_tree``
+    The best a two-level collective can do: recursive doubling across nodes among the GPUs of one local index
+    (``⌈log2 N⌉·α_ib + (N−1)/N·(S/G) / B_ib``), then a ring inside the node (``(G−1)·α_nvl + (G−1)/G·S /
+    B_nvl``), the two phases pipelined over layers. NCCL ships trees for all-reduce only (and PAT for all-gather
+    / reduce-scatter at one GPU per node); this row is a lower bound for collectives, not a measured algorithm.
+``odc_hier``
+    The hierarchical design (issue 14). Fetch: each GPU gets the ``N−1`` remote shards of its own local index,
+    all in flight (``α_ib + (N−1)·S/W / B_ib``), and the node shares them over NVLink (each GPU reads the
+    ``W−N`` other shards from its ``G−1`` peers: ``α_nvl + (W−N)·S/W / B_nvl``). Push: fp32 atomics over NVLink
+    into same-node owners and into the staging buffer of the peer with the remote owner's local index
+    (``α_nvl + (G−1)/G·S / (e·B_nvl)``, ``e`` = ``--atomic-efficiency``), then one put per (source node,
+    owner) (``α_ib + (N−1)·S/W / B_ib``) and the owner's fold of ``N−1`` slots into its accumulator
+    (``(N+1)·S/W / B_hbm``). Cross-node traffic every micro-batch, memory bounded by one layer's slots; the
+    NVLink and network phases of successive layers are pipelined: ``L·max(a, b) + min(a, b)``.
+``odc_hier_cached``
+    The same, but remote parameter shards are fetched once per minibatch and kept on the node (parameters do
+    not change inside a minibatch), and gradients for remote owners are staged for the whole minibatch and
+    sent once, at ``sync()``. Cross-node traffic once per minibatch; costs ``(N−1)·P/W·(2 + 4)`` bytes of extra
+    GPU memory (column ``cache GB``).
+``odc_direct``
+    One-sided fetch / push without node aggregation (the paper's reference design; owner-side accumulation
+    free): each rank moves ``(W−G)·S/W`` through its own NIC and ``(G−1)·S/W`` over NVLink, in flight together:
+    ``α_ib + max((W−G)·S/W / B_ib, (G−1)·S/W / B_nvl)``.
+``odc_locked``
+    What this repository does on several nodes today: every push is lock + get + add + put on
+    ``--cell`` cells (``--inflight`` in flight, 2× the bytes, ``7·α_ib`` per round: lock and get round trips,
+    put + completion, unlock), same-node owners included; fetch reads same-node owners through peer pointers
+    and each remote owner serially in ``--fetch-chunk`` gets, each followed by a copy.
+
+ODC designs add one barrier per minibatch (``sync``: ``2·⌈log2 W⌉·α_ib``). Not modelled: congestion in the
+network core (a non-blocking fat tree is assumed), NVLink SHARP / InfiniBand SHARP in-network reduction (both
+would favour NCCL), NIC message-rate limits, kernel launch costs, stragglers, and compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import asdict, dataclass, replace
+
+import _common
+from schedule import MODELS
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Links of one GPU. Defaults: DGX/HGX H100 with one 400 Gb/s NDR NIC per GPU."""
+
+    gpus_per_node: int = 8
+    nvlink_GBps: float = 360.0  # per GPU and direction achieved (NVLink 4: 450 GB/s line; NCCL AG busbw ≈ 360)
+    nvlink_latency_s: float = 2e-6  # one NVLink step or one peer-pointer access
+    atomic_efficiency: float = 0.5  # fraction of nvlink_GBps that remote fp32 atomic adds reach (unmeasured here)
+    nic_GBps: float = 45.0  # per NIC achieved (400 Gb/s = 50 GB/s line, ~90%)
+    nics_per_gpu: float = 1.0
+    ib_latency_s: float = 5e-6  # one RDMA message / one algorithm step across nodes
+    hbm_GBps: float = 2700.0  # achieved HBM3 bandwidth (3.35 TB/s line), for copies and the fold kernel
+    locked_cell_bytes: int = 64 << 10
+    locked_inflight: int = 16
+    locked_latencies: float = 7.0  # α_ib per locked round: lock RTT, get RTT, put + completion, unlock
+    fetch_chunk_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"Cluster.{name} must be a finite number > 0, got {value!r}")
+        if self.atomic_efficiency > 1:
+            raise ValueError(f"Cluster.atomic_efficiency must be <= 1, got {self.atomic_efficiency}")
+
+    @property
+    def ib_GBps(self) -> float:
+        """Network bandwidth of one GPU (its share of the node's NICs)."""
+        return self.nic_GBps * self.nics_per_gpu
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one minibatch moves: ``params`` parameters in ``layers`` FSDP units, ``micro_batches`` per rank."""
+
+    params: int
+    layers: int
+    micro_batches: int = 4
+    gathers: int = 2  # parameter gathers per micro-batch: forward + backward
+    param_bytes: int = 2  # bf16
+    grad_bytes: int = 4  # fp32
+
+    @property
+    def layer_param_bytes(self) -> float:
+        return self.params * self.param_bytes / self.layers
+
+    @property
+    def layer_grad_bytes(self) -> float:
+        return self.params * self.grad_bytes / self.layers
+
+
+def _t(nbytes: float, gbps: float) -> float:
+    return nbytes / (gbps * GB)
+
+
+def pipelined(a: float, b: float, chunks: int) -> float:
+    """Two phases of ``chunks`` chunks each, chunk ``i``'s second phase overlapping chunk ``i+1``'s first."""
+    return chunks * max(a, b) + min(a, b)
+
+
+# --------------------------------------------------------------------------------------------------- per layer
+
+
+def ring_s(c: Cluster, nodes: int, nbytes: float) -> float:
+    """One NCCL ring all-gather (or reduce-scatter) of a full tensor of ``nbytes``."""
+    g = c.gpus_per_node
+    w = nodes * g
+    if nodes == 1:
+        return (g - 1) * c.nvlink_latency_s + _t((g - 1) / g * nbytes, c.nvlink_GBps)
+    moved = (w - 1) / w * nbytes
+    return (w - 1) * c.ib_latency_s + max(_t(moved, g * c.ib_GBps), _t(moved * (g - 1) / g, c.nvlink_GBps))
+
+
+def tree_phases(c: Cluster, nodes: int, nbytes: float) -> tuple[float, float]:
+    """Two-level collective: (across nodes, inside the node) seconds for one layer."""
+    g = c.gpus_per_node
+    inter = 0.0
+    if nodes > 1:
+        inter = math.ceil(math.log2(nodes)) * c.ib_latency_s + _t((nodes - 1) / nodes * nbytes / g, c.ib_GBps)
+    intra = (g - 1) * c.nvlink_latency_s + _t((g - 1) / g * nbytes, c.nvlink_GBps)
+    return inter, intra
+
+
+def hier_fetch_phases(c: Cluster, nodes: int, nbytes: float) -> tuple[float, float]:
+    """Hierarchical fetch of one layer: (network phase, NVLink phase)."""
+    g = c.gpus_per_node
+    w = nodes * g
+    shard = nbytes / w
+    net = c.ib_latency_s + _t((nodes - 1) * shard, c.ib_GBps) if nodes > 1 else 0.0
+    nvl = c.nvlink_latency_s + _t((w - nodes) * shard, c.nvlink_GBps)
+    return net, nvl
+
+
+def hier_push_phases(c: Cluster, nodes: int, nbytes: float) -> tuple[float, float]:
+    """Hierarchical push of one layer: (NVLink atomics phase, network put + owner fold phase)."""
+    g = c.gpus_per_node
+    w = nodes * g
+    shard = nbytes / w
+    nvl = c.nvlink_latency_s + _t((g - 1) / g * nbytes, c.nvlink_GBps * c.atomic_efficiency)
+    net = 0.0
+    if nodes > 1:
+        net = c.ib_latency_s + _t((nodes - 1) * shard, c.ib_GBps) + _t((nodes + 1) * shard, c.hbm_GBps)
+    return nvl, net
+
+
+def direct_s(c: Cluster, nodes: int, nbytes: float) -> float:
+    """One-sided fetch or push of one layer without node aggregation (1× bytes, all transfers in flight)."""
+    g = c.gpus_per_node
+    w = nodes * g
+    shard = nbytes / w
+    return c.ib_latency_s + max(_t((w - g) * shard, c.ib_GBps), _t((g - 1) * shard, c.nvlink_GBps))
+
+
+def locked_push_s(c: Cluster, nodes: int, nbytes: float) -> float:
+    """Locked push of one layer: lock + get + add + put per cell, ``locked_inflight`` cells at a time."""
+    g = c.gpus_per_node
+    w = nodes * g
+    shard = nbytes / w
+    rounds = math.ceil((w - 1) * math.ceil(shard / c.locked_cell_bytes) / c.locked_inflight)
+    wire = max(_t(2 * (w - g) * shard, c.ib_GBps), _t(2 * (g - 1) * shard, c.nvlink_GBps))
+    return rounds * c.locked_latencies * c.ib_latency_s + wire
+
+
+def locked_fetch_s(c: Cluster, nodes: int, nbytes: float) -> float:
+    """Fetch of one layer today: same-node owners through peer pointers, each remote owner serially in
+    ``fetch_chunk_bytes`` gets, each followed by a copy out of the scratch buffer."""
+    g = c.gpus_per_node
+    w = nodes * g
+    shard = nbytes / w
+    local = c.nvlink_latency_s + _t((g - 1) * shard, c.nvlink_GBps)
+    chunks = math.ceil(shard / c.fetch_chunk_bytes)
+    per_owner = chunks * c.ib_latency_s + _t(shard, c.ib_GBps) + _t(shard, c.hbm_GBps)
+    return local + (w - g) * per_owner
+
+
+# --------------------------------------------------------------------------------------------------- minibatch
+
+
+DESIGNS = ("nccl_ring", "nccl_tree", "odc_hier", "odc_hier_cached", "odc_direct", "odc_locked")
+
+
+def sync_s(c: Cluster, nodes: int) -> float:
+    """ODC's one barrier per minibatch (dissemination barrier: ⌈log2 W⌉ rounds of one round trip)."""
+    return 2 * math.ceil(math.log2(max(2, nodes * c.gpus_per_node))) * c.ib_latency_s
+
+
+def minibatch_s(c: Cluster, wl: Workload, nodes: int) -> dict[str, float]:
+    """Communication seconds of one minibatch per design (see the module docstring)."""
+    sp, sg, layers = wl.layer_param_bytes, wl.layer_grad_bytes, wl.layers
+    passes = wl.micro_batches * wl.gathers
+    out = {}
+    out["nccl_ring"] = wl.micro_batches * layers * (wl.gathers * ring_s(c, nodes, sp) + ring_s(c, nodes, sg))
+    out["nccl_tree"] = wl.micro_batches * (wl.gathers * pipelined(*tree_phases(c, nodes, sp), layers)
+                                           + pipelined(*tree_phases(c, nodes, sg), layers))
+    fetch_net, fetch_nvl = hier_fetch_phases(c, nodes, sp)
+    push_nvl, push_net = hier_push_phases(c, nodes, sg)
+    sync = sync_s(c, nodes)
+    out["odc_hier"] = (passes * pipelined(fetch_net, fetch_nvl, layers)
+                       + wl.micro_batches * pipelined(push_nvl, push_net, layers) + sync)
+    out["odc_hier_cached"] = (pipelined(fetch_net, fetch_nvl, layers) + (passes - 1) * layers * fetch_nvl
+                              + wl.micro_batches * layers * push_nvl + layers * push_net + sync)
+    out["odc_direct"] = layers * (passes * direct_s(c, nodes, sp) + wl.micro_batches * direct_s(c, nodes, sg)) + sync
+    out["odc_locked"] = layers * (passes * locked_fetch_s(c, nodes, sp)
+                                  + wl.micro_batches * locked_push_s(c, nodes, sg)) + sync
+    return out
+
+
+def cache_bytes(c: Cluster, wl: Workload, nodes: int) -> float:
+    """Extra GPU memory of ``odc_hier_cached``: remote parameter shards and gradient staging for the minibatch."""
+    return (nodes - 1) * wl.params / (nodes * c.gpus_per_node) * (wl.param_bytes + wl.grad_bytes)
+
+
+def cut_bound_s(c: Cluster, wl: Workload, nodes: int) -> float:
+    """Seconds no design can beat: in a minibatch each node must receive at least once the ``(N−1)/N`` of the
+    parameters that other nodes own, and send at least once the ``(N−1)/N`` of its summed gradient that other
+    nodes own, through its ``G`` NICs (full duplex: the larger of the two directions)."""
+    node_bw = c.gpus_per_node * c.ib_GBps
+    frac = (nodes - 1) / nodes
+    return _t(frac * wl.params * max(wl.param_bytes, wl.grad_bytes), node_bw)
+
+
+def check(c: Cluster, wl: Workload, nodes: int, times: dict[str, float]) -> None:
+    """Raise ``RuntimeError`` if a prediction is not a positive finite number or beats the network cut bound."""
+    bound = cut_bound_s(c, wl, nodes)
+    for design, t in times.items():
+        if not (math.isfinite(t) and t > 0):
+            raise RuntimeError(f"{design} at {nodes} nodes: predicted {t!r} s")
+        if t < bound * (1 - 1e-12):
+            raise RuntimeError(f"{design} at {nodes} nodes: {t:.4g} s beats the network cut bound {bound:.4g} s")
+
+
+# --------------------------------------------------------------------------------------------------- CLI
+
+
+LEGEND = {
+    "model": "parameter count P (bf16 parameters, fp32 gradients), spread over its layers",
+    "nodes": "nodes N of --gpus-per-node GPUs",
+    "ring ms": "NCCL ring all-gather ×gathers + reduce-scatter per micro-batch, ms per minibatch",
+    "tree ms": "two-level (recursive doubling across nodes + NVLink ring) collectives, ms per minibatch",
+    "hier ms": "hierarchical ODC, cross-node traffic every micro-batch (bounded memory), ms per minibatch",
+    "hier/nccl": "hier ms / the better of ring ms and tree ms (issue 14's target: ≤ 1.3 at 4 nodes)",
+    "cached/nccl": "hierarchical ODC with remote parameters and gradient staging kept for the minibatch / NCCL",
+    "cache GB": "extra GPU memory per GPU that the cached variant needs",
+    "direct/nccl": "one-sided ODC without node aggregation (the paper's reference design) / NCCL",
+    "locked/nccl": "this repository's multi-node path today (locked push, serial remote fetch) / NCCL",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = Cluster()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="7b,14b,32b", help=f"comma-separated subset of {','.join(MODELS)}")
+    p.add_argument("--nodes", default="2,4,8,16,32,64", help="node counts")
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per rank per minibatch")
+    p.add_argument("--gathers", type=int, default=2, help="parameter gathers per micro-batch (fwd + bwd)")
+    p.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
+    p.add_argument("--nvlink-gbps", type=float, default=d.nvlink_GBps, help="NVLink GB/s per GPU and direction")
+    p.add_argument("--nvlink-latency-us", type=float, default=d.nvlink_latency_s * 1e6)
+    p.add_argument("--atomic-efficiency", type=float, default=d.atomic_efficiency,
+                   help="fraction of NVLink bandwidth that remote fp32 atomic adds reach")
+    p.add_argument("--nic-gbps", type=float, default=d.nic_GBps, help="GB/s of one NIC, achieved")
+    p.add_argument("--nics-per-gpu", type=float, default=d.nics_per_gpu)
+    p.add_argument("--ib-latency-us", type=float, default=d.ib_latency_s * 1e6)
+    p.add_argument("--hbm-gbps", type=float, default=d.hbm_GBps)
+    p.add_argument("--cell", type=int, default=d.locked_cell_bytes, help="bytes of one locked-push cell")
+    p.add_argument("--inflight", type=int, default=d.locked_inflight, help="locked-push cells in flight")
+    p.add_argument("--fetch-chunk", type=int, default=d.fetch_chunk_bytes, help="bytes of one remote fetch get")
+    _common.add_output_args(p, "netmodel")
+    return p
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"{what}: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise SystemExit(f"{what}: expected positive integers, got {text!r}")
+    return values
+
+
+def run(c: Cluster, models: list[str], nodes: list[int], micro_batches: int, gathers: int) -> list[dict]:
+    """One row per (model, node count): seconds per design, ratios to the better NCCL algorithm, checked."""
+    rows = []
+    for key in models:
+        spec = MODELS[key]
+        wl = Workload(spec.params(), spec.num_layers, micro_batches=micro_batches, gathers=gathers)
+        for n in nodes:
+            times = minibatch_s(c, wl, n)
+            check(c, wl, n, times)
+            nccl = min(times["nccl_ring"], times["nccl_tree"])
+            rows.append({"model": spec.name, "params": wl.params, "layers": wl.layers, "nodes": n,
+                         "gpus": n * c.gpus_per_node, "seconds": times,
+                         "ratio_to_nccl": {d: t / nccl for d, t in times.items()},
+                         "cache_bytes": cache_bytes(c, wl, n), "cut_bound_s": cut_bound_s(c, wl, n)})
+    return rows
+
+
+SUMMARY_NODES = 4
+ATOMIC_EFFICIENCIES = (0.25, 0.5, 1.0)
+
+
+def summarize(c: Cluster, models: list[str], nodes: list[int], micro_batches: int, gathers: int) -> dict:
+    """At :data:`SUMMARY_NODES` nodes (when asked for): odc_hier / NCCL per model, for the cluster's atomic
+    efficiency and for each of :data:`ATOMIC_EFFICIENCIES` (the least certain assumption)."""
+    if SUMMARY_NODES not in nodes:
+        return {"summary": {}, "lines": []}
+    summary, lines = {}, [f"at {SUMMARY_NODES} nodes, odc_hier / best NCCL (/ NCCL ring) by NVLink atomic efficiency:"]
+    for key in models:
+        per = {}
+        for e in sorted({*ATOMIC_EFFICIENCIES, c.atomic_efficiency}):
+            row = run(replace(c, atomic_efficiency=e), [key], [SUMMARY_NODES], micro_batches, gathers)[0]
+            s = row["seconds"]
+            per[e] = {"to_best": row["ratio_to_nccl"]["odc_hier"], "to_ring": s["odc_hier"] / s["nccl_ring"]}
+        summary[MODELS[key].name] = {str(e): v for e, v in per.items()}
+        lines.append(f"  {MODELS[key].name:<12} " + "  ".join(
+            f"e={e:g}: {v['to_best']:.2f} ({v['to_ring']:.2f})" for e, v in per.items()))
+    return {"summary": summary, "lines": lines}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown or not models:
+        raise SystemExit(f"--models: unknown {unknown}; choose from {', '.join(MODELS)}")
+    nodes = _ints(args.nodes, "--nodes")
+    if args.micro_batches < 1 or args.gathers < 1:
+        raise SystemExit("--micro-batches and --gathers must be at least 1")
+    try:
+        c = Cluster(gpus_per_node=args.gpus_per_node, nvlink_GBps=args.nvlink_gbps,
+                    nvlink_latency_s=args.nvlink_latency_us * 1e-6, atomic_efficiency=args.atomic_efficiency,
+                    nic_GBps=args.nic_gbps, nics_per_gpu=args.nics_per_gpu, ib_latency_s=args.ib_latency_us * 1e-6,
+                    hbm_GBps=args.hbm_gbps, locked_cell_bytes=args.cell, locked_inflight=args.inflight,
+                    fetch_chunk_bytes=args.fetch_chunk)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    rows = run(c, models, nodes, args.micro_batches, args.gathers)
+    title = (f"\nα–β model, communication per minibatch ({args.micro_batches} micro-batches × {args.gathers} "
+             f"gathers + 1 reduction per rank), {c.gpus_per_node} GPUs per node; NVLink {c.nvlink_GBps:g} GB/s "
+             f"({c.nvlink_latency_s * 1e6:g} µs), atomics at {c.atomic_efficiency:g} of it; network "
+             f"{c.ib_GBps:g} GB/s per GPU ({c.ib_latency_s * 1e6:g} µs); HBM {c.hbm_GBps:g} GB/s")
+    table = [[r["model"], r["nodes"], r["seconds"]["nccl_ring"] * 1e3, r["seconds"]["nccl_tree"] * 1e3,
+              r["seconds"]["odc_hier"] * 1e3, f"{r['ratio_to_nccl']['odc_hier']:.2f}",
+              f"{r['ratio_to_nccl']['odc_hier_cached']:.2f}", f"{r['cache_bytes'] / GB:.1f}",
+              f"{r['ratio_to_nccl']['odc_direct']:.2f}", f"{r['ratio_to_nccl']['odc_locked']:.2f}"] for r in rows]
+    _common.print_table(list(LEGEND), table, LEGEND, title=title)
+    sensitivity = summarize(c, models, nodes, args.micro_batches, args.gathers)
+    for line in sensitivity["lines"]:
+        print(line)
+    config = {"cluster": asdict(c), "micro_batches": args.micro_batches, "gathers": args.gathers,
+              "param_bytes": 2, "grad_bytes": 4, "designs": list(DESIGNS), "model": __doc__}
+    payload = {"rows": rows, "config": config, "summary": sensitivity["summary"]}
+    _common.write_outputs(args, "netmodel", payload,
+                          lambda plots, path: plots.plot_netmodel(rows, path, title="α–β model: time / NCCL"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
