@@ -101,6 +101,28 @@ def add_output_args(parser: argparse.ArgumentParser, name: str) -> None:
                         help=f"PNG path (default {default_plot_path(name).relative_to(REPO_ROOT)}); 'none' to skip")
 
 
+def comma_list(choices: Iterable[str] | None = None, *, cast: Callable[[str], object] = str,
+               minimum: int | None = None) -> Callable[[str], list]:
+    """An argparse ``type``: a comma-separated list, each item ``cast`` and checked against ``choices`` (or
+    ``>= minimum``); an empty list or a bad item is a usage error that names the valid values."""
+    allowed = None if choices is None else tuple(choices)
+
+    def parse(text: str) -> list:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        try:
+            values = [cast(t) for t in items]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {cast.__name__} values, got {text!r}") from None
+        bad = [v for v in values if (allowed is not None and v not in allowed) or (minimum is not None and v < minimum)]
+        if bad or not values:
+            valid = f"choose from {', '.join(allowed)}" if allowed is not None else f"each at least {minimum}"
+            raise argparse.ArgumentTypeError(f"{text!r}: {'bad ' + repr(bad) if bad else 'empty'}; {valid}")
+        return values
+
+    parse.__name__ = "comma-separated list"  # argparse names the type in its error messages
+    return parse
+
+
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """Where the sequence lengths come from: ``--preset`` (synthetic, seeded) or ``--lengths-file`` (real)."""
     from odc_runtime.workloads import PRESETS

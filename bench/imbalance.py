@@ -31,7 +31,7 @@ import time
 
 import _common
 from _common import launch, progress
-from schedule import GPU_PEAK_FLOPS, MODELS, POLICIES, build_schedule, grid
+from schedule import COMMS, GPU_PEAK_FLOPS, MODELS, POLICIES, build_schedule, grid
 
 # --quick picks the time scale that makes the whole grid's modelled compute last QUICK_BUDGET_S seconds,
 # so that it takes about a minute (with start-up) whatever the preset or model.
@@ -64,8 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {FULL['layers']}; --layers 0 = the model's layer count)")
     p.add_argument("--layer-mb", type=float, default=1.0, help="MiB of fp32 parameters per executed layer")
     p.add_argument("--compute", choices=("sleep", "busy"), default="sleep")
-    p.add_argument("--comms", default="collective,odc")
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--comms", default=",".join(COMMS), type=_common.comma_list(COMMS),
+                   help="communication modes to compare")
+    p.add_argument("--policies", default=",".join(POLICIES), type=_common.comma_list(POLICIES),
+                   help="balancing policies (odc_runtime.balance.POLICY_REGISTRY)")
     p.add_argument("--timeline-minibatch", type=int, default=None,
                    help="minibatch shown in the timeline plot (default: the one with the median imbalance)")
     _common.add_output_args(p, "imbalance")
@@ -91,12 +93,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 def make_schedules(args, batches, world):
     spec = MODELS[args.model]
     cost = spec.cost_model(GPU_PEAK_FLOPS[args.gpu] * args.mfu)
-    comms = [c.strip() for c in args.comms.split(",") if c.strip()]
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     return {
         (comm, policy): build_schedule(batches, world, comm=comm, policy=policy, cost=cost,
                                        max_tokens=args.max_tokens, num_layers=args.layers)
-        for comm, policy in grid(comms, policies)
+        for comm, policy in grid(args.comms, args.policies)
     }
 
 

@@ -119,6 +119,12 @@ def _t(nbytes: float, gbps: float) -> float:
     return nbytes / (gbps * GB)
 
 
+def _shape(c: Cluster, nodes: int, nbytes: float) -> tuple[int, int, float]:
+    """(GPUs per node G, world W, bytes of one owner's shard S/W)."""
+    g = c.gpus_per_node
+    return g, nodes * g, nbytes / (nodes * g)
+
+
 def pipelined(a: float, b: float, chunks: int) -> float:
     """Two phases of ``chunks`` chunks each, chunk ``i``'s second phase overlapping chunk ``i+1``'s first."""
     return chunks * max(a, b) + min(a, b)
@@ -149,9 +155,7 @@ def tree_phases(c: Cluster, nodes: int, nbytes: float) -> tuple[float, float]:
 
 def hier_fetch_phases(c: Cluster, nodes: int, nbytes: float) -> tuple[float, float]:
     """Hierarchical fetch of one layer: (network phase, NVLink phase)."""
-    g = c.gpus_per_node
-    w = nodes * g
-    shard = nbytes / w
+    _, w, shard = _shape(c, nodes, nbytes)
     net = c.ib_latency_s + _t((nodes - 1) * shard, c.ib_GBps) if nodes > 1 else 0.0
     nvl = c.nvlink_latency_s + _t((w - nodes) * shard, c.nvlink_GBps)
     return net, nvl
@@ -159,9 +163,7 @@ def hier_fetch_phases(c: Cluster, nodes: int, nbytes: float) -> tuple[float, flo
 
 def hier_push_phases(c: Cluster, nodes: int, nbytes: float) -> tuple[float, float]:
     """Hierarchical push of one layer: (NVLink atomics phase, network put + owner fold phase)."""
-    g = c.gpus_per_node
-    w = nodes * g
-    shard = nbytes / w
+    g, _, shard = _shape(c, nodes, nbytes)
     nvl = c.nvlink_latency_s + _t((g - 1) / g * nbytes, c.nvlink_GBps * c.atomic_efficiency)
     net = 0.0
     if nodes > 1:
@@ -171,17 +173,13 @@ def hier_push_phases(c: Cluster, nodes: int, nbytes: float) -> tuple[float, floa
 
 def direct_s(c: Cluster, nodes: int, nbytes: float) -> float:
     """One-sided fetch or push of one layer without node aggregation (1× bytes, all transfers in flight)."""
-    g = c.gpus_per_node
-    w = nodes * g
-    shard = nbytes / w
+    g, w, shard = _shape(c, nodes, nbytes)
     return c.ib_latency_s + max(_t((w - g) * shard, c.ib_GBps), _t((g - 1) * shard, c.nvlink_GBps))
 
 
 def locked_push_s(c: Cluster, nodes: int, nbytes: float) -> float:
     """Locked push of one layer: lock + get + add + put per cell, ``locked_inflight`` cells at a time."""
-    g = c.gpus_per_node
-    w = nodes * g
-    shard = nbytes / w
+    g, w, shard = _shape(c, nodes, nbytes)
     rounds = math.ceil((w - 1) * math.ceil(shard / c.locked_cell_bytes) / c.locked_inflight)
     wire = max(_t(2 * (w - g) * shard, c.ib_GBps), _t(2 * (g - 1) * shard, c.nvlink_GBps))
     return rounds * c.locked_latencies * c.ib_latency_s + wire
@@ -190,9 +188,7 @@ def locked_push_s(c: Cluster, nodes: int, nbytes: float) -> float:
 def locked_fetch_s(c: Cluster, nodes: int, nbytes: float) -> float:
     """Fetch of one layer today: same-node owners through peer pointers, each remote owner serially in
     ``fetch_chunk_bytes`` gets, each followed by a copy out of the scratch buffer."""
-    g = c.gpus_per_node
-    w = nodes * g
-    shard = nbytes / w
+    g, w, shard = _shape(c, nodes, nbytes)
     local = c.nvlink_latency_s + _t((g - 1) * shard, c.nvlink_GBps)
     chunks = math.ceil(shard / c.fetch_chunk_bytes)
     per_owner = chunks * c.ib_latency_s + _t(shard, c.ib_GBps) + _t(shard, c.hbm_GBps)
@@ -275,8 +271,10 @@ LEGEND = {
 def build_parser() -> argparse.ArgumentParser:
     d = Cluster()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="7b,14b,32b", help=f"comma-separated subset of {','.join(MODELS)}")
-    p.add_argument("--nodes", default="2,4,8,16,32,64", help="node counts")
+    p.add_argument("--models", default="7b,14b,32b", type=_common.comma_list(MODELS),
+                   help=f"comma-separated subset of {','.join(MODELS)}")
+    p.add_argument("--nodes", default="2,4,8,16,32,64", type=_common.comma_list(cast=int, minimum=1),
+                   help="node counts")
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per rank per minibatch")
     p.add_argument("--gathers", type=int, default=2, help="parameter gathers per micro-batch (fwd + bwd)")
     p.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
@@ -293,16 +291,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fetch-chunk", type=int, default=d.fetch_chunk_bytes, help="bytes of one remote fetch get")
     _common.add_output_args(p, "netmodel")
     return p
-
-
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise SystemExit(f"{what}: expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise SystemExit(f"{what}: expected positive integers, got {text!r}")
-    return values
 
 
 def run(c: Cluster, models: list[str], nodes: list[int], micro_batches: int, gathers: int) -> list[dict]:
@@ -346,11 +334,7 @@ def summarize(c: Cluster, models: list[str], nodes: list[int], micro_batches: in
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = sorted(set(models) - set(MODELS))
-    if unknown or not models:
-        raise SystemExit(f"--models: unknown {unknown}; choose from {', '.join(MODELS)}")
-    nodes = _ints(args.nodes, "--nodes")
+    models, nodes = args.models, args.nodes
     if args.micro_batches < 1 or args.gathers < 1:
         raise SystemExit("--micro-batches and --gathers must be at least 1")
     try:

@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="7b", choices=sorted(MODELS))
     p.add_argument("--gpu", default="h100", choices=sorted(GPU_PEAK_FLOPS))
     p.add_argument("--mfu", type=float, default=0.4, help="achieved fraction of the GPU's bf16 peak")
-    p.add_argument("--link", default="nvlink,ib", help=f"comma-separated subset of {','.join(LINKS)}")
+    p.add_argument("--link", default="nvlink,ib", type=_common.comma_list(LINKS),
+                   help=f"comma-separated subset of {','.join(LINKS)}")
     p.add_argument("--minibatch-size", type=int, default=None, help="samples per minibatch (default 16 × world)")
     p.add_argument("--minibatches", type=int, default=50)
     p.add_argument("--max-tokens", type=int, default=65536, help="token cap of a micro-batch")
@@ -146,13 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     cost = spec.cost_model(GPU_PEAK_FLOPS[args.gpu] * args.mfu)
     mbs = args.minibatch_size or 16 * args.world
     batches, source = _common.load_minibatches(args, args.minibatches, mbs)
-    links = [name.strip() for name in args.link.split(",") if name.strip()]
-    unknown = sorted(set(links) - set(LINKS))
-    if unknown or not links:
-        raise SystemExit(f"--link: unknown {unknown}; choose from {', '.join(LINKS)}")
     layer_bytes = 2 * spec.layer_params()
     rows = []
-    for link_name in links:
+    for link_name in args.link:
         link = LINKS[link_name]
         base = None
         for comm, policy in grid(policies=POLICIES):
