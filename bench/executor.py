@@ -226,10 +226,12 @@ def check_gather(comm, num_layers: int, world: int) -> None:
         want = torch.arange(world, dtype=got.dtype, device=got.device) * num_layers + layer + 1
         if not bool((got == want[:, None]).all()):
             raise RuntimeError(f"{comm.name}: layer {layer}'s gathered parameters are not the owners' shards")
+    # ODC's fetch reads the owner's memory directly: no owner may zero its shard while a slower rank still
+    # fetches it, hence the barrier before the reset (publish() then makes the zeros what later fetches see).
+    dist.barrier()
     for layer in range(num_layers):
         comm.set_shard(layer, 0.0)
     comm.publish()
-    dist.barrier()  # nobody starts gathering the zeroed shards while a slower rank still checks
 
 
 def warm_up(comm, num_layers: int, world: int) -> None:

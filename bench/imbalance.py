@@ -1,6 +1,7 @@
-"""Load imbalance: W real processes train a long-tailed minibatch stream with collectives or with ODC.
+"""Load imbalance: W real processes run a long-tailed minibatch stream with collectives or with ODC, with real
+communication and modelled (slept) compute: no model is trained.
 
-    python bench/imbalance.py --quick             # ~1 minute on 2 cores: spawns 4 ranks itself
+    python bench/imbalance.py --quick             # under a minute (40-50 s on 2 busy cores): spawns 4 ranks
     python bench/imbalance.py                     # fuller run
     torchrun --nproc-per-node 4 bench/imbalance.py --quick
     python bench/imbalance.py --preset swe_agentic --model 1.5b --json out.json --plot out.png
@@ -34,7 +35,8 @@ from _common import launch, progress
 from schedule import COMMS, GPU_PEAK_FLOPS, MODELS, POLICIES, build_schedule, grid
 
 # --quick picks the time scale that makes the whole grid's modelled compute last QUICK_BUDGET_S seconds,
-# so that it takes about a minute (with start-up) whatever the preset or model.
+# so that it takes under a minute (with start-up and planning: 40-50 s measured on 2 busy cores) whatever the preset
+# or model.
 QUICK = {"minibatches": 6, "minibatch_size": 32, "time_scale": None, "layers": 4, "budget_s": 25.0}
 FULL = {"minibatches": 12, "minibatch_size": 64, "time_scale": 0.03, "layers": 8, "budget_s": None}
 
@@ -43,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
     p.add_argument("--quick", action="store_true",
-                   help=f"short run (about a minute on 2 cores): {QUICK}")
+                   help=f"short run (under a minute: 40-50 s on 2 busy cores): {QUICK}")
     _common.add_workload_args(p)
     p.add_argument("--model", default="7b", choices=sorted(MODELS), help="model whose compute is modelled")
     p.add_argument("--gpu", default="h100", choices=sorted(GPU_PEAK_FLOPS))

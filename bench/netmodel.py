@@ -255,7 +255,7 @@ def check(c: Cluster, wl: Workload, nodes: int, times: dict[str, float]) -> None
 
 
 LEGEND = {
-    "model": "parameter count P (bf16 parameters, fp32 gradients), spread over its layers",
+    "model": "model shape (bench/schedule.py MODELS); all its parameters, spread evenly over its layers",
     "nodes": "nodes N of --gpus-per-node GPUs",
     "ring ms": "NCCL ring all-gather ×gathers + reduce-scatter per micro-batch, ms per minibatch",
     "tree ms": "two-level (recursive doubling across nodes + NVLink ring) collectives, ms per minibatch",
