@@ -18,6 +18,10 @@ import socket
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -60,7 +64,7 @@ def _spawn_entry(local_rank: int, fn: Callable, world_size: int, port: int, args
     fn(*args)
 
 
-def launch(fn: Callable, nproc: int, *args) -> None:
+def launch(fn: Callable[..., None], nproc: int, *args: object) -> None:
     """Run ``fn(*args)`` on every rank: in this process under torchrun, else in ``nproc`` spawned processes.
 
     ``fn`` must be a module-level function; it reads its rank from the environment (``RANK``, ``LOCAL_RANK``,
@@ -74,7 +78,7 @@ def launch(fn: Callable, nproc: int, *args) -> None:
     mp.spawn(_spawn_entry, args=(fn, nproc, _free_port(), args), nprocs=nproc, join=True)
 
 
-def init_distributed(device: str):
+def init_distributed(device: str) -> tuple[int, int, torch.device]:
     """``init_process_group`` (gloo on CPU, nccl on CUDA) from the environment; returns (rank, world, device)."""
     import torch
     import torch.distributed as dist
@@ -271,7 +275,7 @@ def default_plot_path(name: str) -> Path:
     return RESULTS_DIR / f"{name}.png"
 
 
-def write_outputs(args, name: str, payload: dict, draw: Callable[[object, str], None]) -> None:
+def write_outputs(args: argparse.Namespace, name: str, payload: dict, draw: Callable[[object, str], None]) -> None:
     """Write ``payload`` to ``--json`` if given, then ``draw(plots_module, path)`` unless ``--plot none``.
 
     The plot is skipped with one line when matplotlib (the ``bench`` extra) is missing.

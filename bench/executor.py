@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -46,10 +48,29 @@ class MinibatchRecord:
     events: list[tuple[str, float, float]] = field(default_factory=list)
 
 
+class Handle(Protocol):
+    """An asynchronous operation in flight (a torch.distributed Work, an ODC handle)."""
+
+    def wait(self) -> object: ...
+
+
+class Comm(Protocol):
+    """What :func:`run_minibatch` needs of a communication mode (:class:`CollectiveComm`, :class:`OdcComm`)."""
+
+    name: str
+
+    def gather(self, layer: int, slot: int) -> Handle: ...
+    def scatter(self, layer: int, empty: bool) -> Handle: ...
+    def set_shard(self, layer: int, value: float) -> None: ...
+    def publish(self) -> None: ...
+    def gathered(self, slot: int) -> torch.Tensor: ...
+    def end_minibatch(self, expected: int) -> bool: ...
+
+
 class _Then:
     """A work handle with a completion step run on wait()."""
 
-    def __init__(self, work, then) -> None:
+    def __init__(self, work: Handle, then: Callable[[], object]) -> None:
         self.work, self.then = work, then
 
     def wait(self) -> None:
@@ -70,10 +91,10 @@ class CollectiveComm:
         self.ones = torch.ones(world * shard_numel, device=device)
         self.zeros = torch.zeros(world * shard_numel, device=device)
 
-    def gather(self, layer: int, slot: int):
+    def gather(self, layer: int, slot: int) -> Handle:
         return dist.all_gather_single(self.gathered_bufs[slot], self.shards[layer], async_op=True)
 
-    def scatter(self, layer: int, empty: bool):
+    def scatter(self, layer: int, empty: bool) -> Handle:
         work = dist.reduce_scatter_single(self.grad_out[layer], self.zeros if empty else self.ones, async_op=True)
         return _Then(work, lambda: self.grad_acc[layer].add_(self.grad_out[layer]))
 
@@ -109,10 +130,10 @@ class OdcComm:
         self.ones = torch.ones(numel, device=device)
         self.zeros = torch.zeros(numel, device=device)
 
-    def gather(self, layer: int, slot: int):
+    def gather(self, layer: int, slot: int) -> Handle:
         return self.odc.fetch(self.sts[layer], out=self.out[slot], async_op=True)
 
-    def scatter(self, layer: int, empty: bool):
+    def scatter(self, layer: int, empty: bool) -> Handle:
         return self.odc.push(self.sts[layer], self.zeros if empty else self.ones, async_op=True)
 
     def set_shard(self, layer: int, value: float) -> None:
@@ -150,7 +171,7 @@ def _compute(seconds: float, mode: str) -> None:
 
 
 def run_minibatch(
-    comm,
+    comm: Comm,
     tasks: list[Task],
     *,
     expected_grad: int,
@@ -169,7 +190,7 @@ def run_minibatch(
     scatters: deque = deque()
     pending_scatter: dict[int, object] = {}
 
-    def wait_for(handle) -> None:
+    def wait_for(handle: Handle) -> None:
         nonlocal wait
         t0 = now()
         handle.wait()
@@ -213,7 +234,7 @@ def expected_grad(schedule: Schedule, k: int) -> int:
     return sum(1 for mbs in schedule.minibatches[k].ranks for mb in mbs if not mb.empty)
 
 
-def check_gather(comm, num_layers: int, world: int) -> None:
+def check_gather(comm: Comm, num_layers: int, world: int) -> None:
     """Every layer's gather returns every owner's shard: owner r's shard of layer l is set to ``r·L + l + 1``,
     gathered, compared, and reset to zero. Raises ``RuntimeError`` naming the layer otherwise."""
     rank = dist.get_rank()
@@ -234,7 +255,7 @@ def check_gather(comm, num_layers: int, world: int) -> None:
     comm.publish()
 
 
-def warm_up(comm, num_layers: int, world: int) -> None:
+def warm_up(comm: Comm, num_layers: int, world: int) -> None:
     """Check that gathers return the owners' parameters (:func:`check_gather`), then run one zero-compute
     micro-batch through every layer (maps pages, starts threads) and check its gradients, then reset: no
     configuration is timed unless its communication moved the right data."""

@@ -32,7 +32,9 @@ import time
 
 import _common
 from _common import launch, progress
-from schedule import COMMS, GPU_PEAK_FLOPS, MODELS, POLICIES, build_schedule, grid
+from schedule import COMMS, GPU_PEAK_FLOPS, MODELS, POLICIES, Schedule, build_schedule, grid
+
+Schedules = dict[tuple[str, str], Schedule]  # (comm, policy) → schedule
 
 # --quick picks the time scale that makes the whole grid's modelled compute last QUICK_BUDGET_S seconds,
 # so that it takes under a minute (with start-up and planning: 40-50 s measured on 2 busy cores) whatever the preset
@@ -92,7 +94,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def make_schedules(args, batches, world):
+def make_schedules(args: argparse.Namespace, batches: list[list[int]], world: int) -> Schedules:
     spec = MODELS[args.model]
     cost = spec.cost_model(GPU_PEAK_FLOPS[args.gpu] * args.mfu)
     return {
@@ -102,7 +104,7 @@ def make_schedules(args, batches, world):
     }
 
 
-def fit_time_scale(schedules, budget_s: float) -> float:
+def fit_time_scale(schedules: Schedules, budget_s: float) -> float:
     """Time scale at which the compute-only simulation of every configuration sums to ``budget_s``."""
     from simulate import LINKS, simulate
 
@@ -110,7 +112,7 @@ def fit_time_scale(schedules, budget_s: float) -> float:
     return budget_s / total if total > 0 else 1.0
 
 
-def pick_timeline_minibatch(schedules) -> int:
+def pick_timeline_minibatch(schedules: Schedules) -> int:
     """The minibatch whose collective/local_sort vs odc/lb_mini compute-only gap is the median one."""
     from simulate import LINKS, simulate
 
@@ -178,7 +180,7 @@ def worker(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------------------------------- report
 
 
-def summarize(schedules, gathered: list[dict], world: int, time_scale: float) -> list[dict]:
+def summarize(schedules: Schedules, gathered: list[dict], world: int, time_scale: float) -> list[dict]:
     from simulate import LINKS, simulate
 
     runs = []
@@ -233,7 +235,8 @@ LEGEND = {
 }
 
 
-def report(args, schedules, gathered, world, source, timeline_k, run_s, load_before) -> None:
+def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict], world: int,
+           source: str, timeline_k: int, run_s: float, load_before: tuple[float, float, float]) -> None:
     runs = summarize(schedules, gathered, world, args.time_scale)
     spec = MODELS[args.model]
     n_mb = len(next(iter(schedules.values())).minibatches)

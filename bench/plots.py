@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 COLORS = {
     "copy": "#999999", "add": "#cccccc", "all_gather": "#d62728", "fetch": "#1f77b4",
@@ -15,7 +16,7 @@ COLORS = {
 }
 
 
-def _save(fig, path: str | Path) -> None:
+def _save(fig: Figure, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

@@ -311,3 +311,24 @@ def test_netmodel_cli(tmp_path, capsys):
     assert set(data["rows"][1]["seconds"]) == set(nm.DESIGNS)
     at4 = data["rows"][1]["ratio_to_nccl"]["odc_hier"]
     assert data["summary"]["Qwen2.5-7B"]["0.5"]["to_best"] == pytest.approx(at4)
+
+
+def test_check_gather_catches_wrong_parameters():
+    """The pre-timing gather check passes on a correct transport and names the layer on a wrong one (one rank)."""
+    import torch
+    import torch.distributed as dist
+    from executor import CollectiveComm, check_gather
+
+    class Corrupting(CollectiveComm):
+        def gathered(self, slot):
+            out = super().gathered(slot)
+            out[-1] += 1.0  # one wrong element
+            return out
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        check_gather(CollectiveComm(3, 4, 1, torch.device("cpu")), 3, 1)
+        with pytest.raises(RuntimeError, match="layer 0's gathered parameters are not the owners' shards"):
+            check_gather(Corrupting(3, 4, 1, torch.device("cpu")), 3, 1)
+    finally:
+        dist.destroy_process_group()
