@@ -39,8 +39,10 @@ class Link:
 LINKS: dict[str, Link] = {
     # nccl-tests all_gather busbw on 8×H100 SXM is ~350-370 GB/s; one-sided NVLink copies reach the same.
     "nvlink": Link("NVLink 4 (8×H100 SXM)", 360.0, 360.0, 20e-6),
-    # 400 Gb/s NDR per GPU: ~45 GB/s achievable by both ring collectives and RDMA reads/writes.
-    "ib": Link("InfiniBand NDR 400 Gb/s per GPU", 45.0, 45.0, 30e-6),
+    # 400 Gb/s NDR per GPU: ~45 GB/s achievable by both ring collectives and RDMA reads/writes. This is every rank
+    # on a node of its own (all its traffic crosses its NIC); for nodes of 8 GPUs, where NVLink carries part of
+    # it and designs differ in how much crosses nodes, see bench/netmodel.py.
+    "ib": Link("InfiniBand NDR 400 Gb/s per GPU, one GPU per node", 45.0, 45.0, 30e-6),
     "none": Link("no communication (compute only)", math.inf, math.inf, 0.0),
 }
 
