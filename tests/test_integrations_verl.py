@@ -370,6 +370,10 @@ def test_attached_engine_runs_unequal_counts_and_matches_reference():
         assert len({res["critic_counts"][k][0][1] for res in results}) == 1
 
 
-def test_attach_engine_rejects_non_engines():
+def test_attach_engine_rejects_non_engines_and_sequence_parallelism():
     with pytest.raises(OdcUsageError, match=r"no \.module"):
         ov.attach_engine(object())
+    engine = FakeEngine(torch.nn.Linear(2, 2), None, 1)
+    engine.ulysses_sequence_parallel_size = 2
+    with pytest.raises(OdcUsageError, match="Ulysses"):
+        ov.attach_engine(engine)

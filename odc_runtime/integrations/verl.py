@@ -250,6 +250,11 @@ def attach_engine(engine: Any, *, backend: str | None = None, cost: balance.Cost
             f"attach_engine: {type(engine).__name__} has no .module / .forward_backward_batch (a veRL FSDP engine "
             "after initialize() has both)"
         )
+    if (getattr(engine, "ulysses_sequence_parallel_size", 1) or 1) > 1:
+        raise OdcUsageError(
+            "attach_engine: Ulysses sequence parallelism runs all-to-alls inside each sequence-parallel group, whose "
+            "ranks must then run the same micro-batches; ODC mode supports pure data parallelism (sp size 1)"
+        )
     if getattr(engine, "_odc_attached", False):
         raise OdcUsageError("attach_engine: this engine is already in ODC mode")
     if cost is None and hasattr(module, "config"):
