@@ -28,7 +28,8 @@ The same steps run twice on two copies of the model (same initial weights):
 
 Micro-batches pack their sequences into one row (``position_ids`` restart per sequence; HF masks across them), up
 to ``--max-tokens`` tokens. Per step and mode it prints the loss, the mean reward, tokens/s (rollout tokens over
-the wall time of the log-prob pass and the update), micro-batches per rank, the idle share the cost model predicts
+the wall time of the log-prob pass and the update), micro-batches per rank (summed over the step's PPO
+mini-batches; ``+N padding``: the empty ones collectives need), the idle share the cost model predicts
 for the plans (``odc_runtime.balance.imbalance``: a collective schedule waits at every micro-batch step, ODC once per
 minibatch) and, for ODC, the measured share of time spent in its syncs. At the end rank 0 replays every step in
 one process without FSDP (one sequence at a time) and checks that both modes' losses and final parameters match.
@@ -302,9 +303,10 @@ class Trainer:
         waits = [None] * self.world
         dist.all_gather_object(waits, (wait, elapsed))
         busy_model = elapsed_model = 0.0
-        for p in plans:
+        for i, p in enumerate(plans):
             b, e = plan_idle(p, rollouts, self.mode, self.cost)
-            busy_model, elapsed_model = busy_model + b, elapsed_model + e
+            weight = 1 / 3 if i == 0 else 1.0  # the log-prob pass is forward only: about a third of fwd + bwd
+            busy_model, elapsed_model = busy_model + weight * b, elapsed_model + weight * e
         self.records.append(
             {
                 "step": step,
