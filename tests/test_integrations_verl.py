@@ -293,16 +293,65 @@ def rank_lengths(rank: int, step: int) -> list[int]:
     return [int(torch.randint(max(3, hi - 4), hi + 1, (1,), generator=g)) for _ in range(6)]
 
 
+def make_model(seed: int = 0) -> torch.nn.Module:
+    """A tiny causal LM (embeddings, two pre-norm blocks, head) whose dims do not divide by 2, 3 or 4."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    dim, heads = 12, 3
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln = nn.LayerNorm(dim)
+            self.qkv = nn.Linear(dim, 3 * dim)
+            self.proj = nn.Linear(dim, dim)
+            self.mlp = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 23), nn.GELU(), nn.Linear(23, dim))
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.ln(x)).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+            x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+            return x + self.mlp(x)
+
+    class TinyLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.pos = nn.Embedding(VOCAB, dim), nn.Embedding(SEQ, dim)
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+            self.head = nn.Linear(dim, VOCAB, bias=False)
+
+        def forward(self, tokens):
+            x = self.emb(tokens) + self.pos(torch.arange(tokens.shape[1]))
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    torch.manual_seed(seed)
+    return TinyLM()
+
+
+def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def scenario(rank: int, world: int) -> dict:
     import copy
 
     import torch.distributed as dist
-    from _fsdp_harness import make_model, shard_model
 
     engine_utils, calls = _fake_verl()
     assert ov.install() == list(ov.VERL_PLANNER_SITES)
     assert ov.install() == list(ov.VERL_PLANNER_SITES)  # idempotent
-    ref = make_model(vocab=VOCAB)
+    ref = make_model()
     actor = FakeEngine(shard_model(copy.deepcopy(ref)), None, world)
     actor.optimizer = torch.optim.SGD(actor.module.parameters(), lr=0.5)
     critic_like = FakeEngine(shard_model(copy.deepcopy(ref)), None, world)  # not attached: stock FSDP
