@@ -40,3 +40,18 @@ def test_sft_example_same_losses_in_both_modes() -> None:
         losses[comm] = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
         assert len(losses[comm]) == 2, out
     assert losses["collective"] == pytest.approx(losses["odc"], abs=1e-4)
+
+
+@pytest.mark.timeout(300)
+def test_grpo_example_matches_single_process_replay() -> None:
+    pytest.importorskip("transformers", reason="examples/grpo.py needs the hf extra")
+    out = _run(["examples/grpo.py", "--quick", "--nproc", "2"], timeout=280)
+    for mode in ("odc + lb_mini", "collective + lb_micro"):
+        assert len(re.findall(rf"step\s+\d+\s+{re.escape(mode)}\s+loss", out)) == 2, out
+    checks = re.findall(r"^replay check (\w+)\s*: max \|loss - replay\| .*: OK$", out, re.M)
+    assert sorted(checks) == ["collective", "odc"], out
+    assert "both modes match the single-process replay" in out
+    # the same losses in both modes, step by step (same samples, different plans and communication)
+    odc_losses = [float(v) for v in re.findall(r"odc \+ lb_mini\s+loss (\S+)", out)]
+    coll_losses = [float(v) for v in re.findall(r"collective \+ lb_micro\s+loss (\S+)", out)]
+    assert odc_losses == pytest.approx(coll_losses, abs=1e-5), out
