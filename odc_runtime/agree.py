@@ -73,7 +73,17 @@ def process_alive(pid: int, start_time: int | None = None) -> bool:
     return start_time is None or len(fields) < 20 or int(fields[19]) == start_time
 
 
-_HOST = socket.gethostname()
+def pid_namespace() -> str:
+    """Identity of this process's pid namespace (``""`` if unknown): pids of processes in another namespace (another
+    container sharing ``/dev/shm``) cannot be checked from here."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+# Where a peer runs: pids can be checked only for peers with the same host name and pid namespace.
+_HOST = f"{socket.gethostname()}|{pid_namespace()}"
 _PID = os.getpid()
 _START = process_start_time(_PID)
 

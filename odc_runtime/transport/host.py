@@ -65,6 +65,7 @@ from odc_runtime.agree import (
     StoreExchange,
     gather_checked,
     op_digest,
+    pid_namespace,
     process_alive,
     process_start_time,
     require_same,
@@ -232,6 +233,8 @@ class HostTransport(Transport):
         self._start = process_start_time(self._pid) or 0
         self._forked = False
         self.failure: OdcError | None = None  # set once a collective timed out or lost a peer: the runtime is dead
+        # Peers whose pids mean something here (same pid namespace); others are never declared dead early.
+        self._visible = [True] * world_size
         _live_transports.add(self)
 
     # -- setup ----------------------------------------------------------------------------------------
@@ -265,9 +268,12 @@ class HostTransport(Transport):
         self._segments[self.rank] = seg
         return self._pid, self._start
 
-    def map_peers(self, identities: Sequence[tuple[int, int]]) -> None:
-        """Map every peer's segment (after all have been created)."""
-        for peer, (pid, start) in enumerate(identities):
+    def map_peers(self, identities: Sequence[tuple[int, int, str]]) -> None:
+        """Map every peer's segment (after all have been created); ``identities[r]`` is ``(pid, start time, pid
+        namespace)`` of rank ``r``."""
+        own_namespace = identities[self.rank][2]
+        self._visible = [ns == own_namespace for _, _, ns in identities]
+        for peer, (pid, start, _) in enumerate(identities):
             if peer == self.rank:
                 continue
             path = self._path(peer, pid, start)
@@ -557,6 +563,8 @@ class HostTransport(Transport):
         return payloads
 
     def _peer_alive(self, peer: int) -> bool:
+        if not self._visible[peer]:
+            return True  # another pid namespace: its pid cannot be checked from here; the timeout decides
         _, pid, start, *_ = self._read_control(peer)
         return process_alive(pid, start or None)
 
@@ -564,7 +572,12 @@ class HostTransport(Transport):
         parts = []
         for p in missing:
             epoch, pid, start, _, name, *_ = self._read_control(p)
-            state = "DEAD" if p in lost or not process_alive(pid, start or None) else "alive"
+            if p in lost:
+                state = "DEAD"
+            elif not self._visible[p]:
+                state = "in another pid namespace"
+            else:
+                state = "alive" if process_alive(pid, start or None) else "DEAD"
             where = name.decode(errors="replace")
             parts.append(f"rank {p} (pid {pid}, {state}, last at barrier #{epoch} in {where!r})")
         if lost:
@@ -614,13 +627,13 @@ def create(*, timeout: float, heap_size: int | str | None = None) -> HostTranspo
         chunk = config.host_chunk_bytes()
         return uuid.uuid4().hex[:12], heap, chunk, directory
 
-    def create_own_segment() -> tuple[int, int]:
+    def create_own_segment() -> tuple[int, int, str]:
         nonlocal transport
         remove_stale_segments(directory)
         transport = HostTransport(
             rank, world, job, timeout=timeout, heap_size=heap, directory=directory, chunk_bytes=chunk
         )
-        return transport.create_segment()
+        return (*transport.create_segment(), pid_namespace())
 
     try:
         chosen = gather_checked("init (host settings)", settings, exchange=exchange)
