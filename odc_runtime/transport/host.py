@@ -459,7 +459,10 @@ class HostTransport(Transport):
         """``(epoch, pid, start, digest@epoch, name@epoch, digest@epoch-1, name@epoch-1, control page)``."""
         seg = self._seg(peer)
         with self._locked(peer, 0, CONTROL_BYTES, exclusive=False, op="barrier"):
-            raw = bytes(seg.map[:CONTROL_BYTES])
+            raw = bytes(seg.map[: _HEADER.size])
+            lengths = _HEADER.unpack_from(raw)[-2:]
+            if any(lengths):  # copy the payload slots only when there is a payload (not for plain barriers)
+                raw = bytes(seg.map[: _SLOT_OFFSET + _SLOT_BYTES + lengths[1]])
         epoch, pid, start, digest, name, prev_digest, prev_name, _, _ = _HEADER.unpack_from(raw)
         return epoch, pid, start, digest, name.rstrip(b"\0"), prev_digest, prev_name.rstrip(b"\0"), raw
 
