@@ -307,5 +307,8 @@ def test_stale_segment_whose_pid_was_reused_is_removed(tmp_path) -> None:
     mine = tmp_path / f"odc-abc-r1-p{pid}-s{start}.heap"
     for path in (reused, mine):
         path.write_bytes(b"\0" * 16)
+    # A segment of a process in another pid namespace (another container sharing /dev/shm): never judged here.
+    elsewhere = tmp_path / f"odc-abc-r2-p{pid}-s{start + 1}-n1.heap"
+    elsewhere.write_bytes(b"\0" * 16)
     assert remove_stale_segments(str(tmp_path)) == [str(reused)]
-    assert [p.name for p in tmp_path.iterdir()] == [mine.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, elsewhere.name])

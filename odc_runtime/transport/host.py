@@ -1,7 +1,8 @@
 """The ``host`` transport: ranks on one machine share memory through files in ``/dev/shm``.
 
-Layout. Each rank creates one segment ``odc-<job>-r<rank>-p<pid>-s<start>.heap`` (mode 0600; ``start`` is the
-process's start time, so a later process that reuses the pid is not mistaken for the creator): a control page
+Layout. Each rank creates one segment ``odc-<job>-r<rank>-p<pid>-s<start>-n<pidns>.heap`` (mode 0600; ``start`` is
+the process's start time, so a later process that reuses the pid is not mistaken for the creator; ``pidns`` its pid
+namespace, so segments of another container sharing the directory are never judged by pid): a control page
 followed by its symmetric heap. Every rank maps every segment, so a *get* is a ``memcpy`` from a peer's mapping
 and an *accumulate* is an ``add_`` into it. Once all ranks have mapped all segments (end of ``create``) each rank
 unlinks its own file: the memory lives exactly as long as the mappings, so a crash cannot leave segments behind
@@ -100,7 +101,15 @@ _SLOT_OFFSET = 256
 _SLOT_BYTES = (CONTROL_BYTES - _SLOT_OFFSET) // 2
 _TOO_BIG = b"\0odc-payload-too-big"
 _LIVENESS_PERIOD_S = 0.5
-_SEGMENT_RE = re.compile(r"^odc-(?P<job>[0-9a-f]+)-r(?P<rank>\d+)-p(?P<pid>\d+)(?:-s(?P<start>\d+))?\.heap$")
+_SEGMENT_RE = re.compile(
+    r"^odc-(?P<job>[0-9a-f]+)-r(?P<rank>\d+)-p(?P<pid>\d+)(?:-s(?P<start>\d+))?(?:-n(?P<ns>\d+))?\.heap$"
+)
+
+
+def _ns_id(namespace: str) -> int:
+    """The inode number in a pid namespace link such as ``pid:[4026531836]`` (0 if unknown)."""
+    digits = "".join(c for c in namespace if c.isdigit())
+    return int(digits) if digits else 0
 
 # Transports alive in this process; a forked child marks them all, once, instead of every operation asking
 # the kernel for its pid. Weak references: the hook must not keep finalized transports alive.
@@ -123,9 +132,11 @@ def is_available() -> bool:
 def remove_stale_segments(directory: str) -> list[str]:
     """Remove this user's ODC segments whose creating process is gone; return the removed paths.
 
-    A segment names its creator by pid and start time, so a live process that reused a dead creator's pid does
-    not keep the segment alive.
+    A segment names its creator by pid, start time and pid namespace: a live process that reused a dead
+    creator's pid does not keep the segment alive, and segments created in another pid namespace (another
+    container sharing this directory), whose pids mean nothing here, are left alone.
     """
+    own_ns = _ns_id(pid_namespace())
     removed: list[str] = []
     try:
         names = os.listdir(directory)
@@ -137,6 +148,8 @@ def remove_stale_segments(directory: str) -> list[str]:
             continue
         path = os.path.join(directory, name)
         start = int(m.group("start")) if m.group("start") else None
+        if m.group("ns") and int(m.group("ns")) != own_ns:
+            continue
         with contextlib.suppress(FileNotFoundError):
             if os.stat(path).st_uid == os.getuid() and not process_alive(int(m.group("pid")), start):
                 os.unlink(path)
@@ -238,12 +251,12 @@ class HostTransport(Transport):
         _live_transports.add(self)
 
     # -- setup ----------------------------------------------------------------------------------------
-    def _path(self, rank: int, pid: int, start: int) -> str:
-        return os.path.join(self.directory, f"odc-{self.job}-r{rank}-p{pid}-s{start}.heap")
+    def _path(self, rank: int, pid: int, start: int, namespace: str) -> str:
+        return os.path.join(self.directory, f"odc-{self.job}-r{rank}-p{pid}-s{start}-n{_ns_id(namespace)}.heap")
 
     def create_segment(self) -> tuple[int, int]:
         """Create this rank's segment (mode 0600); return the ``(pid, start time)`` that name it."""
-        path = self._path(self.rank, self._pid, self._start)
+        path = self._path(self.rank, self._pid, self._start, pid_namespace())
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except OSError as e:
@@ -273,10 +286,10 @@ class HostTransport(Transport):
         namespace)`` of rank ``r``."""
         own_namespace = identities[self.rank][2]
         self._visible = [ns == own_namespace for _, _, ns in identities]
-        for peer, (pid, start, _) in enumerate(identities):
+        for peer, (pid, start, namespace) in enumerate(identities):
             if peer == self.rank:
                 continue
-            path = self._path(peer, pid, start)
+            path = self._path(peer, pid, start, namespace)
             try:
                 fd = os.open(path, os.O_RDWR)
             except OSError as e:
