@@ -58,12 +58,15 @@ class _Runtime:
 
 _runtime: _Runtime | None = None
 _generations = itertools.count(1)
-_in_forked_child = False  # set in a child forked from this process (by the at-fork hook below)
+_in_forked_child = False  # set in a child forked while this process had a runtime (by the at-fork hook below)
 
 
 def _mark_forked_child() -> None:
+    # Only a fork of an initialised rank is refused: a process forked before init (e.g. ranks started by a
+    # fork-based launcher from a parent that imported odc_runtime) is a rank in its own right.
     global _in_forked_child
-    _in_forked_child = True
+    if _runtime is not None:
+        _in_forked_child = True
 
 
 os.register_at_fork(after_in_child=_mark_forked_child)

@@ -248,6 +248,16 @@ def test_forked_child_refuses_every_mutating_call() -> None:
     assert results == [[2.0, 2.0], [2.0, 2.0]], "the child changed its parent's accumulator"
 
 
+def test_a_process_forked_before_init_may_become_a_rank() -> None:
+    import odc_runtime.api  # noqa: F401  (imported by the parent before the fork, as a fork-based launcher would)
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(int(odc.api._in_forked_child))
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "a child forked without a runtime was marked as a fork of a rank"
+
+
 # -- 6. scale and gradient validation -----------------------------------------------------------------------
 def _rank_bad_values(rank: int, world: int) -> list[float]:
     odc.init("host", heap_size="1M")
