@@ -28,6 +28,7 @@ from odc_runtime.errors import (
     OdcMemoryError,
     OdcMismatchError,
     OdcNotInitializedError,
+    OdcPeerLostError,
     OdcTimeoutError,
     OdcUsageError,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "OdcMemoryError",
     "OdcMismatchError",
     "OdcNotInitializedError",
+    "OdcPeerLostError",
     "OdcTimeoutError",
     "OdcUsageError",
     "ShardedTensor",

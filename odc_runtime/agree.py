@@ -1,27 +1,238 @@
-"""Collective argument checks over ``torch.distributed``: every rank fails together or none does.
+"""Rank agreement: every collective step fails on every rank together, within ``ODC_TIMEOUT``, or on none.
 
-A rank that rejects its arguments locally must not simply raise: its peers would wait forever in the collective
-it abandoned. :func:`gather_checked` runs the local checks everywhere, exchanges the outcomes, and then raises on
-every rank if any rank failed.
+A rank that rejects its arguments (or hits any local error) must not simply raise: its peers would wait forever in
+the collective it abandoned. :func:`gather_checked` runs the local step everywhere, exchanges the outcomes, and
+then raises on every rank if any rank failed. Local errors of every kind reach the exchange (an ``OSError`` from
+``mmap`` as much as a bad argument), so no peer is left behind.
+
+The exchange itself is bounded. Before a transport exists (``init``) it goes through the ``torch.distributed``
+store with our own deadline (:class:`StoreExchange`) instead of a gloo collective, whose wait is the process
+group's (30 minutes by default) and whose error on a dead peer is a raw ``RuntimeError`` naming a port. A transport
+may offer its own exchange (the host transport's goes through its shared control pages, where ranks in
+*different* collectives see each other's operation at once). Either way a peer that died while we waited is
+reported as :class:`~odc_runtime.errors.OdcPeerLostError` naming its rank, as soon as its death is seen when it ran
+on this machine, else after ``ODC_TIMEOUT`` as :class:`~odc_runtime.errors.OdcTimeoutError` naming the rank.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import socket
+import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch.distributed as dist
 
-from odc_runtime.errors import OdcError, OdcMismatchError
+from odc_runtime.errors import (
+    OdcBackendError,
+    OdcError,
+    OdcMemoryError,
+    OdcMismatchError,
+    OdcPeerLostError,
+    OdcTimeoutError,
+)
 
 T = TypeVar("T")
 
+_LIVENESS_PERIOD_S = 0.5  # how often a waiting rank checks whether the peers it waits for still exist
 
-def gather_checked(what: str, local: Callable[[], T]) -> list[T]:
+
+# -- processes ---------------------------------------------------------------------------------------------------
+def process_start_time(pid: int) -> int | None:
+    """Start time of process ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22); ``None`` if the
+    process does not exist or ``/proc`` cannot tell. With the pid it identifies a process even after pid reuse."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return int(fields[19])  # field 22 overall; the first two fields (pid, comm) were cut off
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def process_alive(pid: int, start_time: int | None = None) -> bool:
+    """Whether process ``pid`` exists, is not a zombie, and (if ``start_time`` is given) is the same process that
+    had that start time, not a later one that reused the pid."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, belongs to someone else
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
+    if not fields or fields[0] == "Z":  # killed, not yet reaped by its parent
+        return False
+    return start_time is None or len(fields) < 20 or int(fields[19]) == start_time
+
+
+def pid_namespace() -> str:
+    """Identity of this process's pid namespace (``""`` if unknown): pids of processes in another namespace (another
+    container sharing ``/dev/shm``) cannot be checked from here."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+# Where a peer runs: pids can be checked only for peers with the same host name and pid namespace.
+_HOST = f"{socket.gethostname()}|{pid_namespace()}"
+_PID = os.getpid()
+_START = process_start_time(_PID)
+
+
+def _refresh_identity() -> None:
+    global _PID, _START
+    _PID, _START = os.getpid(), process_start_time(os.getpid())
+
+
+os.register_at_fork(after_in_child=_refresh_identity)
+
+
+def op_digest(op: str) -> bytes:
+    """16-byte digest of an operation's full identity: two operations are the same collective iff equal."""
+    return hashlib.blake2b(op.encode(), digest_size=16).digest()
+
+
+def shorten(text: str, limit: int = 160) -> str:
+    """``text`` cut to ``limit`` characters for messages (the digest, not this, is what is compared)."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# -- exchanges ---------------------------------------------------------------------------------------------------
+class Exchange(Protocol):
+    """A bounded all-gather of bytes: every rank calls ``exchange`` with the same ``op`` in the same order."""
+
+    def exchange(self, op: str, payload: bytes) -> list[bytes]:
+        """Return every rank's payload (indexed by rank). Raises OdcMismatchError if ranks are in different
+        operations, OdcPeerLostError / OdcTimeoutError naming the ranks that did not arrive in time."""
+        ...
+
+
+# rank -> (host, pid, start time), learnt from every store round
+_PEERS: dict[int, tuple[str, int, int | None]] = {}
+
+
+class StoreExchange:
+    """:class:`Exchange` through the default ``torch.distributed`` store with an explicit deadline.
+
+    Round ``k`` of this process writes key ``odc_runtime/agree/<k>/<rank>`` and polls for the peers' keys. A
+    rank deletes its key of round ``k-1`` once round ``k`` completed (every peer posted round ``k``, so every peer
+    is done reading round ``k-1``). Peers' pids and hosts learnt in earlier rounds let a waiting rank tell a dead
+    peer on its own machine from a slow one.
+    """
+
+    _round = itertools.count()  # shared by every instance: all ranks run the same rounds in the same order
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+
+    def exchange(self, op: str, payload: bytes) -> list[bytes]:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        store = _default_store()
+        k = next(StoreExchange._round)
+        keys = [f"odc_runtime/agree/{k}/{r}" for r in range(world)]
+        header = {"op": shorten(op), "digest": op_digest(op).hex(), "host": _HOST, "pid": _PID, "start": _START}
+        try:
+            store.set(keys[rank], json.dumps(header).encode() + b"\n" + payload)
+            self._wait(store, keys, rank, op)
+            raw = [store.get(key) for key in keys]
+        except OdcError:
+            raise
+        except Exception as e:  # the store itself failed: its host (rank 0, or the launcher) is gone
+            raise OdcPeerLostError(
+                f"odc {shorten(op)}: rank {rank} lost the torch.distributed store ({type(e).__name__}: {e}); the "
+                "process hosting it (rank 0 under torch.multiprocessing, the launcher under torchrun) has died"
+            ) from e
+        headers, payloads = [], []
+        for blob in raw:
+            head, _, body = bytes(blob).partition(b"\n")
+            headers.append(json.loads(head))
+            payloads.append(body)
+        for r, h in enumerate(headers):
+            _PEERS[r] = (h["host"], h["pid"], h["start"])
+        if k > 0:
+            with contextlib.suppress(Exception):  # housekeeping only; a store without delete keeps small keys
+                store.delete_key(f"odc_runtime/agree/{k - 1}/{rank}")
+        different = [r for r, h in enumerate(headers) if h["digest"] != header["digest"]]
+        if different:
+            listing = "; ".join(f"rank {r}: {h['op']!r}" for r, h in enumerate(headers))
+            raise OdcMismatchError(
+                f"odc collective mismatch: rank {rank} is in {shorten(op)!r} but rank(s) {different} are in another "
+                f"collective ({listing}); every rank must call the same collectives in the same order"
+            )
+        return payloads
+
+    def _wait(self, store: dist.Store, keys: list[str], rank: int, op: str) -> None:
+        missing = [r for r in range(len(keys)) if r != rank]
+        start = time.monotonic()
+        deadline = start + self.timeout
+        next_liveness = start + _LIVENESS_PERIOD_S
+        spins = 0
+        while missing:
+            missing = [r for r in missing if not store.check([keys[r]])]
+            if not missing:
+                return
+            now = time.monotonic()
+            if now >= next_liveness:
+                next_liveness = now + _LIVENESS_PERIOD_S
+                dead = [r for r in missing if self._known_dead(r)]
+                if dead:
+                    listing = ", ".join(f"rank {r} (pid {_PEERS[r][1]})" for r in dead)
+                    raise OdcPeerLostError(
+                        f"odc {shorten(op)}: rank {rank} waited for {listing}, which died before reaching it "
+                        f"(process gone after {now - start:.1f} s of waiting)"
+                    )
+            if now > deadline:
+                raise OdcTimeoutError(
+                    f"odc {shorten(op)}: rank {rank} timed out after {self.timeout:g} s waiting for rank(s) "
+                    f"{missing}, which did not reach this collective: they are stuck, dead on another machine, or "
+                    "in a different collective. Raise ODC_TIMEOUT if they are merely slow."
+                )
+            spins += 1
+            time.sleep(0 if spins < 20 else min(5e-3, 1e-4 * spins))
+
+    def _known_dead(self, peer: int) -> bool:
+        known = _PEERS.get(peer)
+        if known is None or known[0] != _HOST:
+            return False
+        return not process_alive(known[1], known[2])
+
+
+def _default_store() -> dist.Store:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise OdcBackendError("odc_runtime needs torch.distributed.init_process_group() to have been called")
+    # torch has no public getter for the default group's store; this one has existed since torch 1.x.
+    return dist.distributed_c10d._get_default_store()
+
+
+# -- checked collectives -----------------------------------------------------------------------------------------
+def _jsonable_to_tuples(value: object) -> object:
+    if isinstance(value, list):
+        return tuple(_jsonable_to_tuples(v) for v in value)
+    return value
+
+
+def gather_checked(
+    what: str,
+    local: Callable[[], T],
+    *,
+    exchange: Exchange | None = None,
+    timeout: float | None = None,
+) -> list[T]:
     """Collective: run ``local()`` on every rank and return every rank's result (indexed by rank).
 
-    If ``local`` raised an :class:`OdcError` on some rank, that rank re-raises it and every other rank raises
-    :class:`OdcMismatchError` naming the rank and its error.
+    ``local`` returns a JSON-serialisable value (tuples come back as tuples). If it raised on some rank, that
+    rank raises its error (any non-:class:`OdcError` wrapped in :class:`OdcBackendError`) and every other rank
+    raises :class:`OdcMismatchError` naming the rank and its error (:class:`OdcMemoryError` when every failure
+    was one). ``exchange`` defaults to a :class:`StoreExchange` bounded by ``timeout`` (else ``ODC_TIMEOUT``).
     """
     error: OdcError | None = None
     value: T | None = None
@@ -29,14 +240,37 @@ def gather_checked(what: str, local: Callable[[], T]) -> list[T]:
         value = local()
     except OdcError as e:
         error = e
-    outcomes: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, (value, None if error is None else f"{type(error).__name__}: {error}"))
+    except Exception as e:  # an untyped local failure must still reach the peers
+        wrapped = OdcBackendError(f"odc {shorten(what)}: rank {_rank()} failed: {type(e).__name__}: {e}")
+        wrapped.__cause__ = e
+        error = wrapped
+    record = {
+        "value": value,
+        "error": None if error is None else f"{type(error).__name__}: {error}",
+        "memory": isinstance(error, OdcMemoryError),
+    }
+    if exchange is None:
+        from odc_runtime import config
+
+        exchange = StoreExchange(timeout if timeout is not None else config.resolve_timeout(None))
+    try:
+        raw = exchange.exchange(what, json.dumps(record, default=str).encode())
+    except OdcError:
+        if error is not None:
+            raise error from None  # our own failure is the cause; the peers are told or time out on it
+        raise
     if error is not None:
         raise error
-    failed = [f"rank {r} rejected the call ({msg})" for r, (_, msg) in enumerate(outcomes) if msg]  # type: ignore[misc]
+    outcomes = [json.loads(r) for r in raw]
+    failed = [(r, o["error"], o["memory"]) for r, o in enumerate(outcomes) if o["error"]]
     if failed:
-        raise OdcMismatchError(f"odc {what}: " + "; ".join(failed))
-    return [v for v, _ in outcomes]  # type: ignore[misc]
+        cls = OdcMemoryError if all(m for _, _, m in failed) else OdcMismatchError
+        raise cls(f"odc {shorten(what)}: " + "; ".join(f"rank {r} rejected the call ({msg})" for r, msg, _ in failed))
+    return [_jsonable_to_tuples(o["value"]) for o in outcomes]  # type: ignore[misc]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def require_same(

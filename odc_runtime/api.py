@@ -6,7 +6,9 @@ rank allocates ``S`` elements of symmetric memory for the parameter shard and ``
 accumulator, so one offset addresses the buffer on every peer; the padding is never shown to the user.
 
 Every public call validates all of its arguments before it issues any remote operation, so a rejected ``push``
-changes no accumulator anywhere.
+changes no accumulator anywhere. Collective calls (``init``, ``shard``, ``free``, ``finalize``) run their checks
+on every rank and agree on the outcome (:mod:`odc_runtime.agree`), within ``ODC_TIMEOUT``: they fail on every rank
+together. A forked child of a rank (e.g. a DataLoader worker) may not use the runtime at all.
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ import logging
 import math
 import numbers
 import os
+import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from odc_runtime import config
-from odc_runtime.agree import gather_checked, require_same
+from odc_runtime import transport as registry
+from odc_runtime.agree import StoreExchange, gather_checked, op_digest, require_same, shorten
 from odc_runtime.errors import (
     OdcNotInitializedError,
     OdcUsageError,
@@ -40,38 +44,54 @@ log = logging.getLogger("odc_runtime")
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ACCUM_DTYPES = (torch.float32,)
-BACKENDS = ("host", "nvshmem")
+_FP32_MAX = torch.finfo(torch.float32).max
+_FP32 = struct.Struct("f")
 
 
 @dataclass
 class _Runtime:
     transport: Transport
     generation: int
-    names: itertools.count
+    shards: itertools.count  # sequence number of the next shard() call (the same on every rank)
+    live_names: set[str] = field(default_factory=set)  # names of the ShardedTensors not freed yet
 
 
 _runtime: _Runtime | None = None
 _generations = itertools.count(1)
+_in_forked_child = False  # set in a child forked while this process had a runtime (by the at-fork hook below)
 
 
-def _require_runtime(what: str) -> _Runtime:
+def _mark_forked_child() -> None:
+    # Only a fork of an initialised rank is refused: a process forked before init (e.g. ranks started by a
+    # fork-based launcher from a parent that imported odc_runtime) is a rank in its own right.
+    global _in_forked_child
+    if _runtime is not None:
+        _in_forked_child = True
+
+
+os.register_at_fork(after_in_child=_mark_forked_child)
+
+
+def _require_runtime(what: str, *, read_only: bool = False) -> _Runtime:
     if _runtime is None:
         raise OdcNotInitializedError(
             f"odc_runtime.{what}() called before odc_runtime.init() or after odc_runtime.finalize(); call "
             "odc_runtime.init() after torch.distributed.init_process_group()"
         )
+    if _in_forked_child and not read_only:
+        raise OdcUsageError(
+            f"odc_runtime.{what}() in process {os.getpid()}, a forked child of a rank (e.g. a DataLoader worker): "
+            "the child shares the rank's symmetric memory but is not a rank, so it may neither change it nor "
+            "take part in collectives; call odc only in the process that called odc_runtime.init()"
+        )
     return _runtime
 
 
 def _select_backend(backend: str | None) -> str:
-    choice = backend or os.environ.get("ODC_BACKEND") or None
+    choice = config.backend_name(backend)
     if choice is None:
-        from odc_runtime.transport import nvshmem_available
-
-        return "nvshmem" if nvshmem_available() else "host"
-    if choice not in BACKENDS:
-        raise OdcUsageError(f"unknown ODC backend {choice!r}; choose one of {', '.join(BACKENDS)}")
-    return choice
+        return registry.auto_select().name
+    return registry.get(choice).name
 
 
 def init(
@@ -80,33 +100,42 @@ def init(
     """Start the runtime (collective; call after ``torch.distributed.init_process_group``).
 
     Args:
-        backend: ``"host"`` (CPU shared memory, ranks on one machine), ``"nvshmem"`` (GPUs) or ``None`` to take
-            ``ODC_BACKEND``, else ``nvshmem`` when CUDA and the compiled extension are available, else ``host``.
-        timeout: seconds a blocking wait may take before raising OdcTimeoutError (default ``ODC_TIMEOUT`` or 300).
+        backend: a name from the transport registry (``odc_runtime.transport.names()``): ``"host"`` (CPU shared
+            memory, ranks on one machine), ``"nvshmem"`` (GPUs); or ``None`` to take ``ODC_BACKEND``, else the
+            preferred transport that is available here (``nvshmem`` with CUDA and the compiled extension, else
+            ``host``).
+        timeout: seconds any blocking wait may take before raising OdcTimeoutError (default ``ODC_TIMEOUT`` or
+            300); it also bounds every collective step of ``init`` itself.
         heap_size: symmetric memory per rank in bytes or as ``"4G"``; host default ``ODC_HEAP_SIZE`` or 1 GiB;
             nvshmem default ``NVSHMEM_SYMMETRIC_SIZE``.
+
+    Raises (on every rank together): OdcUsageError for a bad argument or setting on this rank, OdcMismatchError
+    when another rank rejected its arguments or ranks chose different backends, OdcTimeoutError /
+    OdcPeerLostError when a rank does not arrive within the timeout, OdcBackendError when the transport fails.
     """
     global _runtime
+    if _in_forked_child:
+        _require_runtime("init")  # raises in a fork (a child of an initialised rank) ...
     if _runtime is not None:
         raise OdcUsageError("odc_runtime.init() called twice; call odc_runtime.finalize() first")
     if not (dist.is_available() and dist.is_initialized()):
         raise OdcUsageError("odc_runtime.init() needs torch.distributed.init_process_group() to have been called")
+    try:  # the agreement itself must be bounded even when this rank's timeout setting is bad
+        exchange_timeout = config.resolve_timeout(timeout)
+    except OdcUsageError:
+        exchange_timeout = config.DEFAULT_TIMEOUT_S
 
     def local_checks() -> tuple[str, float]:
         if heap_size is not None:
             config.parse_size(heap_size, what="heap_size")
         return _select_backend(backend), config.resolve_timeout(timeout)
 
-    results = gather_checked("init", local_checks)
+    results = gather_checked("init", local_checks, exchange=StoreExchange(exchange_timeout))
     # Only the backend must match here; the transports compare the resolved heap sizes themselves.
     require_same("init", [backend_name for backend_name, _ in results])
     name, resolved_timeout = results[dist.get_rank()]
-    if name == "host":
-        from odc_runtime.transport import host as module
-    else:
-        from odc_runtime.transport import nvshmem as module  # type: ignore[no-redef]
-    transport = module.create(timeout=resolved_timeout, heap_size=heap_size)
-    _runtime = _Runtime(transport=transport, generation=next(_generations), names=itertools.count())
+    transport = registry.get(name).create(timeout=resolved_timeout, heap_size=heap_size)
+    _runtime = _Runtime(transport=transport, generation=next(_generations), shards=itertools.count())
     log.info("odc_runtime initialised: backend=%s rank=%d world=%d", name, transport.rank, transport.world_size)
 
 
@@ -118,32 +147,42 @@ def is_initialized() -> bool:
 def finalize() -> None:
     """Collective: wait for peers, then free all symmetric memory. Idempotent.
 
-    Every :class:`ShardedTensor` becomes unusable. If a peer is dead the wait times out (``ODC_TIMEOUT``), the
-    local resources are still released, and the timeout error is raised.
+    Every :class:`ShardedTensor` becomes unusable. If a peer is dead the wait ends as soon as that is seen (at the
+    latest after ``ODC_TIMEOUT``), the local resources are still released, and the error is raised. If an earlier
+    collective already reported a lost or stuck peer, ``finalize`` does not wait again: it releases the local
+    resources and returns. Raises OdcUsageError in a forked child of a rank.
     """
     global _runtime
     if _runtime is None:
         return
+    _require_runtime("finalize")
     runtime, _runtime = _runtime, None
+    transport = runtime.transport
     try:
-        runtime.transport.barrier("finalize")
+        # A transport that saw a peer die or a collective time out records it (``failure``): the error was
+        # raised once already, and waiting for the peers again would only add another ODC_TIMEOUT.
+        failure = getattr(transport, "failure", None)
+        if failure is None:
+            transport.barrier("finalize")
+        else:
+            log.warning("odc_runtime.finalize(): not waiting for peers after an earlier failure: %s", failure)
     finally:
-        runtime.transport.finalize()
+        transport.finalize()
 
 
 def backend() -> str:
     """Name of the active transport (``"host"`` or ``"nvshmem"``)."""
-    return _require_runtime("backend").transport.name
+    return _require_runtime("backend", read_only=True).transport.name
 
 
 def world_size() -> int:
     """Number of ranks in the runtime."""
-    return _require_runtime("world_size").transport.world_size
+    return _require_runtime("world_size", read_only=True).transport.world_size
 
 
 def rank() -> int:
     """This process's rank in the runtime."""
-    return _require_runtime("rank").transport.rank
+    return _require_runtime("rank", read_only=True).transport.rank
 
 
 class Handle:
@@ -184,8 +223,10 @@ class ShardedTensor:
         param: SymmetricBuffer,
         grad: SymmetricBuffer | None,
         runtime: _Runtime,
+        seq: int = 0,
     ) -> None:
         self.name = name
+        self.seq = seq  # this tensor's shard() sequence number (the same on every rank)
         self.shape = shape
         self.dtype = dtype
         self.accum_dtype = accum_dtype
@@ -210,17 +251,24 @@ class ShardedTensor:
         return self.owner_range(self.rank)
 
     def zero_grad(self) -> None:
-        """Zero this rank's accumulator (no-op without one). Call ``sync()`` before peers push into it again."""
+        """Zero this rank's accumulator (no-op without one). Call ``sync()`` before peers push into it again.
+
+        Raises OdcUsageError in a forked child of the rank (it would zero the rank's accumulator)."""
         self._check_alive("zero_grad")
         if self.grad is not None:
             self.grad.zero_()
 
     def free(self) -> None:
-        """Collective: release this tensor's symmetric memory (same order on all ranks)."""
+        """Collective: release this tensor's symmetric memory (same order on all ranks).
+
+        Every rank checks that its peers free the same tensor (its whole name and its shard sequence number):
+        freeing in different orders raises OdcMismatchError on every rank and frees nothing.
+        """
         runtime = self._check_alive("free")
         if self._grad is not None:
             runtime.transport.free(self._grad)
         runtime.transport.free(self._param)
+        runtime.live_names.discard(self.name)
 
     def _check_alive(self, what: str) -> _Runtime:
         runtime = _require_runtime(what)
@@ -262,42 +310,106 @@ def shard(
     Each rank keeps its slice of ``tensor``'s values as the initial parameter shard (ranks normally pass the same
     values). A tensor on the ``meta`` device gives zero shards without materialising the full tensor anywhere.
     ``requires_grad=False`` allocates no gradient accumulator (frozen weights, e.g. a LoRA base model).
-    Raises OdcMismatchError if ranks disagree on name, shape or dtypes.
+    ``name`` must be unique among this runtime's live tensors (default ``"shard<n>"``).
+
+    Raises (on every rank together): OdcUsageError for a bad argument or a duplicate name on this rank,
+    OdcMismatchError if ranks disagree on name, shape or dtypes or another rank rejected its arguments,
+    OdcMemoryError if the symmetric heap (or the filesystem backing it) cannot hold the tensor,
+    OdcTimeoutError / OdcPeerLostError if a peer does not arrive within ``ODC_TIMEOUT``.
+    Not detected: with default names, two ``shard()`` calls of the same shape and dtypes issued in swapped order
+    on different ranks (pass ``name=`` to have names compared); values are never compared across ranks.
     """
     runtime = _require_runtime("shard")
-    name = name if name is not None else f"shard{next(runtime.names)}"
+    seq = next(runtime.shards)
+    if name is None:
+        name = f"shard{seq}"
+        while name in runtime.live_names:  # a user took it: deterministic, since every rank has the same names
+            name += "_"
 
-    def local_checks() -> tuple[str, tuple[int, ...], str, str, bool]:
+    def local_checks() -> tuple[str, int, tuple[int, ...], str, str, bool]:
+        if not isinstance(name, str) or not name:
+            raise OdcUsageError(f"odc_runtime.shard(): name must be a non-empty str, got {name!r}")
+        if name in runtime.live_names:
+            raise OdcUsageError(
+                f"odc_runtime.shard(): name {shorten(name)!r} is already used by a live ShardedTensor of this "
+                "runtime; names must be unique (free the other tensor first, or pick another name)"
+            )
         if not isinstance(tensor, torch.Tensor):
             raise OdcUsageError(f"odc_runtime.shard() expects a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.layout != torch.strided or tensor.is_nested:
+            raise OdcUsageError(
+                f"odc_runtime.shard(): tensor has layout {tensor.layout}; pass a dense (strided) tensor"
+            )
         if tensor.dtype not in PARAM_DTYPES:
             raise OdcUsageError(f"odc_runtime.shard(): dtype {tensor.dtype} not supported; use one of {PARAM_DTYPES}")
         if accum_dtype not in ACCUM_DTYPES:
             raise OdcUsageError(f"odc_runtime.shard(): accum_dtype {accum_dtype} not supported; use torch.float32")
-        return name, tuple(tensor.shape), str(tensor.dtype), str(accum_dtype), bool(requires_grad)
+        # The name is compared through a digest of all of it; the readable part is for the error message only.
+        identity = f"{shorten(name, 120)} [{op_digest(name).hex()[:12]}]"
+        return identity, seq, tuple(tensor.shape), str(tensor.dtype), str(accum_dtype), bool(requires_grad)
 
-    require_same("shard", gather_checked("shard", local_checks))
     transport = runtime.transport
+    op = f"shard({name}#{seq})"
+    # The transport's own bounded exchange when it has one (host: its control pages), else the store.
+    exchange = getattr(transport, "exchange", None) and transport
+    require_same("shard", gather_checked(op, local_checks, exchange=exchange, timeout=transport.timeout))  # type: ignore[arg-type]
     size = -(-tensor.numel() // transport.world_size)
-    param = transport.alloc(size, tensor.dtype, tag=f"{name}.param")
+    tag = f"{name}#{seq}"
+    param = transport.alloc(size, tensor.dtype, tag=f"{tag}.param")
     grad = None
     if requires_grad:
         try:
-            grad = transport.alloc(size, accum_dtype, tag=f"{name}.grad")
+            grad = transport.alloc(size, accum_dtype, tag=f"{tag}.grad")
         except BaseException:
-            transport.free(param)
+            transport.free(param)  # collective unless the transport failed (then local, without waiting)
             raise
-    st = ShardedTensor(name, tensor.shape, tensor.dtype, accum_dtype, param, grad, runtime)
+    st = ShardedTensor(name, tensor.shape, tensor.dtype, accum_dtype, param, grad, runtime, seq)
     if not tensor.is_meta:  # the symmetric buffers start zeroed
         start, stop = st.shard_range
         st.local.copy_(tensor.detach().reshape(-1)[start:stop])
-    transport.barrier(f"shard({name})")  # initial values are in place before anyone fetches them
+    transport.barrier(op)  # initial values are in place before anyone fetches them
+    runtime.live_names.add(name)
     return st
 
 
+def _check_st(st: object, what: str) -> _Runtime:
+    """``st`` is a live ShardedTensor of the current runtime, used from the process that owns it."""
+    if not isinstance(st, ShardedTensor):
+        raise OdcUsageError(
+            f"odc_runtime.{what}: expected a ShardedTensor (from odc_runtime.shard()), got {type(st).__name__}"
+        )
+    return st._check_alive(what)
+
+
+def _check_scale(what: str, scale: object) -> float:
+    """``scale`` as a float that is finite, and neither overflows nor (when non-zero) vanishes in fp32."""
+    try:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise ValueError
+        value = float(scale)
+    except (ValueError, OverflowError, TypeError):
+        raise OdcUsageError(f"odc_runtime.{what}: scale must be a finite real number, got {scale!r}") from None
+    if not math.isfinite(value):
+        raise OdcUsageError(f"odc_runtime.{what}: scale must be a finite real number, got {scale!r}")
+    if abs(value) > _FP32_MAX:
+        raise OdcUsageError(
+            f"odc_runtime.{what}: scale {scale!r} overflows float32 (max {_FP32_MAX:.4g}); gradients accumulate in "
+            "float32, so every push would add inf"
+        )
+    if value != 0.0 and _FP32.unpack(_FP32.pack(value))[0] == 0.0:
+        raise OdcUsageError(f"odc_runtime.{what}: scale {scale!r} rounds to 0 in float32; the push would add nothing")
+    return value
+
+
 def _check_tensor(what: str, t: object, st: ShardedTensor, device: torch.device, dtypes: tuple) -> torch.Tensor:
+    """``t`` is a dense tensor of ``st``'s shape, one of ``dtypes``, on ``device``; OdcUsageError otherwise."""
     if not isinstance(t, torch.Tensor):
         raise OdcUsageError(f"odc_runtime.{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested or t.layout != torch.strided:
+        raise OdcUsageError(
+            f"odc_runtime.{what}: tensor has layout {t.layout}{' (nested)' if t.is_nested else ''}; pass a dense "
+            "tensor (e.g. t.to_dense())"
+        )
     if t.shape != st.shape:
         raise OdcUsageError(
             f"odc_runtime.{what}: shape {tuple(t.shape)} does not match {st.name!r}'s shape {tuple(st.shape)}"
@@ -324,7 +436,7 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
     ``out`` (optional) must have ``st``'s shape and dtype, live on the transport's device and be contiguous.
     Returns the tensor, or a :class:`Handle` whose ``wait()`` returns it when ``async_op=True``.
     """
-    runtime = st._check_alive("fetch")
+    runtime = _check_st(st, "fetch")
     device = runtime.transport.device
     if out is None:
         out = torch.empty(st.shape, dtype=st.dtype, device=device)
@@ -345,17 +457,13 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     is visible in the owners' ``st.grad`` after the next :func:`sync`. With ``async_op=True`` do not modify
     ``grad`` until the returned handle's ``wait()`` returned.
     """
-    runtime = st._check_alive("push")
+    runtime = _check_st(st, "push")
     if st._grad is None:
         raise OdcUsageError(
             f"odc_runtime.push: {st.name!r} was sharded with requires_grad=False and has no gradient accumulator"
         )
     _check_tensor("push(grad)", grad, st, runtime.transport.device, PARAM_DTYPES)
-    try:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(float(scale)):
-            raise ValueError
-    except (ValueError, OverflowError):
-        raise OdcUsageError(f"odc_runtime.push: scale must be a finite real number, got {scale!r}") from None
+    scale = _check_scale("push", scale)
     flat = grad.detach().reshape(-1)
     requests = [AccumulateRequest(owner, piece) for owner, piece in st._pieces(flat)]
     return _issue(runtime, lambda: runtime.transport.accumulate(st._grad, requests, float(scale)), async_op, None)

@@ -1,4 +1,7 @@
-"""Typed errors raised by odc_runtime. All derive from :class:`OdcError`."""
+"""Typed errors raised by odc_runtime. All derive from :class:`OdcError`.
+
+Every error says what went wrong and what to do; the README's error table lists what is checked (and what is not).
+"""
 
 from __future__ import annotations
 
@@ -12,20 +15,31 @@ class OdcNotInitializedError(OdcError):
 
 
 class OdcUsageError(OdcError, ValueError):
-    """Bad arguments: wrong shape, dtype, device, layout, or a call that is not valid in this state."""
+    """Bad arguments or settings: wrong shape, dtype, device, layout, a bad ``ODC_*`` value, or a call that is not
+    valid in this state (e.g. from a forked child of a rank)."""
 
 
 class OdcMismatchError(OdcError):
-    """A collective call (``init``, ``shard``) received different arguments on different ranks."""
+    """Ranks disagree in a collective: different arguments, another rank rejected its arguments, or ranks are in
+    different collectives (e.g. ``free`` in different orders)."""
 
 
 class OdcMemoryError(OdcError, MemoryError):
-    """The symmetric heap cannot hold an allocation."""
+    """The symmetric heap, or the filesystem that backs it, cannot hold an allocation."""
 
 
 class OdcTimeoutError(OdcError, TimeoutError):
     """A blocking wait gave up: a peer is dead or stuck. The message names the operation and the ranks."""
 
 
+class OdcPeerLostError(OdcTimeoutError):
+    """A peer process died (or the ``torch.distributed`` store became unreachable) while this rank waited for it.
+
+    Raised as soon as the death is seen (at the latest after ``ODC_TIMEOUT``), naming the rank and the operation.
+    The runtime is unusable afterwards: every later collective raises this error again at once, and
+    :func:`odc_runtime.finalize` releases local resources without waiting.
+    """
+
+
 class OdcBackendError(OdcError):
-    """A transport failed (CUDA/NVSHMEM error, missing extension, unsupported platform)."""
+    """A transport failed (CUDA/NVSHMEM error, missing extension, unsupported platform, OS error)."""

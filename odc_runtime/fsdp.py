@@ -62,6 +62,7 @@ sync: ``S1_{k+1}`` is its fence.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import weakref
@@ -460,12 +461,13 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
     state = _State(model, units, world_size, rank, validate)
     all_gather_cls = _make_all_gather(all_gather_base)
     reduce_scatter_cls = _make_reduce_scatter(reduce_scatter_base)
+    model_id = next(_ENABLE_COUNT)  # shard names must be unique per runtime; several models may share one
     try:
         for unit in units:
             shared = unit.rs_numel == unit.ag_numel
             unit.st_ag = odc.shard(
                 torch.empty((world_size, unit.ag_numel), dtype=unit.ag_dtype, device="meta"),
-                name=f"fsdp.{unit.fqn}.params",
+                name=f"fsdp{model_id}.{unit.fqn}.params",
                 requires_grad=shared,  # with frozen parameters the gradients get their own, smaller buffer
             )
             if shared:
@@ -473,7 +475,7 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
             elif unit.rs_numel > 0:
                 unit.st_rs = odc.shard(
                     torch.empty((world_size, unit.rs_numel), dtype=unit.rs_dtype, device="meta"),
-                    name=f"fsdp.{unit.fqn}.grads",
+                    name=f"fsdp{model_id}.{unit.fqn}.grads",
                 )
     except BaseException:
         _free_buffers(units)
@@ -499,6 +501,9 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
         sum(u.ag_numel for u in units),
     )
     return model
+
+
+_ENABLE_COUNT = itertools.count()  # enable() is collective: the same count on every rank
 
 
 def _free_buffers(units: list[_Unit]) -> None:

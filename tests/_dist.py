@@ -1,4 +1,5 @@
-"""Run a test function on several ranks: spawned processes, gloo over a FileStore, one torch thread each.
+"""Run a test function on several ranks: spawned processes, gloo over a FileStore (or a TCPStore hosted by rank 0,
+as under ``torch.multiprocessing`` + ``env://``), one torch thread each.
 
 ``run_ranks(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` in every rank after
 ``init_process_group`` and returns the list of per-rank return values. A rank that raises fails the test with its
@@ -12,6 +13,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import socket
 import tempfile
 import time
 import traceback
@@ -19,6 +21,12 @@ from collections.abc import Callable
 from typing import Any
 
 _CTX = mp.get_context("spawn")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _entry(
@@ -34,7 +42,8 @@ def _entry(
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        init_method = store if store.startswith("tcp://") else f"file://{store}"
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
         import odc_runtime
 
         try:
@@ -54,18 +63,20 @@ def _entry(
 
 def run_ranks(
     fn: Callable, world_size: int, *args: Any, timeout: float = 90.0, env: dict[str, str] | None = None,
-    expect_exit: set[int] | frozenset[int] = frozenset(),
+    expect_exit: set[int] | frozenset[int] = frozenset(), store: str = "file",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return per-rank results.
 
-    Ranks in ``expect_exit`` may die without reporting (their result is ``None``).
+    Ranks in ``expect_exit`` may die without reporting (their result is ``None``). ``store="tcp"`` rendezvous
+    through a TCPStore that rank 0 hosts (so the store dies with rank 0), else through a FileStore.
     """
     with tempfile.TemporaryDirectory() as tmp:
         results = _CTX.Queue()
+        address = f"tcp://127.0.0.1:{_free_port()}" if store == "tcp" else os.path.join(tmp, "store")
         procs = [
             _CTX.Process(
                 target=_entry,
-                args=(fn, r, world_size, os.path.join(tmp, "store"), dict(env or {}), args, results, timeout),
+                args=(fn, r, world_size, address, dict(env or {}), args, results, timeout),
                 daemon=True,
             )
             for r in range(world_size)

@@ -13,7 +13,8 @@ from odc_runtime.errors import OdcMemoryError
 ALIGNMENT = 256  # bytes; enough for vectorised CPU copies and 128-bit GPU accesses
 
 
-def _human(n: int) -> str:
+def human_bytes(n: int) -> str:
+    """``n`` bytes in binary units for messages (``1.50 GiB``)."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift:
             return f"{n / (1 << shift):.2f} {unit}"
@@ -46,9 +47,9 @@ class HeapAllocator:
                 return start
         largest = max((s for _, s in self._free), default=0)
         raise OdcMemoryError(
-            f"symmetric heap exhausted: {what} asked for {_human(nbytes)} ({nbytes} bytes) but only "
-            f"{_human(self.capacity - self.used)} of {_human(self.capacity)} is free (largest free block "
-            f"{_human(largest)}); raise it with {self._limit_hint}"
+            f"symmetric heap exhausted: {what} asked for {human_bytes(nbytes)} ({nbytes} bytes) but only "
+            f"{human_bytes(self.capacity - self.used)} of {human_bytes(self.capacity)} is free (largest free block "
+            f"{human_bytes(largest)}); raise it with {self._limit_hint}"
         )
 
     def free(self, offset: int) -> None:

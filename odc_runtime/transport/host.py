@@ -1,10 +1,17 @@
 """The ``host`` transport: ranks on one machine share memory through files in ``/dev/shm``.
 
-Layout. Each rank creates one segment ``odc-<job>-r<rank>-p<pid>.heap`` (mode 0600): a control page followed by
-its symmetric heap. Every rank maps every segment, so a *get* is a ``memcpy`` from a peer's mapping and an
-*accumulate* is an ``add_`` into it. Once all ranks have mapped all segments (end of ``create``) each rank unlinks
-its own file: the memory lives exactly as long as the mappings, so a crash cannot leave segments behind except
-during ``create`` itself; those stale files (their pid is dead) are removed by the next ``create``.
+Layout. Each rank creates one segment ``odc-<job>-r<rank>-p<pid>-s<start>-n<pidns>.heap`` (mode 0600; ``start`` is
+the process's start time, so a later process that reuses the pid is not mistaken for the creator; ``pidns`` its pid
+namespace, so segments of another container sharing the directory are never judged by pid): a control page
+followed by its symmetric heap. Every rank maps every segment, so a *get* is a ``memcpy`` from a peer's mapping
+and an *accumulate* is an ``add_`` into it. Once all ranks have mapped all segments (end of ``create``) each rank
+unlinks its own file: the memory lives exactly as long as the mappings, so a crash cannot leave segments behind
+except during ``create`` itself; those stale files (their process is gone) are removed by the next ``create``.
+
+Memory is reserved before it is touched. The segment file is sparse; every allocation first reserves its bytes
+with ``posix_fallocate`` and raises :class:`~odc_runtime.errors.OdcMemoryError` (on every rank, through the
+allocation's agreement step) if the filesystem is full. Without this, touching a page that tmpfs cannot back is a
+``SIGBUS`` that kills the process (Docker's default ``/dev/shm`` is 64 MiB; the default heap is 1 GiB).
 
 Exact concurrent accumulation. An accumulate holds a POSIX byte-range lock (``fcntl``) on the target bytes of the
 owner's segment while it adds, in chunks of ``ODC_HOST_CHUNK_BYTES`` so pushers into different parts of one
@@ -13,11 +20,23 @@ kernel releases a dead process's locks, and a contended lock is polled until ``O
 holder cannot hang the pusher. POSIX locks do not exclude threads of one process, so a per-peer
 ``threading.Lock`` serialises this process's own threads (caller and async worker) first.
 
-Barrier. Rank r stores its barrier epoch in its control page and polls the peers' pages until every epoch has
-reached its own. Epoch stores and loads happen under an ``fcntl`` lock of the control page: lock and unlock are
-system calls that order memory, so every data write a rank made before its barrier (its own parameters, its
-completed accumulates) is visible to a peer that has seen its epoch. A barrier that waits past the timeout names
-the missing ranks and whether their processes are still alive.
+Barrier and exchange. Every collective step after ``create`` (``sync``, ``shard``'s argument check, ``alloc``,
+``free``, ``finalize``) is one round of :meth:`HostTransport.exchange`: rank r writes, in its control page, the
+round number (its *epoch*), a 16-byte digest of the full operation identity (e.g. ``free(w#3.grad)``: the tensor's
+whole name and its shard sequence number), the operation's name for messages, and a payload; then it polls the
+peers' pages until every epoch has reached its own. A peer is at most one round ahead (it cannot pass the next
+round without us), so each page keeps the digest and payload of the current and of the previous round (payload
+slots alternate by epoch parity), and a rank compares the digest its peer had *at our epoch*: ranks in different
+collectives, or freeing tensors in different orders, raise :class:`~odc_runtime.errors.OdcMismatchError` on every
+rank. Page stores and loads happen under an ``fcntl`` lock of the control page: lock and unlock are system calls
+that order memory, so every data write a rank made before its barrier (its own parameters, its completed
+accumulates) is visible to a peer that has seen its epoch. Cannot deadlock: a rank waits only for peers' epochs to
+reach its own, never while holding a lock, and gives up at ``ODC_TIMEOUT``.
+
+Dead peers. While it waits, a rank checks every half second whether the processes it waits for still exist (pid +
+start time from their control pages); a dead one raises :class:`~odc_runtime.errors.OdcPeerLostError` at once,
+naming the rank and where it was. After that (or any timeout) the transport is *failed*: every later collective
+raises at once, ``free`` releases locally, and ``finalize`` does not wait again.
 """
 
 from __future__ import annotations
@@ -43,8 +62,25 @@ import torch
 import torch.distributed as dist
 
 from odc_runtime import config
-from odc_runtime.agree import gather_checked, require_same
-from odc_runtime.errors import OdcBackendError, OdcMismatchError, OdcTimeoutError, OdcUsageError
+from odc_runtime.agree import (
+    StoreExchange,
+    gather_checked,
+    op_digest,
+    pid_namespace,
+    process_alive,
+    process_start_time,
+    require_same,
+    shorten,
+)
+from odc_runtime.errors import (
+    OdcBackendError,
+    OdcError,
+    OdcMemoryError,
+    OdcMismatchError,
+    OdcPeerLostError,
+    OdcTimeoutError,
+    OdcUsageError,
+)
 from odc_runtime.transport.base import (
     AccumulateRequest,
     GetRequest,
@@ -52,14 +88,28 @@ from odc_runtime.transport.base import (
     Transport,
     Work,
 )
-from odc_runtime.transport.heap import HeapAllocator
+from odc_runtime.transport.heap import HeapAllocator, human_bytes
 
 log = logging.getLogger(__name__)
 
-CONTROL_BYTES = 4096  # control page at the start of every segment: epoch, pid, name of the barrier's operation
-_OP_BYTES = 64
-_CONTROL = struct.Struct(f"<qq{_OP_BYTES}s{_OP_BYTES}s")
-_SEGMENT_RE = re.compile(r"^odc-(?P<job>[0-9a-f]+)-r(?P<rank>\d+)-p(?P<pid>\d+)\.heap$")
+CONTROL_BYTES = 4096  # control page at the start of every segment (layout below)
+_NAME_BYTES = 64  # operation name kept for messages only; the digest is what is compared
+# epoch, pid, start time, digest + name of the op at `epoch`, digest + name of the op at `epoch - 1`,
+# payload lengths of slot 0 and slot 1
+_HEADER = struct.Struct(f"<qqq16s{_NAME_BYTES}s16s{_NAME_BYTES}sII")
+_SLOT_OFFSET = 256
+_SLOT_BYTES = (CONTROL_BYTES - _SLOT_OFFSET) // 2
+_TOO_BIG = b"\0odc-payload-too-big"
+_LIVENESS_PERIOD_S = 0.5
+_SEGMENT_RE = re.compile(
+    r"^odc-(?P<job>[0-9a-f]+)-r(?P<rank>\d+)-p(?P<pid>\d+)(?:-s(?P<start>\d+))?(?:-n(?P<ns>\d+))?\.heap$"
+)
+
+
+def _ns_id(namespace: str) -> int:
+    """The inode number in a pid namespace link such as ``pid:[4026531836]`` (0 if unknown)."""
+    digits = "".join(c for c in namespace if c.isdigit())
+    return int(digits) if digits else 0
 
 # Transports alive in this process; a forked child marks them all, once, instead of every operation asking
 # the kernel for its pid. Weak references: the hook must not keep finalized transports alive.
@@ -74,40 +124,47 @@ def _mark_forked() -> None:
 os.register_at_fork(after_in_child=_mark_forked)
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie (killed but not yet reaped by its parent)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, belongs to someone else
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+def is_available() -> bool:
+    """The host transport runs wherever POSIX shared memory and ``fcntl`` locks do (Linux, macOS)."""
+    return hasattr(os, "register_at_fork") and hasattr(fcntl, "lockf")
 
 
 def remove_stale_segments(directory: str) -> list[str]:
-    """Remove this user's ODC segments whose creating process is dead; return the removed paths."""
-    removed = []
+    """Remove this user's ODC segments whose creating process is gone; return the removed paths.
+
+    A segment names its creator by pid, start time and pid namespace: a live process that reused a dead
+    creator's pid does not keep the segment alive, and segments created in another pid namespace (another
+    container sharing this directory), whose pids mean nothing here, are left alone.
+    """
+    own_ns = _ns_id(pid_namespace())
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
-    except FileNotFoundError:
+    except OSError:  # missing or unreadable: create_segment reports it
         return removed
     for name in names:
         m = _SEGMENT_RE.match(name)
         if m is None:
             continue
         path = os.path.join(directory, name)
+        start = int(m.group("start")) if m.group("start") else None
+        if m.group("ns") and int(m.group("ns")) != own_ns:
+            continue
         with contextlib.suppress(FileNotFoundError):
-            if os.stat(path).st_uid == os.getuid() and not _pid_alive(int(m.group("pid"))):
+            if os.stat(path).st_uid == os.getuid() and not process_alive(int(m.group("pid")), start):
                 os.unlink(path)
                 removed.append(path)
     if removed:
         log.info("odc host transport: removed %d stale segment(s) of dead jobs: %s", len(removed), removed)
     return removed
+
+
+def _free_bytes(directory: str) -> int | None:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 class FutureWork(Work):
@@ -178,23 +235,28 @@ class HostTransport(Transport):
         self._segments: list[_Segment | None] = [None] * world_size
         self._peer_locks = [threading.Lock() for _ in range(world_size)]
         self._epoch = 0
-        self._last_op = b""
+        self._last_digest = b"\0" * 16
+        self._last_name = b""
+        self._slot_lengths = [0, 0]
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
         self._own_path: str | None = None
         self._closed = False
         self._pid = os.getpid()
+        self._start = process_start_time(self._pid) or 0
         self._forked = False
+        self.failure: OdcError | None = None  # set once a collective timed out or lost a peer: the runtime is dead
+        # Peers whose pids mean something here (same pid namespace); others are never declared dead early.
+        self._visible = [True] * world_size
         _live_transports.add(self)
 
     # -- setup ----------------------------------------------------------------------------------------
-    def _path(self, rank: int, pid: int) -> str:
-        return os.path.join(self.directory, f"odc-{self.job}-r{rank}-p{pid}.heap")
+    def _path(self, rank: int, pid: int, start: int, namespace: str) -> str:
+        return os.path.join(self.directory, f"odc-{self.job}-r{rank}-p{pid}-s{start}-n{_ns_id(namespace)}.heap")
 
-    def create_segment(self) -> int:
-        """Create this rank's segment (mode 0600); return the pid that names it."""
-        pid = os.getpid()
-        path = self._path(self.rank, pid)
+    def create_segment(self) -> tuple[int, int]:
+        """Create this rank's segment (mode 0600); return the ``(pid, start time)`` that name it."""
+        path = self._path(self.rank, self._pid, self._start, pid_namespace())
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except OSError as e:
@@ -205,21 +267,29 @@ class HostTransport(Transport):
         self._own_path = path
         atexit.register(self._unlink_own)
         try:
-            os.ftruncate(fd, self._segment_bytes)  # sparse: pages cost memory only once touched
+            os.ftruncate(fd, self._segment_bytes)  # sparse: pages cost memory only once reserved
         except OSError as e:
             os.close(fd)
             raise OdcBackendError(f"odc host transport: cannot size {path} to {self._segment_bytes} bytes: {e}") from e
-        seg = _Segment(path, fd, self._segment_bytes)
-        seg.map[: _CONTROL.size] = _CONTROL.pack(0, pid, b"init", b"")
+        try:
+            self._reserve(fd, 0, CONTROL_BYTES, "the control page")
+            seg = _Segment(path, fd, self._segment_bytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        seg.map[: _HEADER.size] = _HEADER.pack(0, self._pid, self._start, b"", b"init", b"", b"", 0, 0)
         self._segments[self.rank] = seg
-        return pid
+        return self._pid, self._start
 
-    def map_peers(self, pids: Sequence[int]) -> None:
-        """Map every peer's segment (after all have been created)."""
-        for peer, pid in enumerate(pids):
+    def map_peers(self, identities: Sequence[tuple[int, int, str]]) -> None:
+        """Map every peer's segment (after all have been created); ``identities[r]`` is ``(pid, start time, pid
+        namespace)`` of rank ``r``."""
+        own_namespace = identities[self.rank][2]
+        self._visible = [ns == own_namespace for _, _, ns in identities]
+        for peer, (pid, start, namespace) in enumerate(identities):
             if peer == self.rank:
                 continue
-            path = self._path(peer, pid)
+            path = self._path(peer, pid, start, namespace)
             try:
                 fd = os.open(path, os.O_RDWR)
             except OSError as e:
@@ -227,7 +297,11 @@ class HostTransport(Transport):
                     f"odc host transport: rank {self.rank} cannot open rank {peer}'s segment {path}: {e}. "
                     "All ranks must run on one machine and see the same ODC_SHM_DIR."
                 ) from e
-            self._segments[peer] = _Segment(path, fd, self._segment_bytes)
+            try:
+                self._segments[peer] = _Segment(path, fd, self._segment_bytes)
+            except BaseException:
+                os.close(fd)
+                raise
 
     def _unlink_own(self) -> None:
         if self._own_path is not None:
@@ -235,9 +309,23 @@ class HostTransport(Transport):
                 os.unlink(self._own_path)
             self._own_path = None
 
-    def unlink_own(self) -> None:
-        """Remove this rank's file name; the mappings keep the memory alive."""
-        self._unlink_own()
+    def _reserve(self, fd: int, start: int, length: int, what: str) -> None:
+        """Back ``[start, start + length)`` of a segment file with real memory, or raise OdcMemoryError."""
+        try:
+            os.posix_fallocate(fd, start, length)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM, errno.EDQUOT):
+                raise OdcBackendError(
+                    f"odc host transport: rank {self.rank} cannot reserve {length} bytes in {self.directory}: {e}"
+                ) from e
+            free = _free_bytes(self.directory)
+            raise OdcMemoryError(
+                f"odc host transport: rank {self.rank} cannot reserve {human_bytes(length)} ({length} bytes) for "
+                f"{what} in {self.directory}: the filesystem has "
+                f"{'an unknown amount' if free is None else human_bytes(free)} free ({e.strerror}). Give it more "
+                "space (docker run --shm-size=..., a larger tmpfs), point ODC_SHM_DIR at a larger tmpfs, or "
+                "shard less (ODC_HEAP_SIZE only caps the heap; the filesystem must hold what is allocated)"
+            ) from e
 
     # -- memory ---------------------------------------------------------------------------------------
     def _seg(self, peer: int) -> _Segment:
@@ -259,18 +347,40 @@ class HostTransport(Transport):
         return self._allocator.used
 
     def alloc(self, numel: int, dtype: torch.dtype, tag: str = "") -> SymmetricBuffer:
-        offset = self._allocator.alloc(numel * dtype.itemsize, what=f"'{tag or 'buffer'}'")
+        nbytes = numel * dtype.itemsize
+        offset: int | None = None
+
+        def reserve_and_zero() -> int:
+            nonlocal offset
+            seg = self._seg(self.rank)
+            offset = self._allocator.alloc(nbytes, what=f"'{tag or 'buffer'}'")
+            self._reserve(seg.fd, CONTROL_BYTES + offset, max(nbytes, 1), f"'{tag or 'buffer'}'")
+            seg.view(offset, numel, dtype).zero_()
+            return offset
+
+        # One agreement round: nobody accumulates into the region before its owner reserved and zeroed it, and a
+        # rank whose filesystem is full fails every rank instead of crashing on a page fault later.
+        try:
+            offsets = gather_checked(f"alloc({tag})", reserve_and_zero, exchange=self)
+            require_same(
+                f"alloc({tag})", offsets,
+                rule="got different heap offsets on different ranks (the ranks' allocation histories differ)",
+            )
+        except BaseException:
+            if offset is not None:
+                self._allocator.free(offset)
+            raise
+        assert offset is not None
         local = self._seg(self.rank).view(offset, numel, dtype)
-        local.zero_()
-        # Nobody may accumulate into the region before its owner has zeroed it.
-        self.barrier(f"alloc({tag})")
         return SymmetricBuffer(numel=numel, dtype=dtype, local=local, handle=offset, tag=tag)
 
     def free(self, buf: SymmetricBuffer) -> None:
         if buf.freed:
             return
-        # Nobody may still read or add into the region when it is handed out again.
-        self.barrier(f"free({buf.tag})")
+        if self.failure is None:
+            # Nobody may still read or add into the region when it is handed out again.
+            self.barrier(f"free({buf.tag})")
+        # else: the runtime is dead (a peer was lost); release locally without waiting for anyone
         self._allocator.free(buf.handle)  # type: ignore[arg-type]
         buf.freed = True
 
@@ -357,19 +467,37 @@ class HostTransport(Transport):
         finally:
             fcntl.lockf(fd, fcntl.LOCK_UN, length, start)
 
-    # -- barrier --------------------------------------------------------------------------------------
-    def _read_control(self, peer: int) -> tuple[int, int, bytes, bytes]:
-        """``(epoch, pid, op of barrier #epoch, op of barrier #epoch-1)`` of ``peer``."""
+    # -- barrier and exchange -----------------------------------------------------------------------
+    def _read_control(self, peer: int) -> tuple[int, int, int, bytes, bytes, bytes, bytes, bytes]:
+        """``(epoch, pid, start, digest@epoch, name@epoch, digest@epoch-1, name@epoch-1, control page)``."""
         seg = self._seg(peer)
-        with self._locked(peer, 0, _CONTROL.size, exclusive=False, op="barrier"):
-            raw = bytes(seg.map[: _CONTROL.size])
-        epoch, pid, op, previous_op = _CONTROL.unpack(raw)
-        return epoch, pid, op.rstrip(b"\0"), previous_op.rstrip(b"\0")
+        with self._locked(peer, 0, CONTROL_BYTES, exclusive=False, op="barrier"):
+            raw = bytes(seg.map[: _HEADER.size])
+            lengths = _HEADER.unpack_from(raw)[-2:]
+            if any(lengths):  # copy the payload slots only when there is a payload (not for plain barriers)
+                raw = bytes(seg.map[: _SLOT_OFFSET + _SLOT_BYTES + lengths[1]])
+        epoch, pid, start, digest, name, prev_digest, prev_name, _, _ = _HEADER.unpack_from(raw)
+        return epoch, pid, start, digest, name.rstrip(b"\0"), prev_digest, prev_name.rstrip(b"\0"), raw
 
-    def _write_control(self, epoch: int, op: bytes, previous_op: bytes) -> None:
+    @staticmethod
+    def _payload(raw: bytes, epoch: int) -> bytes:
+        lengths = _HEADER.unpack_from(raw)[-2:]
+        slot = epoch % 2
+        start = _SLOT_OFFSET + slot * _SLOT_BYTES
+        return raw[start : start + lengths[slot]]
+
+    def _write_control(self, digest: bytes, name: bytes, payload: bytes) -> None:
         seg = self._seg(self.rank)
-        with self._locked(self.rank, 0, _CONTROL.size, exclusive=True, op="barrier"):
-            seg.map[: _CONTROL.size] = _CONTROL.pack(epoch, os.getpid(), op, previous_op)
+        slot = self._epoch % 2
+        self._slot_lengths[slot] = len(payload)
+        header = _HEADER.pack(
+            self._epoch, self._pid, self._start, digest, name, self._last_digest, self._last_name,
+            *self._slot_lengths,
+        )
+        start = _SLOT_OFFSET + slot * _SLOT_BYTES
+        with self._locked(self.rank, 0, CONTROL_BYTES, exclusive=True, op="barrier"):
+            seg.map[start : start + len(payload)] = payload
+            seg.map[: _HEADER.size] = header
 
     def barrier(self, op: str = "barrier") -> None:
         failed: BaseException | None = None
@@ -379,54 +507,105 @@ class HostTransport(Transport):
             raise
         except BaseException as e:  # every operation completed, one failed: still meet the peers, then report it
             failed = e
-        self._barrier(op)
+        self.exchange(op, b"")
         if failed is not None:
             raise failed
 
-    def _barrier(self, op: str) -> None:
-        self._epoch += 1
-        tag = op.encode()[:_OP_BYTES]
-        self._write_control(self._epoch, tag, self._last_op)
-        self._last_op = tag
-        waiting = [p for p in range(self.world_size) if p != self.rank]
-        deadline = time.monotonic() + self.timeout
-        spins = 0
-        while waiting:
-            still = []
-            for p in waiting:
-                epoch, _, peer_op, peer_previous_op = self._read_control(p)
-                if epoch < self._epoch:
-                    still.append(p)
-                    continue
-                # A peer is at most one barrier ahead (it cannot pass the next one without us), so the op it
-                # ran at our epoch is its current or its previous one.
-                theirs = peer_op if epoch == self._epoch else peer_previous_op
-                if theirs != tag:
-                    raise OdcMismatchError(
-                        f"odc collective mismatch at barrier #{self._epoch}: rank {self.rank} is in {op!r} but rank "
-                        f"{p} is in {theirs.decode(errors='replace')!r}; every rank must call the same collectives "
-                        "in the same order"
-                    )
-            waiting = still
-            if not waiting:
-                break
-            if time.monotonic() > deadline:
-                raise OdcTimeoutError(self._describe_missing(op, waiting))
-            spins += 1
-            # Spin briefly (barriers usually complete within microseconds), then back off to 1 ms.
-            time.sleep(0 if spins < 50 else min(1e-3, 1e-5 * spins))
+    def exchange(self, op: str, payload: bytes) -> list[bytes]:
+        """Collective: one barrier round that also carries ``payload`` (at most about 1.9 KB) from every rank.
 
-    def _describe_missing(self, op: str, missing: list[int]) -> str:
+        Returns every rank's payload. See the module docstring for the protocol. Raises OdcMismatchError if a
+        peer is in another collective, OdcPeerLostError if a peer died, OdcTimeoutError after ``timeout``.
+        """
+        if self.failure is not None:
+            raise type(self.failure)(
+                f"odc {shorten(op)}: the runtime is unusable since an earlier collective failed ({self.failure}); "
+                "call odc_runtime.finalize() and restart the job"
+            )
+        too_big = len(payload) > _SLOT_BYTES
+        if too_big:
+            payload = _TOO_BIG
+        digest = op_digest(op)
+        name = op.encode()[:_NAME_BYTES]
+        self._epoch += 1
+        self._write_control(digest, name, payload)
+        self._last_digest, self._last_name = digest, name
+        payloads: list[bytes] = [b""] * self.world_size
+        payloads[self.rank] = payload
+        waiting = [p for p in range(self.world_size) if p != self.rank]
+        start = time.monotonic()
+        deadline = start + self.timeout
+        next_liveness = start + _LIVENESS_PERIOD_S
+        spins = 0
+        try:
+            while waiting:
+                still = []
+                for p in waiting:
+                    epoch, _, _, peer_digest, peer_name, prev_digest, prev_name, raw = self._read_control(p)
+                    if epoch < self._epoch:
+                        still.append(p)
+                        continue
+                    # A peer is at most one round ahead (it cannot pass the next one without us), so what it did
+                    # at our epoch is its current or its previous round.
+                    theirs, their_name = (peer_digest, peer_name) if epoch == self._epoch else (prev_digest, prev_name)
+                    if theirs != digest:
+                        raise OdcMismatchError(
+                            f"odc collective mismatch at barrier #{self._epoch}: rank {self.rank} is in "
+                            f"{shorten(op)!r} but rank {p} is in {their_name.decode(errors='replace')!r}"
+                            f"{'…' if len(their_name) == _NAME_BYTES else ''}; every rank must call the same "
+                            "collectives (shard, free, sync, finalize) in the same order"
+                        )
+                    payloads[p] = self._payload(raw, self._epoch)
+                waiting = still
+                if not waiting:
+                    break
+                now = time.monotonic()
+                if now >= next_liveness:
+                    next_liveness = now + _LIVENESS_PERIOD_S
+                    dead = [p for p in waiting if not self._peer_alive(p)]
+                    if dead:
+                        raise OdcPeerLostError(self._describe_missing(op, waiting, lost=dead, waited=now - start))
+                if now > deadline:
+                    raise OdcTimeoutError(self._describe_missing(op, waiting, lost=[], waited=now - start))
+                spins += 1
+                # Spin briefly (barriers usually complete within microseconds), then back off to 1 ms.
+                time.sleep(0 if spins < 50 else min(1e-3, 1e-5 * spins))
+        except OdcTimeoutError as e:  # includes OdcPeerLostError: the ranks' rounds are no longer aligned
+            self.failure = e
+            raise
+        if _TOO_BIG in payloads:
+            big = [r for r, p in enumerate(payloads) if p == _TOO_BIG]
+            raise OdcUsageError(f"odc {shorten(op)}: the arguments of rank(s) {big} are too large to compare")
+        return payloads
+
+    def _peer_alive(self, peer: int) -> bool:
+        if not self._visible[peer]:
+            return True  # another pid namespace: its pid cannot be checked from here; the timeout decides
+        _, pid, start, *_ = self._read_control(peer)
+        return process_alive(pid, start or None)
+
+    def _describe_missing(self, op: str, missing: list[int], *, lost: list[int], waited: float) -> str:
         parts = []
         for p in missing:
-            epoch, pid, peer_op, _ = self._read_control(p)
-            state = "alive" if _pid_alive(pid) else "DEAD"
-            where = peer_op.decode(errors="replace")
+            epoch, pid, start, _, name, *_ = self._read_control(p)
+            if p in lost:
+                state = "DEAD"
+            elif not self._visible[p]:
+                state = "in another pid namespace"
+            else:
+                state = "alive" if process_alive(pid, start or None) else "DEAD"
+            where = name.decode(errors="replace")
             parts.append(f"rank {p} (pid {pid}, {state}, last at barrier #{epoch} in {where!r})")
+        if lost:
+            return (
+                f"odc {shorten(op)}: rank {self.rank} lost rank(s) {lost} after {waited:.1f} s at barrier "
+                f"#{self._epoch}: {', '.join(parts)}. A dead rank's process crashed or was killed; the runtime is "
+                "unusable now (finalize() releases local resources without waiting)."
+            )
         return (
-            f"odc {op}: rank {self.rank} timed out after {self.timeout:g} s waiting at barrier #{self._epoch} for "
-            f"{', '.join(parts)}. A dead rank means its process crashed; an alive one is stuck or did not call "
-            "the same collective. Raise ODC_TIMEOUT if it is merely slow."
+            f"odc {shorten(op)}: rank {self.rank} timed out after {self.timeout:g} s waiting at barrier "
+            f"#{self._epoch} for {', '.join(parts)}. An alive rank is stuck or did not call the same collective. "
+            "Raise ODC_TIMEOUT if it is merely slow."
         )
 
     # -- teardown -------------------------------------------------------------------------------------
@@ -449,41 +628,54 @@ class HostTransport(Transport):
 def create(*, timeout: float, heap_size: int | str | None = None) -> HostTransport:
     """Collective: build the host transport over the default ``torch.distributed`` group.
 
-    Every step that can fail on one rank only (bad settings, a segment that cannot be created or mapped) is
-    agreed on with :func:`~odc_runtime.agree.gather_checked`, so all ranks raise together instead of some of
-    them waiting forever for the others.
+    Every step is one bounded agreement round (:func:`~odc_runtime.agree.gather_checked` over the store, with
+    ``timeout``): any local failure (bad settings, a segment that cannot be created, sized or mapped, an OS
+    error) makes every rank raise together instead of some waiting for the others, and every rank removes the
+    segment it created.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    job = [uuid.uuid4().hex[:12] if rank == 0 else None]
-    dist.broadcast_object_list(job, src=0)
+    exchange = StoreExchange(timeout)
     transport: HostTransport | None = None
 
-    def create_own_segment() -> tuple[int, int]:
-        nonlocal transport
+    def settings() -> tuple[str, int, int, str]:
         directory = config.shm_dir()
-        heap = config.resolve_size(heap_size, "ODC_HEAP_SIZE", config.DEFAULT_HOST_HEAP_BYTES)
-        chunk = config.resolve_size(None, "ODC_HOST_CHUNK_BYTES", config.DEFAULT_HOST_CHUNK_BYTES)
+        heap = config.host_heap_bytes(heap_size)
+        chunk = config.host_chunk_bytes()
+        return uuid.uuid4().hex[:12], heap, chunk, directory
+
+    def create_own_segment() -> tuple[int, int, str]:
+        nonlocal transport
         remove_stale_segments(directory)
         transport = HostTransport(
-            rank, world, job[0], timeout=timeout, heap_size=heap, directory=directory, chunk_bytes=chunk
+            rank, world, job, timeout=timeout, heap_size=heap, directory=directory, chunk_bytes=chunk
         )
-        return transport.create_segment(), heap
+        return (*transport.create_segment(), pid_namespace())
 
     try:
-        infos = gather_checked("init (host segments)", create_own_segment)
+        chosen = gather_checked("init (host settings)", settings, exchange=exchange)
+        job = chosen[0][0]  # rank 0's job id names every segment of this job
+        _, heap, chunk, directory = chosen[rank]
         # Different heaps give different offsets, and a peer's smaller segment cannot be mapped.
         require_same(
-            "init:", [heap for _, heap in infos],
+            "init:", [c[1] for c in chosen],
             rule="ODC_HEAP_SIZE / init(heap_size=...) must resolve to the same number of bytes on every rank",
         )
+        identities = gather_checked("init (host segments)", create_own_segment, exchange=exchange)
         assert transport is not None
-        # Returning from this gather also means every rank has mapped every segment.
-        gather_checked("init (map peers)", lambda: transport.map_peers([pid for pid, _ in infos]))
-        transport.unlink_own()
+        # Returning from this round also means every rank has mapped every segment.
+        gather_checked("init (map peers)", lambda: transport.map_peers(identities), exchange=exchange)
+        transport._unlink_own()
     except BaseException:
         if transport is not None:
             transport.finalize()
         raise
+    free = _free_bytes(directory)
+    if free is not None and free < heap:
+        log.warning(
+            "odc host transport: %s has %s free, less than the %s heap of this rank; allocations beyond that "
+            "raise OdcMemoryError (give the filesystem more space, e.g. docker --shm-size, or set ODC_SHM_DIR)",
+            directory, human_bytes(free), human_bytes(heap),
+        )
     log.info(
         "odc host transport: rank %d/%d, job %s, heap %d MiB per rank in %s",
         rank, world, transport.job, transport.heap_capacity() >> 20, transport.directory,

@@ -1,0 +1,96 @@
+"""Settings: every ``ODC_*`` variable parsed and validated in ``odc_runtime/config.py``, with typed errors, and
+listed in the README's configuration table."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+import odc_runtime as odc
+from odc_runtime import config
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(
+    "var, read",
+    [
+        ("ODC_TIMEOUT", lambda: config.resolve_timeout(None)),
+        ("ODC_HEAP_SIZE", lambda: config.host_heap_bytes(None)),
+        ("ODC_HOST_CHUNK_BYTES", config.host_chunk_bytes),
+        ("ODC_SHM_DIR", config.shm_dir),
+        ("ODC_BACKEND", lambda: config.backend_name(None)),
+        ("ODC_REQUIRE_EXTENSION", config.require_extension),
+    ],
+)
+def test_set_but_empty_is_an_error(monkeypatch, var, read) -> None:
+    monkeypatch.setenv(var, "")
+    with pytest.raises(odc.OdcUsageError, match=f"{var} is set but empty"):
+        read()
+    monkeypatch.setenv(var, "   ")
+    with pytest.raises(odc.OdcUsageError, match=f"{var} is set but empty"):
+        read()
+
+
+def test_values_are_validated(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("ODC_HOST_CHUNK_BYTES", "lots")
+    with pytest.raises(odc.OdcUsageError, match="ODC_HOST_CHUNK_BYTES"):
+        config.host_chunk_bytes()
+    monkeypatch.setenv("ODC_HOST_CHUNK_BYTES", "64K")
+    assert config.host_chunk_bytes() == 64 << 10
+
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    monkeypatch.setenv("ODC_SHM_DIR", str(a_file))
+    with pytest.raises(odc.OdcUsageError, match="not a directory"):
+        config.shm_dir()
+    monkeypatch.setenv("ODC_SHM_DIR", str(tmp_path))
+    assert config.shm_dir() == str(tmp_path)
+    monkeypatch.delenv("ODC_SHM_DIR")
+    assert config.shm_dir() == "/dev/shm"
+
+    with pytest.raises(odc.OdcUsageError, match="timeout"):
+        config.resolve_timeout(True)  # type: ignore[arg-type]
+    with pytest.raises(odc.OdcUsageError, match="backend must be"):
+        config.backend_name(3)  # type: ignore[arg-type]
+
+    monkeypatch.setenv("ODC_BACKEND", "tcp")
+    from odc_runtime.api import _select_backend
+
+    with pytest.raises(odc.OdcUsageError, match=r"unknown ODC backend 'tcp'; choose one of"):
+        _select_backend(None)
+    monkeypatch.setenv("ODC_BACKEND", "host")
+    assert _select_backend(None) == "host"
+
+
+def test_generic_parsers(monkeypatch) -> None:
+    monkeypatch.setenv("ODC_X_FLAG", "TRUE")
+    assert config.env_flag("ODC_X_FLAG", False) is True
+    monkeypatch.setenv("ODC_X_FLAG", "maybe")
+    with pytest.raises(odc.OdcUsageError, match="ODC_X_FLAG must be 0 or 1"):
+        config.env_flag("ODC_X_FLAG", False)
+    assert config.env_int("ODC_X_UNSET", 7) == 7
+    monkeypatch.setenv("ODC_X_INT", "64K")
+    assert config.env_int("ODC_X_INT", 1) == 64 << 10
+    monkeypatch.setenv("ODC_X_INT", "0")
+    with pytest.raises(odc.OdcUsageError, match="at least 1"):
+        config.env_int("ODC_X_INT", 1)
+    monkeypatch.setenv("ODC_X_CHOICE", "Locked")
+    assert config.env_choice("ODC_X_CHOICE", ("auto", "locked"), "auto") == "locked"
+    monkeypatch.setenv("ODC_X_CHOICE", "fast")
+    with pytest.raises(odc.OdcUsageError, match="one of auto, locked"):
+        config.env_choice("ODC_X_CHOICE", ("auto", "locked"), "auto")
+
+
+def test_every_setting_is_in_the_readme_table() -> None:
+    used: set[str] = set()
+    for path in [*(ROOT / "odc_runtime").rglob("*.py"), ROOT / "setup.py", *(ROOT / "tests").rglob("*.py")]:
+        used |= set(re.findall(r"\bODC_[A-Z][A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    used -= {v for v in used if v.startswith("ODC_X_")}  # this file's made-up names
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("### Configuration") :]
+    table = table[: table.index("\n\n", table.index("| env var |"))]
+    missing = sorted(v for v in used if f"`{v}`" not in table)
+    assert missing == [], f"settings missing from the README's configuration table: {missing}"

@@ -1,0 +1,172 @@
+"""The transport contract, run unchanged against every registered transport that is available here.
+
+What the core API relies on (``odc_runtime.transport.base``): collective ``alloc`` of zeroed symmetric memory and
+``free`` with heap accounting; ``get`` of a peer's region; ``accumulate`` (with scale, from lower-precision
+sources, from every rank at once) that loses no update; ``barrier`` that makes earlier writes and accumulates
+visible; ``OdcMemoryError`` on every rank when the heap is full; an idempotent ``finalize``. Then the public API
+(``shard``/``fetch``/``push``/``sync``) on top of it. A new transport registered in
+``odc_runtime.transport`` is tested here without editing this file; one that is not available on this machine
+(``nvshmem`` without GPUs) is skipped with the reason.
+
+Only ``get(buf, requests)`` and ``accumulate(buf, requests, scale)`` are called positionally, so the suite holds
+before and after their ``async_op`` keyword.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist import run_ranks
+
+import odc_runtime as odc
+from odc_runtime import transport as registry
+from odc_runtime.transport.base import AccumulateRequest, GetRequest
+
+WORLD = 3  # odd, so uneven shards appear; 3 ranks fit one machine's CPUs and any host with 3+ GPUs
+
+
+def _world_for(spec: registry.TransportSpec) -> int:
+    if spec.device_type == "cuda":
+        return max(1, min(WORLD, torch.cuda.device_count()))
+    return WORLD
+
+
+def _setup(name: str, rank: int) -> torch.device:
+    spec = registry.get(name)
+    if spec.device_type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(spec.device_type)
+
+
+def _rank_contract(rank: int, world: int, name: str) -> dict[str, object]:
+    device = _setup(name, rank)
+    odc.init(name, heap_size="8M")
+    assert odc.backend() == name and odc.world_size() == world and odc.rank() == rank
+    t = odc.api._require_runtime("contract").transport
+    assert t.device.type == device.type
+    capacity, used0 = t.heap_capacity(), t.heap_used()
+    assert capacity >= 8 << 20 or name != "host"
+
+    # alloc: zeroed, right size and dtype, accounted; free gives it back
+    n = 1000
+    buf = t.alloc(n, torch.float32, tag="contract.f32")
+    assert buf.local.numel() == n and buf.local.dtype == torch.float32 and buf.local.device.type == device.type
+    assert not buf.local.any(), "alloc must zero the region"
+    assert t.heap_used() >= used0 + n * 4
+    lp = t.alloc(n, torch.bfloat16, tag="contract.bf16")
+
+    # barrier publishes local writes: every rank gets every peer's region
+    buf.local.copy_(torch.arange(n, dtype=torch.float32, device=device) + 1000 * rank)
+    t.barrier("contract.published")
+    for peer in range(world):
+        dst = torch.empty(n, dtype=torch.float32, device=device)
+        t.get(buf, [GetRequest(peer, dst)])
+        t.quiet()
+        assert torch.equal(dst, torch.arange(n, dtype=torch.float32, device=device) + 1000 * peer), peer
+    half = torch.empty(n // 2, dtype=torch.float32, device=device)
+    t.get(buf, [GetRequest((rank + 1) % world, half, offset=n // 2)])  # a range at an element offset
+    t.quiet()
+    assert torch.equal(half, torch.arange(n // 2, n, dtype=torch.float32, device=device) + 1000 * ((rank + 1) % world))
+    t.barrier("contract.read")
+
+    # accumulate: from every rank into every peer, with a scale, from fp32 and bf16 sources; exact on integers
+    buf.local.zero_()
+    t.barrier("contract.zeroed")
+    rounds = 5
+    for r in range(rounds):
+        src = torch.full((n,), float(rank + 1), device=device)
+        reqs = [AccumulateRequest(peer, src) for peer in range(world)]
+        t.accumulate(buf, reqs, 2.0)
+        t.accumulate(buf, [AccumulateRequest((rank + r) % world, src.to(torch.bfloat16)[: n // 2], offset=n // 4)],
+                     1.0)
+    t.barrier("contract.accumulated")
+    expected = torch.full((n,), float(2 * rounds * sum(range(1, world + 1))), device=device)
+    extra = torch.zeros(n, device=device)
+    for r in range(rounds):
+        for src_rank in range(world):
+            if (src_rank + r) % world == rank:
+                extra[n // 4 : n // 4 + n // 2] += src_rank + 1
+    assert torch.equal(buf.local, expected + extra), "lost or misplaced accumulate"
+
+    # heap exhaustion: OdcMemoryError on every rank, nothing allocated
+    used = t.heap_used()
+    with pytest.raises(odc.OdcMemoryError):
+        t.alloc(capacity, torch.float32, tag="contract.too_big")
+    assert t.heap_used() == used
+    t.free(lp)
+    t.free(buf)
+    assert t.heap_used() == used0
+
+    # the public API over it: uneven shards, differing push counts, async handles
+    shape = (7, 11)
+    full = (torch.arange(77, dtype=torch.float32) % 13).reshape(shape).to(device)
+    st = odc.shard(full, name="contract.st")
+    assert torch.equal(odc.fetch(st), full)
+    for _ in range(rank):  # rank 0 never pushes
+        odc.push(st, torch.ones(shape, device=device), scale=0.5)
+    handle = odc.push(st, torch.ones(shape, device=device, dtype=torch.bfloat16), async_op=True)
+    handle.wait()
+    odc.sync()
+    start, stop = st.shard_range
+    expected_grad = 0.5 * sum(range(world)) + world
+    assert torch.equal(st.grad, torch.full((stop - start,), expected_grad, device=device))
+    st.local.add_(1)
+    st.zero_grad()
+    odc.sync()
+    out = torch.empty(shape, device=device)
+    assert odc.fetch(st, out, async_op=True).wait() is out and torch.equal(out, full + 1)
+    st.free()
+    odc.sync()
+
+    odc.finalize()
+    odc.finalize()  # idempotent
+    t.finalize()  # the transport's finalize is idempotent too
+    return {"rank": rank}
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_transport_contract(name: str) -> None:
+    spec = registry.get(name)
+    if not spec.is_available():
+        pytest.skip(f"transport {name!r} is not available on this machine")
+    world = _world_for(spec)
+    results = run_ranks(_rank_contract, world, name, timeout=180)
+    assert results == [{"rank": r} for r in range(world)]
+
+
+def test_registry_lists_every_transport_and_refuses_unknown_names() -> None:
+    assert set(registry.names()) >= {"host", "nvshmem"}
+    assert registry.names()[0] == "nvshmem"  # preferred when available
+    assert "host" in registry.available()
+    assert registry.auto_select().name in registry.available()
+    with pytest.raises(odc.OdcUsageError, match=r"unknown ODC backend 'tcp'; choose one of .*host"):
+        registry.get("tcp")
+    spec = registry.get("host")
+    assert spec.device_type == "cpu"
+
+
+def test_registry_imports_transports_lazily() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, odc_runtime.transport as t\n"
+        "assert 'odc_runtime.transport.nvshmem' not in sys.modules\n"
+        "assert 'odc_runtime.transport.host' not in sys.modules\n"
+        "assert t.names()\n"
+        "assert 'odc_runtime.transport.nvshmem' not in sys.modules\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_new_transport_is_one_registry_line() -> None:
+    # A transport module registered under a new name is selectable (and would be tested above).
+    spec = registry.TransportSpec("host-alias", "odc_runtime.transport.host", device_type="cpu", priority=-1)
+    registry.register(spec)
+    try:
+        assert "host-alias" in registry.names() and registry.get("host-alias").is_available()
+        assert registry.names()[-1] == "host-alias"
+    finally:
+        registry._REGISTRY.pop("host-alias")
