@@ -69,15 +69,24 @@ def _build_mode() -> str:
 
 
 def _find_nvcc() -> str | None:
-    for cand in (
-        os.environ.get("CUDACXX"),
-        os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else None,
-        shutil.which("nvcc"),
-        "/usr/local/cuda/bin/nvcc",
-    ):
+    """``$CUDACXX``, else ``$CUDA_HOME/bin/nvcc`` (when either is set, only that one), else nvcc on PATH, else
+    ``/usr/local/cuda/bin/nvcc``."""
+    if os.environ.get("CUDACXX") or os.environ.get("CUDA_HOME"):
+        cands = [os.environ.get("CUDACXX") or os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")]
+    else:
+        cands = [shutil.which("nvcc") or "", "/usr/local/cuda/bin/nvcc"]
+    for cand in cands:
         if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
     return None
+
+
+def _nvcc_where() -> str:
+    if os.environ.get("CUDACXX"):
+        return f"CUDACXX={os.environ['CUDACXX']} is not an executable"
+    if os.environ.get("CUDA_HOME"):
+        return f"CUDA_HOME={os.environ['CUDA_HOME']} has no bin/nvcc"
+    return "not on PATH, not in /usr/local/cuda/bin"
 
 
 def _nvcc_major(nvcc: str) -> int | None:
@@ -172,10 +181,11 @@ def make_plan() -> Plan:
         return Plan(
             False,
             explicit,
-            f"{why}, but nvcc was not found: install the CUDA toolkit and put nvcc on PATH or set CUDA_HOME "
-            "(or CUDACXX); or install without the GPU extension with ODC_BUILD_EXT=0 (the host backend works)"
+            f"{why}, but nvcc was not found ({_nvcc_where()}): install the CUDA toolkit and put nvcc on PATH or "
+            "set CUDA_HOME (or CUDACXX); or install without the GPU extension with ODC_BUILD_EXT=0 (the host "
+            "backend works)"
             if explicit
-            else "nvcc not found; set CUDA_HOME or CUDACXX",
+            else f"nvcc not found ({_nvcc_where()}); set CUDA_HOME or CUDACXX",
         )
     have = locate.nvshmem_homes(include_sys_path=False)  # NVSHMEM_HOME or the target environment's wheel
     if not have and not explicit:
