@@ -226,7 +226,7 @@ class CMakeBuildExt(build_ext):
             if plan.explicit:
                 raise RuntimeError(f"odc_runtime: cannot build the CUDA extension odc_runtime._C: {reason}")
             _say(f"skipping the CUDA/NVSHMEM extension odc_runtime._C ({reason}); the host backend still works")
-            self.extensions = []
+            self._drop_stale_output()
             return
         try:
             super().run()
@@ -234,7 +234,19 @@ class CMakeBuildExt(build_ext):
             if plan.explicit:
                 raise
             _say(f"building odc_runtime._C failed ({exc}); continuing without it (set ODC_BUILD_EXT=1 to fail)")
-            self.extensions = []
+            self._drop_stale_output()
+
+    def _drop_stale_output(self) -> None:
+        """Build no extension, and remove a ``_C`` left in ``build/lib*`` by an earlier build: pip builds local
+        directories in place, and the wheel would otherwise ship that stale module (built against some other
+        NVSHMEM) without a word. In-place (editable) outputs are the developer's and stay."""
+        if not self.inplace:
+            for ext in self.extensions:
+                path = self.get_ext_fullpath(ext.name)
+                if os.path.exists(path):
+                    _say(f"removing the stale {path} of an earlier build")
+                    os.remove(path)
+        self.extensions = []
 
     @staticmethod
     def _missing() -> str | None:
