@@ -153,7 +153,6 @@ class Plan:
     build: bool
     explicit: bool  # ODC_BUILD_EXT=1 or a cu12/cu13 extra: failing to build is an error
     reason: str = ""  # why not (when build is False)
-    nvcc: str | None = None
     requires: list[str] = field(default_factory=list)  # extra build requirements for pip's build environment
 
 
@@ -202,7 +201,7 @@ def make_plan() -> Plan:
         reqs.append("cmake>=3.24")
     if not have and not locate.nvshmem_homes(include_sys_path=True):
         reqs.append(_nvshmem_requirement(flavor, nvcc))
-    return Plan(True, explicit, nvcc=nvcc, requires=reqs)
+    return Plan(True, explicit, requires=reqs)
 
 
 def _extra_build_requires() -> list[str]:

@@ -229,3 +229,82 @@ def test_locate_reads_versions_and_torch_pin(tmp_path, monkeypatch):
     assert loc.lib_dirs()[0] == str(other / "lib")
     monkeypatch.setenv("NVSHMEM_HOME", str(tmp_path / "missing"))
     assert loc.nvshmem_homes([str(site)], include_sys_path=False) == [str(home)]
+
+
+# --- setup.py's build decision (no compiler run) ----------------------------------------------------------
+
+
+@pytest.fixture
+def setup_ns(monkeypatch, tmp_path):
+    """setup.py's globals, loaded without running setup(); the target environment is an empty fake site dir."""
+    import runpy
+
+    import setuptools
+
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # run_path returns a copy of the module's globals: patch the dict the functions really use
+    ns = runpy.run_path(os.path.join(root, "setup.py"))["make_plan"].__globals__
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    monkeypatch.setattr(ns["locate"], "site_dirs", lambda: [str(site)])
+    monkeypatch.setattr(ns["locate"], "_spec_dirs", lambda: [])  # ignore NVSHMEM importable from this venv
+    for var in ("ODC_BUILD_EXT", "NVSHMEM_HOME", "CUDA_HOME", "CUDACXX"):
+        monkeypatch.delenv(var, raising=False)
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("CUDACXX", str(nvcc))
+    ns["_site"] = site
+    return ns
+
+
+def _pip(ns, *argv):
+    ns["_ancestor_cmdlines"] = lambda depth=6: [list(argv)] if argv else []
+
+
+@pytest.mark.parametrize(
+    ("argv", "flavor"),
+    [
+        (("/v/bin/python", "/v/bin/pip", "install", ".[cu13]"), "cu13"),
+        (("python", "-m", "pip", "install", "-e", ".[test,cu12]"), "cu12"),
+        (("uv", "pip", "install", "odc_runtime[ cu13 , triton]"), "cu13"),
+        (("python", "-m", "pip", "install", ".[test,triton]"), None),
+        (("bash", "run.sh", "[cu13]"), None),  # not an install command
+        ((), None),
+    ],
+)
+def test_setup_reads_requested_extra_from_the_installing_command(setup_ns, argv, flavor):
+    _pip(setup_ns, *argv)
+    assert setup_ns["_requested_flavor"]() == flavor
+
+
+def test_setup_plan(setup_ns, monkeypatch, tmp_path):
+    plan = setup_ns["make_plan"]
+    # no extra, no NVSHMEM in the target environment: skipped, nothing fetched
+    _pip(setup_ns, "pip", "install", ".")
+    p = plan()
+    assert not p.build and not p.explicit and "no cu12/cu13 extra" in p.reason
+    # the cu13 extra on a CPU-torch environment: build against the newest cu13 wheel, fetched for the build
+    _pip(setup_ns, "pip", "install", ".[cu13]")
+    p = plan()
+    assert p.build and p.explicit and "nvidia-nvshmem-cu13>=3.3,<4" in p.requires
+    # torch pins NVSHMEM: that exact version
+    meta = setup_ns["_site"] / "torch-2.11.0+cu130.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text(
+        'Name: torch\nRequires-Dist: nvidia-nvshmem-cu13==3.4.5; platform_system == "Linux"\n'
+    )
+    assert "nvidia-nvshmem-cu13==3.4.5" in plan().requires
+    # NVSHMEM already in the target environment: built against it, no extra needed, nothing fetched
+    _pip(setup_ns, "pip", "install", ".")
+    _fake_nvshmem_home(setup_ns["_site"] / "nvidia" / "nvshmem", (3, 4, 5))
+    p = plan()
+    assert p.build and not p.explicit and not any("nvshmem" in r for r in p.requires)
+    # the extra without nvcc: an error that says why and what to do
+    _pip(setup_ns, "pip", "install", ".[cu13]")
+    monkeypatch.setenv("CUDACXX", str(tmp_path / "missing-nvcc"))
+    p = plan()
+    assert not p.build and p.explicit and "nvcc was not found" in p.reason and "ODC_BUILD_EXT=0" in p.reason
+    monkeypatch.setenv("ODC_BUILD_EXT", "0")
+    assert not plan().build and not plan().explicit
