@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "odc_ext.h"
+#include "odc_version.h"
 
 namespace py = pybind11;
 
@@ -15,6 +16,10 @@ PYBIND11_MODULE(_C, m) {
     m.attr("DTYPE_BFLOAT16") = static_cast<int>(odc::kBFloat16);
     m.attr("DTYPE_FLOAT16") = static_cast<int>(odc::kFloat16);
 
+    m.def("nvshmem_version_compiled", &odc::nvshmem_version_compiled,
+          "(major, minor, patch) of the NVSHMEM headers and device library this extension was built against");
+    m.def("nvshmem_version_runtime", &odc::nvshmem_version_runtime,
+          "(major, minor, patch) of the libnvshmem_host.so.3 loaded in this process");
     m.def("device_count", &odc::device_count, "CUDA devices visible to this process (0 without GPU/driver)");
     m.def("get_unique_id", []() { return py::bytes(odc::get_unique_id()); });
     m.def("init", [](py::bytes uid, int rank, int nranks, int device) {

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "odc_compat.cuh"
 #include "odc_ext.h"
 
 namespace odc {
@@ -229,10 +230,11 @@ __global__ void accumulate_locked_kernel(float* dst_sym, const T* src, uint64_t 
 // load/store *atomics* (NVLink, or PCIe P2P with native atomics). When it is false, NVSHMEM itself routes every
 // AMO, even to same-node peers, through the network transport, because NIC atomics are only atomic with
 // respect to other NIC atomics, not to GPU atomics on the same word.
-// (The predicate lives in NVSHMEM's device headers, which are only visible in the device compilation pass.)
+// (The predicate lives in NVSHMEM's device headers, which are only visible in the device compilation pass;
+// odc_compat.cuh picks the form that exists in the NVSHMEM version compiled against.)
 __global__ void p2p_atomics_kernel(int* out) {
 #ifdef __CUDA_ARCH__
-    *out = nvshmemi_use_ldst_atomics_path() ? 1 : 0;
+    *out = compat::ldst_atomics_path() ? 1 : 0;
 #endif
 }
 

@@ -49,9 +49,14 @@ def _accumulate_slots_kernel(
     # 64-bit row offset: j * slot_stride overflows int32 once K * n passes 2**31 even when n alone does not
     # (slot_stride is passed as int32 whenever it fits).
     row = tl.zeros([], dtype=tl.int64)
-    for _ in range(1, k):
+    # A while loop, not `for _ in range(1, k)`: the interpreter of triton 3.4-3.6 cannot use a runtime scalar
+    # argument as a range() bound (it holds a 1-element array, not a 0-d one). Compiled, both lower to a loop
+    # with a runtime trip count; slots are still summed in slot order, as in the reference.
+    j = 1
+    while j < k:
         row += slot_stride
         total += tl.load(slots_ptr + row + offs, mask=mask, other=0).to(tl.float32)
+        j += 1
     d = tl.load(dst_ptr + offs, mask=mask, other=0)
     r = d + total * scale
     tl.store(dst_ptr + offs, r, mask=mask)

@@ -63,10 +63,15 @@ def test_extension_imports_without_gpu(extension):
         C = load_extension()
         for name in ("init", "get_unique_id", "malloc", "free", "ptr", "barrier_all_on_stream",
                      "quiet_on_stream", "finalize", "buffer_register", "fetch_p2p", "get_staged",
-                     "accumulate_p2p", "accumulate_locked"):
+                     "accumulate_p2p", "accumulate_locked", "nvshmem_version_compiled", "nvshmem_version_runtime"):
             assert hasattr(C, name), name
         assert issubclass(C.NvshmemError, RuntimeError)
         print("devices", C.device_count())
+        # The loaded libnvshmem_host.so.3 answers without init or GPU; it must be the release _C was built for.
+        from odc_runtime.transport.nvshmem import check_version
+        v = check_version(C)
+        assert len(v) == 3 and v[0] == 3 and v >= (3, 3, 0), v
+        print("nvshmem", v)
         print("OK")
         """
     )
@@ -141,3 +146,165 @@ def test_is_available_never_raises():
     assert isinstance(nvshmem.is_available(), bool)
     if not HAS_GPU:
         assert nvshmem.is_available() is False
+
+
+# --- NVSHMEM version check and library lookup (no extension needed) -------------------------------------
+
+
+class _FakeExt:
+    def __init__(self, compiled, runtime) -> None:
+        self.nvshmem_version_compiled = lambda: compiled
+        self.nvshmem_version_runtime = lambda: runtime
+
+
+def test_check_version_match_returns_version():
+    assert nvshmem.check_version(_FakeExt((3, 4, 5), (3, 4, 5))) == (3, 4, 5)
+
+
+@pytest.mark.parametrize(
+    ("compiled", "runtime"), [((3, 8, 0), (3, 4, 5)), ((3, 4, 5), (3, 4, 6)), ((3, 3, 24), (4, 0, 0))]
+)
+def test_check_version_mismatch_names_both_and_how_to_rebuild(compiled, runtime):
+    from odc_runtime.errors import OdcBackendError
+
+    with pytest.raises(OdcBackendError) as ei:
+        nvshmem.check_version(_FakeExt(compiled, runtime))
+    msg = str(ei.value)
+    built, running = ".".join(map(str, compiled)), ".".join(map(str, runtime))
+    assert f"compiled against NVSHMEM {built}" in msg and f"runs NVSHMEM {running}" in msg
+    assert f"Rebuild the extension against NVSHMEM {running}" in msg
+    assert "pip install" in msg and f"=={running}" in msg and "NVSHMEM_HOME" in msg
+
+
+def test_check_version_old_extension_without_query():
+    from odc_runtime.errors import OdcBackendError
+
+    with pytest.raises(OdcBackendError, match="no NVSHMEM version query"):
+        nvshmem.check_version(object())
+
+
+def _fake_nvshmem_home(root, version=(3, 4, 5)):
+    (root / "include" / "non_abi").mkdir(parents=True)
+    (root / "include" / "nvshmem.h").write_text("")
+    (root / "include" / "non_abi" / "nvshmem_version.h").write_text(
+        "".join(
+            f"#define NVSHMEM_VENDOR_{k}_VERSION {v}\n"
+            for k, v in zip(("MAJOR", "MINOR", "PATCH"), version, strict=True)
+        )
+    )
+    (root / "lib").mkdir()
+    (root / "lib" / "libnvshmem_host.so.3").write_bytes(b"")
+    return root
+
+
+def test_locate_reads_versions_and_torch_pin(tmp_path, monkeypatch):
+    from odc_runtime import _nvshmem_locate as loc
+
+    monkeypatch.delenv("NVSHMEM_HOME", raising=False)
+    site = tmp_path / "site-packages"
+    home = _fake_nvshmem_home(site / "nvidia" / "nvshmem", (3, 4, 5))
+    (site / "nvidia_nvshmem_cu13-3.4.5.dist-info").mkdir()
+    meta = site / "torch-2.11.0+cu130.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text(
+        "Name: torch\nVersion: 2.11.0+cu130\nRequires-Dist: filelock\n"
+        'Requires-Dist: nvidia-nvshmem-cu13==3.4.5; platform_system == "Linux"\n'
+    )
+    (site / "torch").mkdir()
+    (site / "torch" / "version.py").write_text("cuda: Optional[str] = '13.0'\n")
+    assert loc.header_version(str(home)) == (3, 4, 5)
+    assert loc.nvshmem_homes([str(site)], include_sys_path=False) == [str(home)]
+    assert loc.installed_wheels([str(site)]) == [("cu13", "3.4.5")]
+    assert loc.torch_nvshmem_pin([str(site)]) == ("cu13", "3.4.5")
+    assert loc.torch_cuda_major([str(site)]) == 13
+    # CPU torch: no pin, no CUDA
+    (meta / "METADATA").write_text("Name: torch\nRequires-Dist: filelock\n")
+    (site / "torch" / "version.py").write_text("cuda: Optional[str] = None\n")
+    assert loc.torch_nvshmem_pin([str(site)]) is None
+    assert loc.torch_cuda_major([str(site)]) is None
+    # NVSHMEM_HOME comes first, and only real installs count
+    other = _fake_nvshmem_home(tmp_path / "nvshmem-3.8.0", (3, 8, 0))
+    monkeypatch.setenv("NVSHMEM_HOME", str(other))
+    assert loc.nvshmem_homes([str(site)], include_sys_path=False) == [str(other), str(home)]
+    assert loc.lib_dirs()[0] == str(other / "lib")
+    monkeypatch.setenv("NVSHMEM_HOME", str(tmp_path / "missing"))
+    assert loc.nvshmem_homes([str(site)], include_sys_path=False) == [str(home)]
+
+
+# --- setup.py's build decision (no compiler run) ----------------------------------------------------------
+
+
+@pytest.fixture
+def setup_ns(monkeypatch, tmp_path):
+    """setup.py's globals, loaded without running setup(); the target environment is an empty fake site dir."""
+    import runpy
+
+    import setuptools
+
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # run_path returns a copy of the module's globals: patch the dict the functions really use
+    ns = runpy.run_path(os.path.join(root, "setup.py"))["make_plan"].__globals__
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    monkeypatch.setattr(ns["locate"], "site_dirs", lambda: [str(site)])
+    monkeypatch.setattr(ns["locate"], "_spec_dirs", lambda: [])  # ignore NVSHMEM importable from this venv
+    for var in ("ODC_BUILD_EXT", "NVSHMEM_HOME", "CUDA_HOME", "CUDACXX"):
+        monkeypatch.delenv(var, raising=False)
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("CUDACXX", str(nvcc))
+    ns["_site"] = site
+    return ns
+
+
+def _pip(ns, *argv):
+    ns["_ancestor_cmdlines"] = lambda depth=6: [list(argv)] if argv else []
+
+
+@pytest.mark.parametrize(
+    ("argv", "flavor"),
+    [
+        (("/v/bin/python", "/v/bin/pip", "install", ".[cu13]"), "cu13"),
+        (("python", "-m", "pip", "install", "-e", ".[test,cu12]"), "cu12"),
+        (("uv", "pip", "install", "odc_runtime[ cu13 , triton]"), "cu13"),
+        (("python", "-m", "pip", "install", ".[test,triton]"), None),
+        (("bash", "run.sh", "[cu13]"), None),  # not an install command
+        ((), None),
+    ],
+)
+def test_setup_reads_requested_extra_from_the_installing_command(setup_ns, argv, flavor):
+    _pip(setup_ns, *argv)
+    assert setup_ns["_requested_flavor"]() == flavor
+
+
+def test_setup_plan(setup_ns, monkeypatch, tmp_path):
+    plan = setup_ns["make_plan"]
+    # no extra, no NVSHMEM in the target environment: skipped, nothing fetched
+    _pip(setup_ns, "pip", "install", ".")
+    p = plan()
+    assert not p.build and not p.explicit and "no cu12/cu13 extra" in p.reason
+    # the cu13 extra on a CPU-torch environment: build against the newest cu13 wheel, fetched for the build
+    _pip(setup_ns, "pip", "install", ".[cu13]")
+    p = plan()
+    assert p.build and p.explicit and "nvidia-nvshmem-cu13>=3.3,<4" in p.requires
+    # torch pins NVSHMEM: that exact version
+    meta = setup_ns["_site"] / "torch-2.11.0+cu130.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text(
+        'Name: torch\nRequires-Dist: nvidia-nvshmem-cu13==3.4.5; platform_system == "Linux"\n'
+    )
+    assert "nvidia-nvshmem-cu13==3.4.5" in plan().requires
+    # NVSHMEM already in the target environment: built against it, no extra needed, nothing fetched
+    _pip(setup_ns, "pip", "install", ".")
+    _fake_nvshmem_home(setup_ns["_site"] / "nvidia" / "nvshmem", (3, 4, 5))
+    p = plan()
+    assert p.build and not p.explicit and not any("nvshmem" in r for r in p.requires)
+    # the extra without nvcc: an error that says why and what to do
+    _pip(setup_ns, "pip", "install", ".[cu13]")
+    monkeypatch.setenv("CUDACXX", str(tmp_path / "missing-nvcc"))
+    p = plan()
+    assert not p.build and p.explicit and "nvcc was not found" in p.reason and "ODC_BUILD_EXT=0" in p.reason
+    monkeypatch.setenv("ODC_BUILD_EXT", "0")
+    assert not plan().build and not plan().explicit

@@ -35,8 +35,6 @@ freed buffers dangle: drop them before ``free``/``finalize``. NVSHMEM can be ini
 from __future__ import annotations
 
 import ctypes
-import glob
-import importlib.util
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +43,7 @@ from types import ModuleType
 
 import torch
 
+from odc_runtime import _nvshmem_locate as _locate
 from odc_runtime.agree import require_same
 from odc_runtime.config import parse_size
 from odc_runtime.errors import (
@@ -62,7 +61,7 @@ from odc_runtime.transport.base import (
     Work,
 )
 
-__all__ = ["NvshmemTransport", "create", "is_available", "load_extension"]
+__all__ = ["NvshmemTransport", "check_version", "create", "is_available", "load_extension"]
 
 DEFAULT_HEAP = 1 << 30  # NVSHMEM's default NVSHMEM_SYMMETRIC_SIZE
 ALIGN = 512  # accounting granularity of one allocation (NVSHMEM aligns allocations at least this much)
@@ -76,31 +75,20 @@ _ext_error: str | None = None
 
 
 def _nvshmem_lib_dirs() -> list[str]:
-    dirs = []
-    if os.environ.get("NVSHMEM_HOME"):
-        dirs.append(os.path.join(os.environ["NVSHMEM_HOME"], "lib"))
-    try:
-        spec = importlib.util.find_spec("nvidia.nvshmem")
-    except (ImportError, ValueError):
-        spec = None
-    for d in (spec.submodule_search_locations or []) if spec else []:
-        dirs.append(os.path.join(d, "lib"))
-    return dirs
+    """Where ``libnvshmem_host.so.3`` is looked for: ``$NVSHMEM_HOME/lib``, then the installed wheel(s)."""
+    return _locate.lib_dirs()
 
 
 def _nvshmem_already_loaded() -> bool:
-    try:
-        with open("/proc/self/maps") as f:
-            return "libnvshmem_host.so" in f.read()
-    except OSError:
-        return False
+    return _locate.loaded_host_library() is not None
 
 
 def load_extension() -> ModuleType:
     """Import ``odc_runtime._C``; raise :class:`OdcBackendError` saying why it is not usable.
 
-    ``libnvshmem_host.so.3`` is preloaded from the installed ``nvidia-nvshmem`` wheel (or ``NVSHMEM_HOME``)
-    unless the process already has one (torch CUDA builds may load their own; the same soname is then reused).
+    ``libnvshmem_host.so.3`` is preloaded from ``NVSHMEM_HOME`` or the installed ``nvidia-nvshmem`` wheel unless
+    the process already has one (``import torch`` loads its own in torch CUDA builds; the same soname is then
+    reused, which is why :func:`check_version` compares versions before init).
     """
     global _ext, _ext_error
     if _ext is not None:
@@ -110,7 +98,7 @@ def load_extension() -> ModuleType:
     try:
         if not _nvshmem_already_loaded():
             for d in _nvshmem_lib_dirs():
-                libs = sorted(glob.glob(os.path.join(d, "libnvshmem_host.so*")))
+                libs = _locate.host_libraries(d)
                 if libs:
                     ctypes.CDLL(libs[0], mode=ctypes.RTLD_GLOBAL)
                     break
@@ -120,6 +108,41 @@ def load_extension() -> ModuleType:
         raise OdcBackendError(_ext_error) from exc
     _ext = _C
     return _C
+
+
+def _fmt(v: Sequence[int]) -> str:
+    return ".".join(str(x) for x in v)
+
+
+def check_version(C: ModuleType) -> tuple[int, int, int]:
+    """Return the NVSHMEM version in use; raise :class:`OdcBackendError` if it is not the one ``C`` was built for.
+
+    ``C`` (``odc_runtime._C``) links NVSHMEM's device library statically but uses whichever
+    ``libnvshmem_host.so.3`` the process loaded first (torch's, in torch CUDA builds); device and host halves of
+    different releases share internal state layouts, so a mismatch is refused instead of run.
+    """
+    try:
+        built = tuple(int(x) for x in C.nvshmem_version_compiled())
+        running = tuple(int(x) for x in C.nvshmem_version_runtime())
+    except AttributeError as exc:
+        raise OdcBackendError(
+            "odc_runtime._C has no NVSHMEM version query (it was built from an older odc_runtime): rebuild it "
+            f"from this source tree; {_INSTALL_HINT}"
+        ) from exc
+    if built != running:
+        lib = _locate.loaded_host_library() or "libnvshmem_host.so.3"
+        flavors = sorted({f for f, _ in _locate.installed_wheels()})
+        cu = flavors[0] if len(flavors) == 1 else "cu13"  # the wheel flavour installed here, if unambiguous
+        raise OdcBackendError(
+            f"odc_runtime._C was compiled against NVSHMEM {_fmt(built)}, but this process runs NVSHMEM "
+            f"{_fmt(running)} ({lib}; torch CUDA builds load the NVSHMEM they pin). Device code and host library "
+            f"must be the same release. Rebuild the extension against NVSHMEM {_fmt(running)}: in this environment, "
+            "with nvcc available, reinstall odc_runtime from its source tree (`pip install --force-reinstall "
+            f'--no-deps ".[{cu}]"`, or `pip install -e ".[{cu}]"`, or `.ci/build_ext.sh`); the build uses the NVSHMEM '
+            f"wheel installed here, so make sure it is {_fmt(running)} (pip install nvidia-nvshmem-{cu}=="
+            f"{_fmt(running)}), or point NVSHMEM_HOME at an NVSHMEM {_fmt(running)} install."
+        )
+    return running  # type: ignore[return-value]
 
 
 def is_available() -> bool:
@@ -495,6 +518,7 @@ def create(*, timeout: float, heap_size: int | str | None = None) -> NvshmemTran
         if not torch.cuda.is_available():
             raise OdcBackendError("nvshmem transport: no CUDA device is available (use backend='host')")
         ext = load_extension()
+        check_version(ext)
         if heap_size is not None:
             os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(parse_size(heap_size, what="heap_size"))
         if os.environ.get("NVSHMEM_SYMMETRIC_SIZE"):
