@@ -150,7 +150,8 @@ def _rank_misuse(rank: int, world: int) -> None:
         with pytest.raises(odc.OdcUsageError, match=match):
             call()
     odc.sync()
-    assert not st.grad.any(), "a rejected push changed an accumulator"
+    assert not st.grad.any(), f"a rejected push changed an accumulator {st.grad}"
+    odc.sync()  # every rank has checked before anyone pushes again
     import numpy as np
 
     odc.push(st, torch.ones(10, 3), scale=np.float32(0.5))  # any real scalar type is a valid scale
@@ -383,10 +384,10 @@ def _rank_async_failure(rank: int, world: int) -> None:
         odc.push(st, torch.ones(4))
 
     if rank == 0:
-        failed = transport.submit(fail)
+        failed = transport._run_async(fail, "test")
         while not failed.is_completed():
             time.sleep(0.01)
-    transport.submit(slow_push)  # a later async operation must neither hide the failure nor be forgotten
+    transport._run_async(slow_push, "test")  # a later async operation must neither hide the failure nor be forgotten
     if rank == 0:
         with pytest.raises(odc.OdcBackendError, match="push failed on the worker"):
             odc.sync()

@@ -2,18 +2,20 @@
 
 from odc_runtime.transport.base import (
     AccumulateRequest,
-    CompletedWork,
     GetRequest,
+    Piece,
     SymmetricBuffer,
+    TransferPlan,
     Transport,
     Work,
 )
 
 __all__ = [
     "AccumulateRequest",
-    "CompletedWork",
     "GetRequest",
+    "Piece",
     "SymmetricBuffer",
+    "TransferPlan",
     "Transport",
     "Work",
     "nvshmem_available",
