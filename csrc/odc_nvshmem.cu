@@ -516,10 +516,10 @@ Engine::Engine(int rank, int npes, uint64_t epochs, uint64_t locks, int nlocks, 
 }
 
 Engine::~Engine() {
-    // Kernels may still read the abort word: only release it when nothing can be running (the Python side keeps
-    // the engine alive for the life of the process). A failure here cannot be reported from a destructor.
-    if (ctl_host_ != nullptr && cudaDeviceSynchronize() == cudaSuccess) cudaFreeHost(const_cast<uint32_t*>(ctl_host_));
-    cudaGetLastError();
+    // Never block here (a destructor may run at interpreter exit while a kernel still spins): raise the abort so
+    // that any kernel of this engine leaves, and leave the mapped page to process teardown (a kernel may still
+    // read it; the engine normally lives as long as the process).
+    if (ctl_host_ != nullptr) ctl_host_[0] = 1;
 }
 
 void Engine::barrier(uint64_t epoch, uint64_t stream) {

@@ -41,6 +41,7 @@ it (no host block). ``quiet``/``barrier`` join both into the current stream firs
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import glob
 import importlib.util
@@ -283,9 +284,14 @@ class _Watchdog:
                 if not self._pending:
                     self._cond.wait(0.1)
                     continue
-            late = self.poll()
             transport = self._transport()
             if transport is None:
+                return
+            try:
+                late = self.poll()
+            except RuntimeError as exc:  # a CUDA error of queued work surfaces from the event
+                transport._fail(OdcBackendError(f"nvshmem: CUDA error while waiting for a barrier: {exc}"))
+                transport._engine.set_abort()  # type: ignore[attr-defined]
                 return
             if late is not None:
                 transport._abort(late)
@@ -312,7 +318,7 @@ class _NvshmemPlan(TransferPlan):
     """Precomputed extension plans: ``near`` (peer pointers, current stream) and ``far`` (scratch users, the
     internal stream), with the stream handle they were made for."""
 
-    __slots__ = ("_far", "_far_tensors", "_near", "_stream_ptr")
+    __slots__ = ("_far", "_near", "_stream_ptr")
 
     def __init__(
         self,
@@ -700,6 +706,16 @@ class NvshmemTransport(Transport):
 
 
 _initialized_once = False
+_engines: list[object] = []  # live for the process: NVSHMEM is never torn down (see finalize)
+
+
+@atexit.register
+def _abort_at_exit() -> None:
+    """At interpreter exit nothing will wait for our kernels any more: raise every abort word, so that a barrier or
+    lock spin still waiting for a dead peer leaves and the CUDA teardown does not wait for it. Our announcements
+    were made before waiting, so peers are not affected."""
+    for engine in _engines:
+        engine.set_abort()  # type: ignore[attr-defined]
 
 
 def _round(n: int) -> int:
@@ -767,12 +783,13 @@ def create(*, timeout: float, heap_size: int | str | None = None) -> NvshmemTran
         ext = load_extension()
         ext_box.append(ext)
         settings, capacity = local_settings(heap_size)
-        index = torch.cuda.current_device()
-        props = torch.cuda.get_device_properties(index)
-        return (
-            settings, capacity, props.multi_processor_count, socket.gethostname(), str(getattr(props, "uuid", index)),
-            int(ext.mps_enabled(index)),
-        )
+        try:
+            index = torch.cuda.current_device()
+            props = torch.cuda.get_device_properties(index)
+            mps = int(ext.mps_enabled(index))
+        except RuntimeError as exc:
+            raise OdcBackendError(f"nvshmem transport: cannot query the current CUDA device: {exc}") from exc
+        return settings, capacity, props.multi_processor_count, socket.gethostname(), str(props.uuid), mps
 
     infos = gather_checked("init (nvshmem)", local_checks)
     settings, capacity, slots = agree_settings([info[:3] for info in infos])
@@ -827,6 +844,7 @@ def create(*, timeout: float, heap_size: int | str | None = None) -> NvshmemTran
         "init", ext.Engine, rank, world, epochs, locks, NLOCKS, scratch, slots, settings.cell_bytes,
         settings.vector_atomics,
     )
+    _engines.append(engine)
     transport = NvshmemTransport(
         ext, rank, world, device, timeout, settings=settings, slots=slots, capacity=capacity, arena=arena,
         peer_bases=peer_bases, engine=engine, atomic_push=atomic,
