@@ -88,6 +88,7 @@ NLOCKS = 1024  # ticket locks per PE (two uint32 words each) guarding the locked
 ALIGN = 512  # NVSHMEM rounds every allocation to this; used to size NVSHMEM_SYMMETRIC_SIZE
 SLACK = 2 << 20  # extra NVSHMEM_SYMMETRIC_SIZE beyond our own allocations
 ABORT_GRACE_S = 5.0  # how long after raising the abort we wait for our kernels to leave
+WATCHDOG_PERIOD_S = 2e-3  # deadlines are seconds; a slower poll takes the GIL from the training loop less often
 _INSTALL_HINT = (
     'build it with a CUDA toolkit and an NVSHMEM wheel: pip install -e ".[cu13]" (or ".[cu12]"), '
     "or run .ci/build_ext.sh"
@@ -297,7 +298,7 @@ class _Watchdog:
                 transport._abort(late)
                 return
             del transport
-            time.sleep(200e-6)
+            time.sleep(WATCHDOG_PERIOD_S)
 
 
 class _CudaWork(Work):
@@ -344,7 +345,9 @@ class _NvshmemPlan(TransferPlan):
         if code is None:
             raise OdcUsageError(f"nvshmem {self.kind}: dtype {flat.dtype} not supported (use fp32/bf16/fp16)")
         if async_op or self._far is not None:
-            return transport._run_on_streams(self._near, self._far, flat, code, scale, async_op, self.kind)
+            return transport._run_on_streams(
+                self._near, self._far, flat.data_ptr(), (flat,), code, scale, async_op, self.kind
+            )
         _backend_call(self.kind, self._near.run, flat.data_ptr(), code, scale, self._stream_ptr)  # type: ignore[union-attr]
         return None
 
@@ -530,7 +533,7 @@ class NvshmemTransport(Transport):
             target = self._side
             target.wait_stream(cur)
             for t in tensors:  # allocated on the caller's stream, used on the side stream
-                t.record_stream(target)
+                _record(t, target)
         if near is not None:
             _backend_call(kind, near.run, base, code, scale, target.cuda_stream)  # type: ignore[attr-defined]
         if far is not None:
@@ -538,7 +541,7 @@ class NvshmemTransport(Transport):
             remote = self._remote
             remote.wait_stream(target)
             for t in tensors:
-                t.record_stream(remote)
+                _record(t, remote)
             _backend_call(kind, far.run, base, code, scale, remote.cuda_stream)  # type: ignore[attr-defined]
             ev = torch.cuda.Event()
             ev.record(remote)
@@ -592,14 +595,14 @@ class NvshmemTransport(Transport):
                 ) from None
             raise
         rounded = -(-nbytes // HEAP_ALIGNMENT) * HEAP_ALIGNMENT  # what the allocator reserved
-        owner = _CudaArray(self._arena + offset, rounded)
-        local = torch.as_tensor(owner, device=self.device).view(dtype)[:numel]
+        raw, owner = _wrap(self._arena + offset, rounded, self.device)
+        local = raw.view(dtype)[:numel]
         local.zero_()
         buf = SymmetricBuffer(
             numel=numel, dtype=dtype, local=local, handle=_Handle(offset, self._arena + offset, weakref.ref(owner)),
             tag=tag,
         )
-        del owner  # only the tensors view it now; the weak reference tells when the last one died
+        del owner, raw  # only the tensors view it now; the weak reference tells when the last one died
         self._buffers.append(buf)
         # Stream-ordered: a peer pushes into this range only after its own barrier, which needs our arrival,
         # which follows our zeroing on our stream.
@@ -718,12 +721,23 @@ def _abort_at_exit() -> None:
         engine.set_abort()  # type: ignore[attr-defined]
 
 
+def _wrap(ptr: int, nbytes: int, device: torch.device) -> tuple[torch.Tensor, _CudaArray]:
+    """A uint8 tensor over ``nbytes`` of device memory at ``ptr``, and the object torch keeps alive for it."""
+    owner = _CudaArray(ptr, nbytes)
+    return torch.as_tensor(owner, device=device), owner
+
+
+def _record(t: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """Tell the caching allocator that ``t`` is used on ``stream`` (not reused before that work is done)."""
+    t.record_stream(stream)
+
+
 def _round(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
 def _zero(ptr: int, nbytes: int, device: torch.device) -> None:
-    torch.as_tensor(_CudaArray(ptr, nbytes), device=device).zero_()
+    _wrap(ptr, nbytes, device)[0].zero_()
 
 
 def local_settings(heap_size: int | str | None) -> tuple[config.NvshmemSettings, int]:
