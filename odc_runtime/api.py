@@ -440,7 +440,10 @@ def sync() -> None:
     """Collective fence, once per minibatch.
 
     After it returns on any rank, every push issued by any rank before its ``sync()`` is in the owners'
-    ``st.grad``, and every write to ``st.local`` made before it is what any later ``fetch`` returns. Raises
-    OdcTimeoutError naming the missing ranks if a peer does not arrive within ``ODC_TIMEOUT`` seconds.
+    ``st.grad``, and every write to ``st.local`` made before it is what any later ``fetch`` returns. On GPU this
+    holds in stream order (work queued after ``sync()`` on the current stream sees it) and the host does not wait
+    for the barrier itself, only for the previous one. Raises OdcTimeoutError naming the missing ranks if a peer
+    does not arrive within ``ODC_TIMEOUT`` seconds (on GPU: at the next ``sync()``, ``finalize()`` or any later
+    call, at most ``ODC_TIMEOUT`` after the barrier that missed it).
     """
     _require_runtime("sync").transport.barrier("sync")

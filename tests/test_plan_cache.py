@@ -46,6 +46,7 @@ def _rank_plan_cache(rank: int, world: int) -> None:
     assert built.count("accumulate") == 1, built
     odc.sync()
     assert torch.equal(st.grad, torch.full_like(st.grad, 3.0 * world))
+    odc.sync()  # every rank has checked before anyone pushes again
 
     # Invalidated on dtype and shape changes: a new key is validated (and rejected where invalid).
     odc.push(st, torch.ones(2, 5, dtype=torch.bfloat16))
@@ -69,6 +70,7 @@ def _rank_plan_cache(rank: int, world: int) -> None:
     odc.push(st, torch.ones(2, 5), scale=1)  # an int is a valid scale (converted once)
     odc.sync()
     assert torch.equal(st.grad, torch.full_like(st.grad, 5.0 * world)), st.grad
+    odc.sync()
 
     # A new stream key (on GPU: another current stream) builds a new plan; the old one stays valid for its key.
     current = ["s1"]
@@ -132,6 +134,7 @@ def _rank_async_plan(rank: int, world: int) -> None:
     assert torch.equal(fetched.wait(), torch.arange(7, dtype=torch.float32))
     odc.sync()
     assert torch.equal(st.grad, torch.full_like(st.grad, 3.0 * world))
+    odc.sync()  # every rank has checked before anyone pushes again
 
 
 def test_async_ops_through_cached_plans() -> None:
