@@ -199,8 +199,17 @@ def _rank_fake_far(rank: int, world: int) -> None:
         assert all(r[5] == transport._remote.cuda_stream for r in runs), runs
         assert current in transport._remote.waits and isinstance(current.waits[-1], FakeEvent)
         assert any(p.op == "push" for p in transport._watchdog.outstanding())
-        odc.api._runtime = None
-        transport._finalized = True
+        view = st.local
+        odc.finalize()  # waits (bounded) for the outstanding barrier and push, then drops all state
+        assert transport._finalized
+        assert st._param.freed and view.numel() == 7  # the view stays valid: nothing was unmapped
+        with pytest.raises(odc.OdcNotInitializedError):
+            odc.fetch(st)
+        with pytest.raises(odc.OdcNotInitializedError):
+            transport.barrier("late")
+        from odc_runtime.transport import nvshmem
+
+        assert nvshmem._initialized_once  # NVSHMEM cannot start twice in a process: create() refuses
     finally:
         monkeypatch.undo()
 
