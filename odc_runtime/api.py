@@ -365,9 +365,9 @@ def _scale_value(scale: object) -> float:
 
 
 def _issue(
-    plan: TransferPlan, flat: torch.Tensor, scale: float, async_op: bool, result: torch.Tensor | None
+    plan: TransferPlan, tensor: torch.Tensor, scale: float, async_op: bool, result: torch.Tensor | None
 ) -> torch.Tensor | Handle | None:
-    work = plan.run(flat, scale, async_op=async_op)
+    work = plan.run(tensor, scale, async_op=async_op)
     if async_op:
         assert work is not None
         return Handle(work, result)
@@ -387,11 +387,11 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
             plan = _cached_plan(st, ("fetch", None, transport.stream_key()))
             if plan is not None:
                 out = torch.empty(st.shape, dtype=st.dtype, device=transport.device)
-                return _issue(plan, out.view(-1), 1.0, async_op, out)  # type: ignore[return-value]
+                return _issue(plan, out, 1.0, async_op, out)  # type: ignore[return-value]
         elif isinstance(out, torch.Tensor):
             plan = _cached_plan(st, _tensor_key("fetch", out, transport.stream_key()))
-            if plan is not None:
-                return _issue(plan, out.view(-1), 1.0, async_op, out)  # type: ignore[return-value]
+            if plan is not None:  # the key says out is contiguous (only such keys are cached)
+                return _issue(plan, out, 1.0, async_op, out)  # type: ignore[return-value]
     runtime = st._check_alive("fetch")
     transport = runtime.transport
     device = transport.device
@@ -407,7 +407,7 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
         key = _tensor_key("fetch", out, transport.stream_key())
     plan = transport.plan(st._param, "get", _plan_pieces(st))
     _store_plan(st, key, plan)
-    return _issue(plan, out.view(-1), 1.0, async_op, out)  # type: ignore[return-value]
+    return _issue(plan, out, 1.0, async_op, out)  # type: ignore[return-value]
 
 
 def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op: bool = False) -> Handle | None:
@@ -419,9 +419,11 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     """
     runtime = _runtime
     if runtime is not None and isinstance(grad, torch.Tensor):  # fast path, see _cached_plan
-        plan = _cached_plan(st, _tensor_key("push", grad, runtime.transport.stream_key()))
-        if plan is not None:
-            return _issue(plan, grad.detach().reshape(-1), _scale_value(scale), async_op, None)  # type: ignore[return-value]
+        key = _tensor_key("push", grad, runtime.transport.stream_key())
+        plan = _cached_plan(st, key)
+        if plan is not None:  # plans take contiguous tensors of any shape; key[6] is grad.is_contiguous()
+            src = grad if key[6] else grad.detach().reshape(-1)
+            return _issue(plan, src, _scale_value(scale), async_op, None)  # type: ignore[return-value]
     runtime = st._check_alive("push")
     if st._grad is None:
         raise OdcUsageError(
@@ -433,7 +435,8 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     key = _tensor_key("push", grad, transport.stream_key())
     plan = transport.plan(st._grad, "accumulate", _plan_pieces(st))
     _store_plan(st, key, plan)
-    return _issue(plan, grad.detach().reshape(-1), value, async_op, None)  # type: ignore[return-value]
+    src = grad if grad.is_contiguous() else grad.detach().reshape(-1)
+    return _issue(plan, src, value, async_op, None)  # type: ignore[return-value]
 
 
 def sync() -> None:

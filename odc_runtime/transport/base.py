@@ -116,8 +116,10 @@ class TransferPlan:
         self.pieces = tuple(pieces)
         self.stream_key = stream_key
 
-    def run(self, flat: torch.Tensor, scale: float = 1.0, *, async_op: bool = False) -> Work | None:
-        """Issue the planned operation on ``flat`` (1-D view of the caller's tensor, already validated)."""
+    def run(self, tensor: torch.Tensor, scale: float = 1.0, *, async_op: bool = False) -> Work | None:
+        """Issue the planned operation on ``tensor``: the caller's validated, contiguous tensor of any shape whose
+        flattened elements the pieces index (no view is made on the fast path; this generic plan flattens it)."""
+        flat = tensor.detach().reshape(-1)
         if self.kind == "get":
             gets = [GetRequest(p.peer, flat[p.start : p.start + p.numel]) for p in self.pieces]
             return self.transport.get(self.buf, gets, async_op=async_op)

@@ -337,18 +337,19 @@ class _NvshmemPlan(TransferPlan):
         self._far = far
         self._stream_ptr = stream_ptr
 
-    def run(self, flat: torch.Tensor, scale: float = 1.0, *, async_op: bool = False) -> Work | None:
+    def run(self, tensor: torch.Tensor, scale: float = 1.0, *, async_op: bool = False) -> Work | None:
+        # `tensor` is contiguous (the caller's plan key says so): its address and dtype are all the kernels need.
         transport: NvshmemTransport = self.transport  # type: ignore[assignment]
         if transport._failure is not None or transport._finalized:
             transport._raise_failure()
-        code = transport._codes.get(flat.dtype)
+        code = transport._codes.get(tensor.dtype)
         if code is None:
-            raise OdcUsageError(f"nvshmem {self.kind}: dtype {flat.dtype} not supported (use fp32/bf16/fp16)")
+            raise OdcUsageError(f"nvshmem {self.kind}: dtype {tensor.dtype} not supported (use fp32/bf16/fp16)")
         if async_op or self._far is not None:
             return transport._run_on_streams(
-                self._near, self._far, flat.data_ptr(), (flat,), code, scale, async_op, self.kind
+                self._near, self._far, tensor.data_ptr(), (tensor,), code, scale, async_op, self.kind
             )
-        _backend_call(self.kind, self._near.run, flat.data_ptr(), code, scale, self._stream_ptr)  # type: ignore[union-attr]
+        _backend_call(self.kind, self._near.run, tensor.data_ptr(), code, scale, self._stream_ptr)  # type: ignore[union-attr]
         return None
 
 
