@@ -804,7 +804,8 @@ def create(*, timeout: float, heap_size: int | str | None = None) -> NvshmemTran
             mps = int(ext.mps_enabled(index))
         except RuntimeError as exc:
             raise OdcBackendError(f"nvshmem transport: cannot query the current CUDA device: {exc}") from exc
-        return settings, capacity, props.multi_processor_count, socket.gethostname(), str(props.uuid), mps
+        uuid = str(getattr(props, "uuid", index))  # older torch: no uuid, the index then stands for the GPU
+        return settings, capacity, props.multi_processor_count, socket.gethostname(), uuid, mps
 
     infos = gather_checked("init (nvshmem)", local_checks)
     settings, capacity, slots = agree_settings([info[:3] for info in infos])
