@@ -220,3 +220,33 @@ def test_nvshmem_python_paths_with_a_fake_extension() -> None:
 
 def test_nvshmem_cross_node_paths_with_a_fake_extension() -> None:
     run_ranks(_rank_fake_far, 1, timeout=60)
+
+
+def _rank_fake_mixed(rank: int, world: int) -> None:
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        # A 3-PE transport seen from PE 0 (torch.distributed has 1 rank here; only the transport's view matters):
+        # PEs 0 and 2 have peer pointers, PE 1 does not (another node). numel 10 -> shards of 4: [0,4) [4,8) [8,10).
+        p0, p2 = 1 << 41, 1 << 42
+        transport, calls, _ = _install(monkeypatch, 3, [p0, 0, p2], atomic=False)
+        st = odc.shard(torch.zeros(10), name="mixed")
+        calls.clear()
+        odc.fetch(st)
+        plans = [c[1] for c in calls if c[0] == "plan"]
+        off = st._param.handle.offset
+        # owners in rotated order 1, 2, 0; near (copy engines) for 2 and 0, far (staged) for 1
+        assert plans == [(0, [p2 + off, p0 + off], [8, 0], [2, 4], [2, 0]), (2, [ARENA + off], [4], [4], [1])], plans
+        calls.clear()
+        odc.push(st, torch.ones(10))
+        plans = [c[1] for c in calls if c[0] == "plan"]
+        goff = st._grad.handle.offset
+        # locked protocol for the whole job: every owner, those with peer pointers included, in one far plan
+        assert plans == [(4, [ARENA + goff] * 3, [4, 8, 0], [4, 2, 4], [1, 2, 0])], plans
+        odc.api._runtime = None
+        transport._finalized = True
+    finally:
+        monkeypatch.undo()
+
+
+def test_nvshmem_mixed_reach_and_locked_protocol_with_a_fake_extension() -> None:
+    run_ranks(_rank_fake_mixed, 1, timeout=60)
