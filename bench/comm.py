@@ -3,26 +3,44 @@
     python bench/comm.py                        # CPU: spawns 4 ranks, host transport vs gloo
     python bench/comm.py --sizes 1M,64M --nproc 2
     torchrun --nproc-per-node 8 bench/comm.py --backend nvshmem   # GPUs: nvshmem transport vs NCCL
+    python bench/comm.py --backend nvshmem --pes-per-gpu 4         # one GPU, 4 PEs (start MPS first, below)
 
 For every size N (bytes of the *full* fp32 tensor; binary units, 1M = 2^20 bytes) all ranks run at once:
 
 ========== =========================================================================================
 copy        ``dst.copy_(src)`` of N bytes on every rank, no communication: the ceiling
 add         ``dst.add_(src)`` of N bytes on every rank, no communication (what a push does, in total)
-all_gather  collective ``all_gather_single`` (gloo / NCCL): every rank receives the full N-byte tensor
+all_gather  collective ``all_gather_into_tensor`` (gloo / NCCL): every rank receives the full N-byte tensor
 fetch       ``odc.fetch(st, out=...)``: every rank reads the full N-byte tensor from its owners
-red_scatter collective ``reduce_scatter_single`` (SUM): every rank sends an N-byte gradient, keeps its shard
+red_scatter collective ``reduce_scatter_tensor`` (SUM): every rank sends an N-byte gradient, keeps its shard
 push        ``odc.push(st, grad)``: every rank adds its N-byte gradient into the owners' accumulators
 sync        ``odc.sync()`` alone (the once-per-minibatch fence that makes pushes visible)
+sync_busy   GPU: ``odc.sync()`` issued while ~1.5 ms of matmuls are queued; time from after the queued work
+            to the end of the sync on the GPU timeline (a sync that drains the GPU shows up here)
+mm          GPU: a bf16 matmul alone (the "model compute" of the interference rows)
+mm+fetch    GPU: the same matmul on a side stream while fetch runs on the current stream; time of the matmul
+mm+push     GPU: the same with push; /local of these rows = slowdown of the matmul (1.0 = no interference)
 ========== =========================================================================================
+
+Before timing, every size is verified once: fetch returns the full tensor, push + sync leaves W times the
+pushed values in every owner's accumulator (all ranks push the same tensor), and the collectives return what
+they should. ``host µs`` is the host time of one call (perf_counter around the Python call, not waiting for the
+GPU): the per-call cost a training loop pays to keep the GPU fed. ``/local`` compares with the no-communication
+bound of the same bytes: fetch and all_gather with ``copy``, push and red_scatter with ``add``.
+
+Several PEs on one GPU (``--pes-per-gpu K``): the ranks share GPUs round-robin and torch.distributed uses gloo
+(NCCL refuses two ranks on one GPU), so the collective rows are skipped. For concurrent kernels start CUDA MPS
+before the run (``nvidia-cuda-mps-control -d``; stop it with ``echo quit | nvidia-cuda-mps-control``); without
+MPS the PEs' kernels time-slice.
 
 Bytes and bandwidths. For fetch / all-gather the bytes are those of the full tensor each rank receives; for
 push / reduce-scatter those of the full gradient each rank sends; for copy / add the N bytes of the
 destination. ``algbw = N / time`` (GB/s, 10^9 bytes/s). ``busbw = algbw · (W-1)/W`` for the gather and
 scatter operations, as nccl-tests computes it (the bytes that actually cross between ranks); copy and add have
 no bus. Time: all ranks start together after a barrier; each measures its own operation (CPU
-``perf_counter``; GPU CUDA events, after a warm-up); a repeat takes the slowest rank; the table shows the
-median over repeats. A push is timed until it returns (on the host transport the additions are then done;
+``perf_counter``; GPU CUDA events, the start event recorded before the Python call so that host time counts,
+as in a training loop, after a warm-up); a repeat takes the slowest rank; the table shows the median over
+repeats. A push is timed until it returns (on the host transport the additions are then done;
 the owners see them after the next ``sync``, timed separately).
 """
 
@@ -33,12 +51,20 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import _common
 from _common import format_table, launch, progress
 
-OPS = ("copy", "add", "all_gather", "fetch", "red_scatter", "push", "sync")
+OPS = ("copy", "add", "all_gather", "fetch", "red_scatter", "push", "sync", "sync_busy", "mm", "mm+fetch",
+       "mm+push")
+GPU_ONLY_OPS = ("sync_busy", "mm", "mm+fetch", "mm+push")
+COLLECTIVE_OPS = ("all_gather", "red_scatter")
 BUS_FACTOR_OPS = ("all_gather", "fetch", "red_scatter", "push")
+LOCAL_BOUND = {"fetch": "copy", "all_gather": "copy", "push": "add", "red_scatter": "add", "mm+fetch": "mm",
+               "mm+push": "mm"}
+NO_BANDWIDTH_OPS = ("sync", "sync_busy", "mm", "mm+fetch", "mm+push")
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -67,7 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_SIZES['nvshmem']} on GPUs)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per op and size (default by size)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--ops", default=",".join(OPS), help=f"subset of {','.join(OPS)}")
+    p.add_argument("--ops", default=None,
+                   help=f"subset of {','.join(OPS)} (default: all; on CPU without {','.join(GPU_ONLY_OPS)})")
+    p.add_argument("--pes-per-gpu", type=int, default=1,
+                   help="GPU: ranks per GPU (NVSHMEM PEs sharing a GPU; use CUDA MPS, see above)")
     p.add_argument("--json", default=None, help="write results as JSON to this path")
     p.add_argument("--plot", default=None, help="PNG path (default bench/results/comm.png); 'none' to skip")
     return p
@@ -85,7 +114,8 @@ def default_repeats(nbytes: int) -> int:
 
 
 class Timer:
-    """Times one operation per repeat on this rank: perf_counter on CPU, CUDA events on GPU."""
+    """Times one operation per repeat on this rank: perf_counter on CPU, CUDA events on GPU (the start event is
+    recorded before the Python call, so host time counts). Also returns the host time of the call itself."""
 
     def __init__(self, device) -> None:
         import torch
@@ -93,18 +123,35 @@ class Timer:
         self.cuda = device.type == "cuda"
         self.torch = torch
 
-    def __call__(self, fn) -> float:
+    def __call__(self, op: Op) -> tuple[float, float]:
+        if op.before is not None:
+            op.before()
         if self.cuda:
             start = self.torch.cuda.Event(enable_timing=True)
             end = self.torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
+            stream = op.stream() if op.stream is not None else self.torch.cuda.current_stream()
+            start.record(stream)
+            t0 = time.perf_counter()
+            op.fn()
+            host = time.perf_counter() - t0
+            end.record(stream)
             end.synchronize()
-            return start.elapsed_time(end) / 1e3
+            return start.elapsed_time(end) / 1e3, host
         t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
+        op.fn()
+        host = time.perf_counter() - t0
+        return host, host
+
+
+@dataclass
+class Op:
+    """One timed operation: ``fn`` is timed; ``before`` runs untimed just before the start event, ``after``
+    untimed after the repeat; ``stream`` (GPU) returns the stream whose timeline is measured."""
+
+    fn: Callable[[], object]
+    after: Callable[[], object] | None = None
+    before: Callable[[], object] | None = None
+    stream: Callable[[], object] | None = None
 
 
 def heap_size(backend: str, largest: int, world: int) -> int | None:
@@ -117,8 +164,8 @@ def heap_size(backend: str, largest: int, world: int) -> int | None:
     return need
 
 
-def make_ops(nbytes: int, world: int, device):
-    """The timed operations at one size: ``{op: (fn, untimed_after_fn)}`` and the ShardedTensor."""
+def make_ops(nbytes: int, world: int, device, collectives: bool):
+    """The timed operations at one size: ``{op: Op}``, a verification function and the ShardedTensor."""
     import torch
     import torch.distributed as dist
 
@@ -126,24 +173,92 @@ def make_ops(nbytes: int, world: int, device):
 
     numel = nbytes // 4
     shard_numel = -(-numel // world)
-    full = torch.randn(numel, device=device)
+    gen = torch.Generator().manual_seed(nbytes)  # the same values on every rank: expected results are known
+    full = torch.randn(numel, generator=gen).to(device)
     out = torch.empty(numel, device=device)
     # the collectives need equal shards: gather / scatter world * shard_numel elements (>= numel)
-    shard = torch.randn(shard_numel, device=device)
+    shard = torch.randn(shard_numel, generator=gen).to(device)
     gathered = torch.empty(world * shard_numel, device=device)
-    grad_full = torch.randn(world * shard_numel, device=device)
+    grad_full = torch.randn(world * shard_numel, generator=gen).to(device)
     grad_shard = torch.empty(shard_numel, device=device)
     st = odc.shard(full, name=f"bench{nbytes}")
-    return st, {
-        "copy": (lambda: out.copy_(full), None),
-        "add": (lambda: out.add_(full), None),
-        "all_gather": (lambda: dist.all_gather_single(gathered, shard), None),
-        "fetch": (lambda: odc.fetch(st, out=out), None),
-        "red_scatter": (lambda: dist.reduce_scatter_single(grad_shard, grad_full), None),
+    ops = {
+        "copy": Op(lambda: out.copy_(full)),
+        "add": Op(lambda: out.add_(full)),
+        "fetch": Op(lambda: odc.fetch(st, out=out)),
         # untimed sync after every push: all pushes have landed before the next repeat starts
-        "push": (lambda: odc.push(st, full), odc.sync),
-        "sync": (odc.sync, None),
+        "push": Op(lambda: odc.push(st, full), after=odc.sync),
+        "sync": Op(odc.sync),
     }
+    if collectives:
+        ops["all_gather"] = Op(lambda: dist.all_gather_into_tensor(gathered, shard))
+        ops["red_scatter"] = Op(lambda: dist.reduce_scatter_tensor(grad_shard, grad_full))
+    if device.type == "cuda":
+        a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+        b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+        side = torch.cuda.Stream(device)
+
+        def queue_compute() -> None:
+            torch.mm(a, b)  # ~1.5 ms on an H100: the sync below is issued behind it
+
+        def mm_with(comm) -> Callable[[], None]:
+            def run() -> None:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    torch.mm(a, b)
+                comm()
+                torch.cuda.current_stream().wait_stream(side)
+
+            return run
+
+        ops["sync_busy"] = Op(odc.sync, before=queue_compute)
+        ops["mm"] = Op(lambda: torch.mm(a, b))
+        # the matmul's own timeline is measured: the side stream's events bracket only it
+        ops["mm+fetch"] = Op(mm_with(lambda: odc.fetch(st, out=out)), stream=lambda: side)
+        ops["mm+push"] = Op(mm_with(lambda: odc.push(st, full)), after=odc.sync, stream=lambda: side)
+
+    def verify() -> None:
+        """Check every operation's result once before timing (a fast wrong result is not a result)."""
+        rank = dist.get_rank()
+        got = odc.fetch(st, out=out)
+        if not torch.equal(got, full):
+            raise SystemExit(f"comm.py: fetch returned wrong values at {human(nbytes)} on rank {rank}")
+        st.zero_grad()
+        odc.sync()
+        odc.push(st, full)
+        odc.sync()
+        lo, hi = st.shard_range
+        if not torch.allclose(st.grad[: hi - lo], full[lo:hi] * world, rtol=1e-5, atol=1e-5):
+            raise SystemExit(f"comm.py: push + sync left wrong sums at {human(nbytes)} on rank {rank}")
+        st.zero_grad()
+        odc.sync()
+        if collectives:
+            dist.all_gather_into_tensor(gathered, shard)
+            if not torch.equal(gathered, shard.repeat(world)):
+                raise SystemExit(f"comm.py: all_gather returned wrong values at {human(nbytes)}")
+            dist.reduce_scatter_tensor(grad_shard, grad_full)
+            mine = grad_full[rank * shard_numel : (rank + 1) * shard_numel] * world
+            if not torch.allclose(grad_shard, mine, rtol=1e-5, atol=1e-4):
+                raise SystemExit(f"comm.py: reduce_scatter returned wrong values at {human(nbytes)}")
+
+    return st, ops, verify
+
+
+def _init(args: argparse.Namespace):
+    """(rank, world, device, collectives available)."""
+    import torch
+    import torch.distributed as dist
+
+    if args.backend != "nvshmem" or args.pes_per_gpu == 1:
+        rank, world, device = _common.init_distributed("cuda" if args.backend == "nvshmem" else "cpu")
+        return rank, world, device, True
+    # Several ranks per GPU: NCCL refuses duplicate GPUs, so torch.distributed runs on gloo (collectives skipped).
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local % torch.cuda.device_count())
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return rank, world, torch.device("cuda", torch.cuda.current_device()), False
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -152,47 +267,56 @@ def worker(args: argparse.Namespace) -> None:
 
     import odc_runtime as odc
 
-    device_kind = "cuda" if args.backend == "nvshmem" else "cpu"
-    rank, world, device = _common.init_distributed(device_kind)
+    rank, world, device, collectives = _init(args)
     sizes = parse_sizes(args.sizes)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = set(ops) - set(OPS)
     if unknown:
         raise SystemExit(f"unknown ops {sorted(unknown)}; choose from {OPS}")
+    if device.type != "cuda":
+        ops = [o for o in ops if o not in GPU_ONLY_OPS]
+    if not collectives:
+        ops = [o for o in ops if o not in COLLECTIVE_OPS]
     odc.init(args.backend, heap_size=heap_size(args.backend, max(sizes), world))
     timer = Timer(device)
-    collective = "nccl" if device_kind == "cuda" else "gloo"
+    collective = "nccl" if device.type == "cuda" and collectives else "gloo"
     results = []
     for nbytes in sizes:
-        st, fns = make_ops(nbytes, world, device)
+        st, fns, verify = make_ops(nbytes, world, device, collectives)
+        verify()
         reps = args.repeats or default_repeats(nbytes)
         for op in ops:  # warm-up (also faults in every page of the peers' segments)
-            fn, after = fns[op]
             for _ in range(args.warmup):
-                fn()
-                if after is not None:
-                    after()
+                if fns[op].before is not None:
+                    fns[op].before()
+                fns[op].fn()
+                if fns[op].after is not None:
+                    fns[op].after()
         # Repeats interleave the operations, so that a slow phase of a shared machine hits all of them alike,
         # and rotate their order, so that none is always the one after a particular other.
         times: dict[str, list[float]] = {op: [] for op in ops}
+        hosts: dict[str, list[float]] = {op: [] for op in ops}
         for rep in progress(range(reps), enabled=rank == 0, desc=f"comm {human(nbytes)}"):
             for op in ops[rep % len(ops):] + ops[: rep % len(ops)]:
-                fn, after = fns[op]
                 dist.barrier()
-                times[op].append(timer(fn))
-                if after is not None:
-                    after()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t, host = timer(fns[op])
+                times[op].append(t)
+                hosts[op].append(host)
+                if fns[op].after is not None:
+                    fns[op].after()
         for op in ops:
             t = torch.tensor(times[op], dtype=torch.float64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a repeat lasts as long as its slowest rank
             per_rep = t.cpu().tolist()
             med = statistics.median(per_rep)
-            algbw = nbytes / med / 1e9 if op != "sync" else float("nan")
+            algbw = nbytes / med / 1e9 if op not in NO_BANDWIDTH_OPS else float("nan")
             busbw = algbw * (world - 1) / world if op in BUS_FACTOR_OPS else float("nan")
             results.append({"op": op, "bytes": nbytes, "time_s": med, "times_s": per_rep, "algbw_GBps": algbw,
-                            "busbw_GBps": busbw, "repeats": reps})
+                            "busbw_GBps": busbw, "host_us": statistics.median(hosts[op]) * 1e6, "repeats": reps})
         st.free()
-        del fns
+        del fns, st, verify
     if rank == 0:
         report(args, results, world, collective, device)
     odc.finalize()
@@ -204,48 +328,66 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def add_ratios(results: list[dict]) -> None:
+    """``vs_local``: bandwidth relative to the no-communication bound of the same bytes (fetch/all_gather vs
+    copy, push/red_scatter vs add), for mm+X the matmul's slowdown (time / time alone); ``vs_collective``: fetch
+    vs all_gather, push vs red_scatter; ``host_vs_copy``: host µs per call relative to copy_."""
     by = {(r["op"], r["bytes"]): r for r in results}
     for r in results:
-        copy = by.get(("copy", r["bytes"]))
-        r["vs_copy"] = r["algbw_GBps"] / copy["algbw_GBps"] if copy and r["op"] != "sync" else None
+        bound = by.get((LOCAL_BOUND.get(r["op"], ""), r["bytes"]))
+        if bound is None:
+            r["vs_local"] = None
+        elif r["op"].startswith("mm+"):
+            r["vs_local"] = r["time_s"] / bound["time_s"]
+        else:
+            r["vs_local"] = r["algbw_GBps"] / bound["algbw_GBps"]
         match = {"fetch": "all_gather", "push": "red_scatter"}.get(r["op"])
         coll = by.get((match, r["bytes"])) if match else None
         r["vs_collective"] = r["algbw_GBps"] / coll["algbw_GBps"] if coll else None
+        copy = by.get(("copy", r["bytes"]))
+        r["host_vs_copy"] = r["host_us"] / copy["host_us"] if copy and copy["host_us"] > 0 else None
 
 
 def report(args, results: list[dict], world: int, collective: str, device) -> None:
     add_ratios(results)
     header = (
-        f"ODC {args.backend} transport vs {collective} collectives, {world} ranks on {device.type}; "
-        f"fp32, sizes are full-tensor bytes (1M = 2^20 B); GB/s = 1e9 B/s; median over repeats of the "
-        f"slowest rank"
+        f"ODC {args.backend} transport vs {collective} collectives, {world} ranks on {device.type}"
+        f"{f' ({args.pes_per_gpu} per GPU)' if args.pes_per_gpu > 1 else ''}; fp32, sizes are full-tensor "
+        f"bytes (1M = 2^20 B); GB/s = 1e9 B/s; median over repeats of the slowest rank"
     )
     rows = []
     for r in results:
         rows.append([
-            human(r["bytes"]), r["op"], r["time_s"] * 1e3,
+            human(r["bytes"]), r["op"], r["time_s"] * 1e3, r["host_us"],
             r["algbw_GBps"], r["busbw_GBps"],
-            r["vs_copy"], r["vs_collective"],
+            r["vs_local"], r["vs_collective"], r["host_vs_copy"],
         ])
-    table = format_table(["size", "op", "ms", "algbw GB/s", "busbw GB/s", "/copy", "/collective"], rows)
+    table = format_table(
+        ["size", "op", "ms", "host µs", "algbw GB/s", "busbw GB/s", "/local", "/collective", "host/copy"], rows
+    )
     notes = [
-        f"all_gather = torch.distributed.all_gather_single ({collective}); red_scatter = "
-        f"reduce_scatter_single ({collective}, SUM); both are supported natively by {collective} in torch "
-        f"{_torch_version()}.",
-        "/copy: algbw relative to a local dst.copy_(src) of the same bytes run on all ranks at once (ceiling); "
-        "/collective: fetch vs all_gather, push vs red_scatter.",
-        "push is timed until it returns; its sync (made untimed after every repeat) is the 'sync' row.",
+        "ms: time of one call on the timeline that matters (GPU: CUDA events, host time included); host µs: "
+        "time of the Python call alone (median).",
+        f"all_gather = torch.distributed.all_gather_into_tensor ({collective}); red_scatter = "
+        f"reduce_scatter_tensor ({collective}, SUM); torch {_torch_version()}.",
+        "busbw = algbw * (W-1)/W as nccl-tests; /local: fetch and all_gather vs copy_, push and red_scatter vs add_ "
+        "(the same bytes without communication); for mm+fetch / mm+push the matmul's slowdown (1.0 = none).",
+        "/collective: fetch vs all_gather, push vs red_scatter; host/copy: host µs per call vs a bare copy_.",
+        "push is timed until it returns; its sync (made untimed after every repeat) is the 'sync' row; sync_busy "
+        "is a sync issued behind ~1.5 ms of queued matmuls.",
+        "Every size was verified before timing (fetch values, push sums, collective results).",
     ]
     print("\n" + header + "\n" + table + "\n" + "\n".join("  " + n for n in notes), flush=True)
     payload = {
         "results": results,
         "config": {"world_size": world, "backend": args.backend, "collective": collective,
+                   "pes_per_gpu": args.pes_per_gpu,
                    "sizes": parse_sizes(args.sizes), "warmup": args.warmup, "repeats": args.repeats,
                    "dtype": "float32", "bytes": "full tensor (fetch/all_gather: received per rank; "
                    "push/reduce_scatter: sent per rank; copy/add: destination)",
                    "busbw_factor": "(W-1)/W for all_gather, fetch, red_scatter, push",
-                   "timing": "max over ranks per repeat, median over repeats",
-                   "host_chunk_bytes": os.environ.get("ODC_HOST_CHUNK_BYTES")},
+                   "timing": "max over ranks per repeat, median over repeats; host_us: median of this rank",
+                   "host_chunk_bytes": os.environ.get("ODC_HOST_CHUNK_BYTES"),
+                   "nvshmem_env": {k: v for k, v in os.environ.items() if k.startswith(("ODC_NVSHMEM", "NVSHMEM"))}},
         "machine": _common.machine_info(),
     }
     _common.write_outputs(
@@ -267,12 +409,15 @@ def main(argv: list[str] | None = None) -> None:
 
         args.backend = "nvshmem" if torch.cuda.is_available() else "host"
     args.sizes = args.sizes or DEFAULT_SIZES[args.backend]
+    args.ops = args.ops or ",".join(OPS)
+    if args.pes_per_gpu < 1 or (args.pes_per_gpu > 1 and args.backend != "nvshmem"):
+        raise SystemExit("--pes-per-gpu must be >= 1, and > 1 only with --backend nvshmem")
     nproc = args.nproc
     if nproc is None:
         if args.backend == "nvshmem":
             import torch
 
-            nproc = torch.cuda.device_count()
+            nproc = torch.cuda.device_count() * args.pes_per_gpu
         else:
             nproc = 4
     launch(worker, nproc, args)

@@ -3,48 +3,56 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <memory>
+
 #include "odc_ext.h"
 #include "odc_version.h"
 
 namespace py = pybind11;
 
 PYBIND11_MODULE(_C, m) {
-    m.doc() = "odc_runtime NVSHMEM extension: symmetric memory, peer pointers, fetch and push kernels";
+    m.doc() = "odc_runtime NVSHMEM extension: symmetric memory, own barrier with abort, fetch and push plans";
     py::register_exception<odc::Error>(m, "NvshmemError", PyExc_RuntimeError);
 
     m.attr("DTYPE_FLOAT32") = static_cast<int>(odc::kFloat32);
     m.attr("DTYPE_BFLOAT16") = static_cast<int>(odc::kBFloat16);
     m.attr("DTYPE_FLOAT16") = static_cast<int>(odc::kFloat16);
+    m.attr("PLAN_FETCH_COPY") = static_cast<int>(odc::kFetchCopy);
+    m.attr("PLAN_FETCH_KERNEL") = static_cast<int>(odc::kFetchKernel);
+    m.attr("PLAN_FETCH_STAGED") = static_cast<int>(odc::kFetchStaged);
+    m.attr("PLAN_PUSH_ATOMIC") = static_cast<int>(odc::kPushAtomic);
+    m.attr("PLAN_PUSH_LOCKED") = static_cast<int>(odc::kPushLocked);
 
     m.def("nvshmem_version_compiled", &odc::nvshmem_version_compiled,
           "(major, minor, patch) of the NVSHMEM headers and device library this extension was built against");
     m.def("nvshmem_version_runtime", &odc::nvshmem_version_runtime,
           "(major, minor, patch) of the libnvshmem_host.so.3 loaded in this process");
     m.def("device_count", &odc::device_count, "CUDA devices visible to this process (0 without GPU/driver)");
+    m.def("mps_enabled", &odc::mps_enabled, py::arg("device"),
+          "1 if contexts on the device are shared via CUDA MPS, 0 if not, -1 if the runtime cannot tell");
     m.def("get_unique_id", []() { return py::bytes(odc::get_unique_id()); });
     m.def("init", [](py::bytes uid, int rank, int nranks, int device) {
         odc::init(std::string(uid), rank, nranks, device);
-    }, py::arg("uid"), py::arg("rank"), py::arg("nranks"), py::arg("device"));
-    m.def("initialized", &odc::initialized);
-    m.def("my_pe", &odc::my_pe);
-    m.def("n_pes", &odc::n_pes);
-    m.def("team_shared_n_pes", &odc::team_shared_n_pes);
-    m.def("malloc", &odc::malloc_, py::arg("bytes"));
-    m.def("free", &odc::free_, py::arg("ptr"));
+    }, py::arg("uid"), py::arg("rank"), py::arg("nranks"), py::arg("device"), py::call_guard<py::gil_scoped_release>());
+    m.def("malloc", &odc::malloc_, py::arg("bytes"), py::call_guard<py::gil_scoped_release>());
     m.def("ptr", &odc::ptr, py::arg("addr"), py::arg("pe"));
     m.def("p2p_atomics", &odc::p2p_atomics);
-    m.def("barrier_all", &odc::barrier_all, py::call_guard<py::gil_scoped_release>());
-    m.def("barrier_all_on_stream", &odc::barrier_all_on_stream, py::arg("stream"));
-    m.def("quiet_on_stream", &odc::quiet_on_stream, py::arg("stream"));
-    m.def("buffer_register", &odc::buffer_register, py::arg("addr"), py::arg("bytes"));
-    m.def("buffer_unregister", &odc::buffer_unregister, py::arg("addr"));
-    m.def("finalize", &odc::finalize, py::call_guard<py::gil_scoped_release>());
-    m.def("fetch_p2p", &odc::fetch_p2p, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"));
-    m.def("get_staged", &odc::get_staged, py::arg("dst"), py::arg("src_sym"), py::arg("nbytes"), py::arg("pe"),
-          py::arg("scratch"), py::arg("scratch_bytes"), py::arg("stream"));
-    m.def("accumulate_p2p", &odc::accumulate_p2p, py::arg("dst"), py::arg("src"), py::arg("numel"),
-          py::arg("src_dtype"), py::arg("scale"), py::arg("vector_atomics"), py::arg("stream"));
-    m.def("accumulate_locked", &odc::accumulate_locked, py::arg("dst_sym"), py::arg("src"), py::arg("numel"),
-          py::arg("src_dtype"), py::arg("scale"), py::arg("pe"), py::arg("scratch"), py::arg("scratch_bytes"),
-          py::arg("cell_bytes"), py::arg("locks"), py::arg("nlocks"), py::arg("stream"));
+
+    py::class_<odc::Engine, std::shared_ptr<odc::Engine>>(m, "Engine")
+        .def(py::init<int, int, uint64_t, uint64_t, int, uint64_t, int, uint64_t, bool>(), py::arg("rank"),
+             py::arg("npes"), py::arg("epochs"), py::arg("locks"), py::arg("nlocks"), py::arg("scratch"),
+             py::arg("slots"), py::arg("cell_bytes"), py::arg("vector_atomics"))
+        .def("barrier", &odc::Engine::barrier, py::arg("epoch"), py::arg("stream"))
+        .def("quiet", &odc::Engine::quiet, py::arg("stream"))
+        .def("set_abort", &odc::Engine::set_abort)
+        .def("aborted", &odc::Engine::aborted)
+        .def("barrier_gave_up", &odc::Engine::barrier_gave_up)
+        .def("heard", &odc::Engine::heard);
+
+    py::class_<odc::Plan>(m, "Plan")
+        .def(py::init<std::shared_ptr<odc::Engine>, int, std::vector<uint64_t>, std::vector<uint64_t>,
+                      std::vector<uint64_t>, std::vector<int>>(),
+             py::arg("engine"), py::arg("kind"), py::arg("addr"), py::arg("rel"), py::arg("numel"), py::arg("pe"))
+        .def("run", &odc::Plan::run, py::arg("base"), py::arg("dtype"), py::arg("scale"), py::arg("stream"))
+        .def_property_readonly("kind", &odc::Plan::kind);
 }

@@ -1,9 +1,10 @@
-// NVSHMEM host wrappers and the device kernels of odc_runtime._C.
+// NVSHMEM host wrappers (init only) and the device kernels of odc_runtime._C.
 //
 // Conventions: every CUDA / NVSHMEM status is checked and turned into odc::Error (a Python exception via
-// bindings.cpp); nothing here calls exit(). Pointers and streams arrive as uint64_t. Kernels are kept small:
-// one fetch kernel (peer pointers), one atomic push kernel (peer pointers) and one locked push kernel
-// (NVSHMEM RMA, for peers without a peer pointer, i.e. across nodes).
+// bindings.cpp); nothing here calls exit(). Pointers and streams arrive as uint64_t. After init no NVSHMEM host
+// function is called: barrier, quiet, remote gets and pushes are our own kernels (launched and checked with our
+// CUDA runtime), and every loop that waits for another PE also polls the engine's abort word, which lives in
+// host-mapped memory so that the host can end the wait of a kernel that is already running.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -11,6 +12,7 @@
 #include <nvshmemx.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <sstream>
 
@@ -21,7 +23,6 @@ namespace odc {
 namespace {
 
 bool g_initialized = false;
-int g_sm_count = 0;
 
 #define ODC_CUDA_CHECK(expr)                                                                     \
     do {                                                                                         \
@@ -45,7 +46,7 @@ int g_sm_count = 0;
         }                                                                                        \
     } while (0)
 
-// After a kernel launch or a void NVSHMEM on-stream call: surface launch errors.
+// After a kernel launch: surface launch errors (and sticky errors of earlier asynchronous work).
 void check_launch(const char* what) {
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) {
@@ -60,6 +61,13 @@ void require_init(const char* what) {
 inline cudaStream_t as_stream(uint64_t s) { return reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(s)); }
 template <typename T>
 inline T* as_ptr(uint64_t p) { return reinterpret_cast<T*>(static_cast<uintptr_t>(p)); }
+
+int current_sm_count() {
+    int dev = 0, n = 0;
+    ODC_CUDA_CHECK(cudaGetDevice(&dev));
+    ODC_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+}
 
 // ---------------------------------------------------------------------------------------------------------
 // Device helpers
@@ -100,10 +108,86 @@ __device__ __forceinline__ void red_add4(float* p, float4 v) {
 #endif
 }
 
+__device__ __forceinline__ bool abort_raised(const volatile uint32_t* abort) { return *abort != 0; }
+
+// ---------------------------------------------------------------------------------------------------------
+// Own barrier (replaces nvshmemx_barrier_all_on_stream, whose host part blocks the CPU until every PE arrives
+// when several PEs share a GPU, and whose device part cannot be interrupted).
+//
+// State: epochs[q] in every PE's symmetric memory = the last barrier epoch PE q announced to this PE. Every PE
+// calls the same barriers in the same order (the Python side numbers them), so epoch k means "barrier #k".
+//
+// Protocol of barrier #k on PE p (one block, thread t serves peers t, t + blockDim, ...):
+//   1. release: thread 0 runs nvshmem_quiet() (this PE's device-initiated puts/AMOs are complete: the locked
+//      push and staged get), then every thread runs __threadfence_system();
+//   2. announce: nvshmemx_signal_op(&epochs[p], k, SIGNAL_SET, q) for every q (a volatile store through the
+//      peer pointer on NVLink, a network AMO otherwise);
+//   3. wait: until epochs[q] >= k for every q, polling the abort word between loads; on abort, record what every
+//      peer last announced into host-mapped memory and leave;
+//   4. acquire: nvshmem_uint64_wait_until(&epochs[q], GE, k) (returns at once, and applies NVSHMEM's own
+//      consistency step for data delivered by the network), then __threadfence_system().
+//
+// Ordering argument. Everything PE q issued on its stream before barrier #k happens-before q's announcement:
+// kernels on one stream run in order and a kernel's writes are performed before the next kernel starts; the
+// quiet completes q's remote puts/AMOs (locked pushes); peer-pointer atomics of the fused push are performed
+// when that kernel completes; and the system-scope fence makes all of them visible, cumulatively, before the
+// announcing store. PE p observes the announcement (load of k) and then fences (acquire), so everything after
+// barrier #k on p's stream sees those writes: the owner's accumulator holds every push issued before any PE's
+// barrier, and a fetch after the barrier reads every owner's post-step parameters.
+//
+// Why it cannot deadlock. A PE announces before it waits, so barrier #k completes on every PE as soon as every PE
+// has *started* its barrier #k kernel. A PE's barrier kernel starts once the work queued before it on its stream
+// has finished; that work is our own kernels (copy, fused push: no waiting at all; locked push: waits only for a
+// lock whose holder is resident and finishes after bounded, one-sided work; staged get: one-sided) and the
+// user's kernels. So, with every PE alive and calling the same barriers, every barrier completes. A PE that is
+// dead or never calls barrier #k leaves the others spinning, and that is exactly what the abort word ends: the
+// host polls the barrier's CUDA event against the deadline, raises the abort, and every spinning kernel of this
+// engine (barrier, lock spins) leaves within a poll period; the context stays usable. Epochs only grow and a PE
+// cannot run more than one barrier ahead of the slowest (it would wait in it), so ">= k" never confuses rounds.
+// ---------------------------------------------------------------------------------------------------------
+__global__ void barrier_kernel(uint64_t* epochs, uint64_t epoch, int me, int npes, const volatile uint32_t* abort,
+                               volatile uint32_t* ctl) {
+    __shared__ int s_gave_up;
+    if (threadIdx.x == 0) {
+        s_gave_up = 0;
+        nvshmem_quiet();
+    }
+    __syncthreads();
+    __threadfence_system();
+    for (int q = threadIdx.x; q < npes; q += blockDim.x) nvshmemx_signal_op(epochs + me, epoch, NVSHMEM_SIGNAL_SET, q);
+    for (int q = threadIdx.x; q < npes; q += blockDim.x) {
+        unsigned ns = 32;
+        while (nvshmem_signal_fetch(epochs + q) < epoch) {
+            if (abort_raised(abort)) {
+                s_gave_up = 1;  // benign race: every writer stores 1
+                break;
+            }
+            __nanosleep(ns);
+            ns = min(ns * 2, 1024u);
+        }
+    }
+    __syncthreads();
+    if (s_gave_up) {
+        volatile uint64_t* heard = reinterpret_cast<volatile uint64_t*>(ctl + 2);
+        for (int q = threadIdx.x; q < npes; q += blockDim.x) heard[q] = nvshmem_signal_fetch(epochs + q);
+        __threadfence_system();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            ctl[1] = 1;
+            __threadfence_system();
+        }
+        return;
+    }
+    for (int q = threadIdx.x; q < npes; q += blockDim.x) nvshmem_uint64_wait_until(epochs + q, NVSHMEM_CMP_GE, epoch);
+    __threadfence_system();
+}
+
+__global__ void quiet_kernel() { nvshmem_quiet(); }
+
 // ---------------------------------------------------------------------------------------------------------
 // Peer-pointer tasks (intra-node): one launch handles up to kMaxTasks requests. Block b works on task
 // b % ntasks, so consecutive blocks hit different peers (the caller already rotates the peer order), and
-// on part b / ntasks of it: the task is cut into `parts` interleaved slices of kVec-element granules.
+// on part b / ntasks of it: the task is cut into `parts` interleaved slices.
 // ---------------------------------------------------------------------------------------------------------
 constexpr int kMaxTasks = 64;
 constexpr int kThreads = 256;
@@ -120,10 +204,7 @@ struct TaskBatch {
 };
 
 // Fetch: plain loads from the owner's memory through the peer pointer, plain stores into local memory.
-// Ordering: this kernel only reads the owner's region. The owner's writes to it (optimizer step) happen
-// before the owner's barrier; our fetch is issued after our barrier on the same stream, and
-// nvshmemx_barrier_all_on_stream orders (fence.sys + flag) everything before it on every PE before
-// everything after it, so we read the post-step values. No ordering among concurrent fetches is needed.
+// Ordering: see barrier_kernel (the owner's writes before its barrier are visible after ours).
 __global__ void fetch_p2p_kernel(TaskBatch b) {
     const int ti = blockIdx.x % b.ntasks;
     const int part = blockIdx.x / b.ntasks;
@@ -143,14 +224,10 @@ __global__ void fetch_p2p_kernel(TaskBatch b) {
     }
 }
 
-// Push (intra-node): dst (the owner's fp32 accumulator, through the peer pointer) += float(src) * scale.
+// Push (one NVLink domain): dst (the owner's fp32 accumulator, through the peer pointer) += float(src) * scale.
 // Exactness under concurrency: every update is a single system-scope hardware atomic performed at the owner's
-// memory (NVLink/PCIe P2P atomics), so concurrent pushers from any number of PEs never lose an update; fp32
-// addition order may differ between runs (non-deterministic rounding, as with any atomic reduction).
-// Ordering: the reductions are complete once this kernel has completed; the pusher's later
-// nvshmemx_quiet_on_stream / barrier_all_on_stream on the same stream run after the kernel and do a
-// system-scope fence before signalling peers, so once the owner leaves the barrier all reductions issued
-// before the pusher entered it are visible to the owner. The owner runs no code for this.
+// memory, so concurrent pushers from any number of PEs never lose an update; fp32 addition order may differ
+// between runs. Ordering: the reductions are performed when this kernel completes; see barrier_kernel.
 template <typename T>
 __global__ void accumulate_p2p_kernel(TaskBatch b, float scale, bool vector_atomics) {
     const int ti = blockIdx.x % b.ntasks;
@@ -173,56 +250,121 @@ __global__ void accumulate_p2p_kernel(TaskBatch b, float scale, bool vector_atom
     for (uint64_t i = done + first; i < t.n; i += stride) atomicAdd_system(dst + i, to_f32(src[i]) * scale);
 }
 
-// Push (inter-node): lock + get + add + put. The owner's address space is cut into fixed cells of
-// `cell_bytes` (symmetric addresses are identical on every PE, so every pusher cuts the same way); cell c
-// is guarded by the lock word locks[hash(c) % nlocks] in the OWNER's symmetric memory. A block handles one
-// cell piece at a time with its own scratch slot (scratch is symmetric, as IB RMA requires):
-//   1. thread 0 spins on compare_swap(lock, 0 -> 1) at the owner (with backoff);
-//   2. blocking get of the piece into the slot (the value every earlier lock holder left, see 4);
+// ---------------------------------------------------------------------------------------------------------
+// Cell tasks (locked push and staged get): the work is a list of items, one per (task, cell). Items of task i
+// are [first[i], first[i+1]); block b takes items rotate + b, rotate + b + gridDim.x, ... (mod total), so
+// pushers of different ranks start at different cells instead of queueing on the same first lock.
+// ---------------------------------------------------------------------------------------------------------
+struct CellTask {
+    uint64_t remote;  // symmetric address at the peer (accumulator / parameter region)
+    uint64_t local;   // ordinary device memory of the caller (source / destination)
+    uint64_t n;       // elements (push, fp32 at the owner) or bytes (get)
+    uint64_t first;   // index of the task's first item
+    int pe;
+};
+struct CellBatch {
+    int ntasks;
+    uint64_t total;  // items
+    uint64_t rotate;
+    CellTask t[kMaxTasks];
+};
+
+__device__ __forceinline__ int find_task(const CellBatch& b, uint64_t item) {
+    int ti = 0;
+    while (ti + 1 < b.ntasks && b.t[ti + 1].first <= item) ++ti;
+    return ti;
+}
+
+// Push across nodes (or whenever not every PE pair has load/store atomics): ticket lock + get + add + put.
+// The owner's address space is cut into fixed cells of `cell_bytes` (symmetric addresses are identical on every
+// PE, so every pusher cuts the same way); cell c is guarded by ticket lock l = hash(c) % nlocks, i.e. the words
+// next = locks[2l], serving = locks[2l+1] in the OWNER's symmetric memory. Per item, block b with scratch slot b:
+//   1. thread 0 takes a ticket (fetch_inc of next at the owner) and polls serving until it equals the ticket,
+//      with backoff, leaving if the abort word is raised; then __threadfence_system() (acquire for gets served
+//      by loads through a peer pointer);
+//   2. blocking get of the piece into the slot (the value every earlier holder left, see 4);
 //   3. slot += float(src) * scale;
-//   4. blocking put back; nvshmem_quiet by every thread => the put is delivered at the owner;
-//   5. thread 0 releases the lock with an atomic set 0 at the owner.
-// Ordering: 4 happens-before 5 (quiet), 5 happens-before the next holder's 1, which precedes its 2: each
-// holder reads the previous holder's result, so no update is lost. Pieces of different cells touch
-// disjoint bytes. The pusher's later quiet/barrier on its stream completes everything.
-// Deadlock freedom: a block holds at most one lock at a time and, while holding it, waits only for its
-// own one-sided get/put/quiet, which complete without any code running on the owner or on other blocks;
-// so every lock is released after a bounded amount of work and the spinning blocks eventually acquire it.
-// Extra bytes on the wire: 2x the pushed bytes (get + put) plus two small AMOs per piece.
+//   4. blocking put back; __syncthreads; thread 0 alone runs nvshmem_quiet (quiet covers every operation of the
+//      PE, so the block's whole put is delivered at the owner);
+//   5. thread 0 releases: atomic inc of serving at the owner.
+// Ordering: 4 happens-before 5 (quiet), 5 happens-before the next ticket holder's 1, which precedes its 2: every
+// holder reads the previous holder's result, so no update is lost. The ticket lock is FIFO-fair (no pusher
+// starves behind luckier CAS retries). All lock words are touched only by NVSHMEM AMOs, which take one path for
+// the whole job, so they are atomic with respect to each other.
+// Deadlock freedom: a block holds at most one lock at a time and, while holding it, waits only for its own
+// one-sided get/put/quiet, which complete without code running on the owner or on other blocks; so every lock
+// is released after bounded work, and each waiting ticket is eventually served. A holder that died never
+// releases: then the waiters leave when the host raises the abort (the job is lost; the error names the op).
 template <typename T>
-__global__ void accumulate_locked_kernel(float* dst_sym, const T* src, uint64_t numel, float scale, int pe,
-                                         float* scratch, uint64_t cell_bytes, int* locks, int nlocks) {
+__global__ void accumulate_locked_kernel(CellBatch b, float scale, float* scratch, uint64_t cell_bytes,
+                                         unsigned* locks, int nlocks, const volatile uint32_t* abort) {
+    __shared__ int s_stop;
     float* slot = reinterpret_cast<float*>(reinterpret_cast<char*>(scratch) + blockIdx.x * cell_bytes);
-    const uint64_t begin = reinterpret_cast<uintptr_t>(dst_sym);
-    const uint64_t end = begin + numel * sizeof(float);
-    const uint64_t first_cell = begin / cell_bytes, last_cell = (end - 1) / cell_bytes;
-    for (uint64_t c = first_cell + blockIdx.x; c <= last_cell; c += gridDim.x) {
+    for (uint64_t k = blockIdx.x; k < b.total; k += gridDim.x) {
+        const uint64_t item = (k + b.rotate) % b.total;
+        const CellTask& t = b.t[find_task(b, item)];
+        const uint64_t begin = t.remote, end = begin + t.n * sizeof(float);
+        const uint64_t c = begin / cell_bytes + (item - t.first);
         const uint64_t lo = max(begin, c * cell_bytes), hi = min(end, (c + 1) * cell_bytes);
         const uint64_t e0 = (lo - begin) / sizeof(float), m = (hi - lo) / sizeof(float);
-        float* remote = dst_sym + e0;
-        int* lock = locks + static_cast<int>((c * 0x9E3779B97F4A7C15ull >> 17) % static_cast<uint64_t>(nlocks));
+        float* remote = reinterpret_cast<float*>(lo);
+        const T* src = reinterpret_cast<const T*>(t.local) + e0;
+        unsigned* next = locks + 2 * static_cast<int>((c * 0x9E3779B97F4A7C15ull >> 17) % static_cast<uint64_t>(nlocks));
+        unsigned* serving = next + 1;
         if (threadIdx.x == 0) {
+            int stop = 0;
+            const unsigned ticket = nvshmem_uint_atomic_fetch_inc(next, t.pe);
             unsigned ns = 64;
-            while (nvshmem_int_atomic_compare_swap(lock, 0, 1, pe) != 0) {
+            while (nvshmem_uint_atomic_fetch(serving, t.pe) != ticket) {
+                if (abort_raised(abort)) {
+                    stop = 1;
+                    break;
+                }
                 __nanosleep(ns);
                 ns = min(ns * 2, 8192u);
             }
-            // Acquire side of the lock: the CAS is a relaxed atomic; this fence (with the __syncthreads below)
-            // orders the whole block's following get after it. It matters when the get is served by loads
-            // through a peer pointer (same-node owner on the locked path), where the previous holder's
-            // quiet (fence.sys) + release only pair with a fence on our side.
             __threadfence_system();
+            s_stop = stop;
         }
         __syncthreads();
-        nvshmemx_getmem_block(slot, remote, m * sizeof(float), pe);
+        if (s_stop) return;  // uniform: every thread read the same shared flag
+        nvshmemx_getmem_block(slot, remote, m * sizeof(float), t.pe);
         __syncthreads();
-        for (uint64_t i = threadIdx.x; i < m; i += blockDim.x) slot[i] += to_f32(src[e0 + i]) * scale;
+        for (uint64_t i = threadIdx.x; i < m; i += blockDim.x) slot[i] += to_f32(src[i]) * scale;
         __syncthreads();
-        nvshmemx_putmem_block(remote, slot, m * sizeof(float), pe);
-        nvshmem_quiet();
+        nvshmemx_putmem_block(remote, slot, m * sizeof(float), t.pe);
         __syncthreads();
-        if (threadIdx.x == 0) nvshmem_int_atomic_set(lock, 0, pe);
-        __syncthreads();  // the slot is reused for the next cell only after the release
+        if (threadIdx.x == 0) {
+            nvshmem_quiet();
+            nvshmem_uint_atomic_inc(serving, t.pe);
+        }
+        __syncthreads();  // the slot is reused for the next item only after the release
+    }
+}
+
+// Fetch from peers without a peer pointer (across nodes): the destination is ordinary device memory, which an IB
+// get cannot target, so every item is a blocking device get into this block's symmetric scratch slot, then a
+// copy to the destination by the same block. A block uses only its own slot, and the next item's get starts
+// after the copy (__syncthreads), so a slot is never overwritten while being read.
+__global__ void get_staged_kernel(CellBatch b, char* scratch, uint64_t cell_bytes) {
+    char* slot = scratch + blockIdx.x * cell_bytes;
+    for (uint64_t k = blockIdx.x; k < b.total; k += gridDim.x) {
+        const uint64_t item = (k + b.rotate) % b.total;
+        const CellTask& t = b.t[find_task(b, item)];
+        const uint64_t off = (item - t.first) * cell_bytes;
+        const uint64_t n = min(cell_bytes, t.n - off);
+        nvshmemx_getmem_block(slot, reinterpret_cast<const char*>(t.remote + off), n, t.pe);
+        __syncthreads();
+        char* dst = reinterpret_cast<char*>(t.local + off);
+        if ((t.local + off) % 16 == 0) {
+            const uint64_t nv = n / 16;
+            for (uint64_t i = threadIdx.x; i < nv; i += blockDim.x)
+                reinterpret_cast<int4*>(dst)[i] = reinterpret_cast<const int4*>(slot)[i];
+            for (uint64_t i = nv * 16 + threadIdx.x; i < n; i += blockDim.x) dst[i] = slot[i];
+        } else {
+            for (uint64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = slot[i];
+        }
+        __syncthreads();
     }
 }
 
@@ -238,28 +380,17 @@ __global__ void p2p_atomics_kernel(int* out) {
 #endif
 }
 
-int sm_count() {
-    if (g_sm_count == 0) {
-        int dev = 0;
-        ODC_CUDA_CHECK(cudaGetDevice(&dev));
-        ODC_CUDA_CHECK(cudaDeviceGetAttribute(&g_sm_count, cudaDevAttrMultiProcessorCount, dev));
-    }
-    return g_sm_count;
-}
-
-// Split `n` tasks into launches of at most kMaxTasks; `parts` per task so the grid is ~4 blocks per SM.
+// Split tasks into launches of at most kMaxTasks; `parts` per task so the grid is ~4 blocks per SM.
 template <typename Launch>
-void for_batches(const std::vector<uint64_t>& dst, const std::vector<uint64_t>& src,
-                 const std::vector<uint64_t>& n, uint64_t unit_per_block, Launch launch) {
-    if (dst.size() != src.size() || dst.size() != n.size()) throw Error("task lists differ in length");
-    const int target_blocks = 4 * sm_count();
-    for (size_t base = 0; base < dst.size(); base += kMaxTasks) {
+void for_batches(const std::vector<Task>& tasks, uint64_t unit_per_block, Launch launch) {
+    const int target_blocks = 4 * current_sm_count();
+    for (size_t base = 0; base < tasks.size(); base += kMaxTasks) {
         TaskBatch b{};
         uint64_t max_n = 0;
-        for (size_t i = base; i < std::min(dst.size(), base + kMaxTasks); ++i) {
-            if (n[i] == 0) continue;
-            b.t[b.ntasks++] = Task{dst[i], src[i], n[i]};
-            max_n = std::max(max_n, n[i]);
+        for (size_t i = base; i < std::min(tasks.size(), base + kMaxTasks); ++i) {
+            if (tasks[i].n == 0) continue;
+            b.t[b.ntasks++] = tasks[i];
+            max_n = std::max(max_n, tasks[i].n);
         }
         if (b.ntasks == 0) continue;
         const uint64_t want = (max_n + unit_per_block - 1) / unit_per_block;
@@ -272,7 +403,7 @@ void for_batches(const std::vector<uint64_t>& dst, const std::vector<uint64_t>& 
 }  // namespace
 
 // -------------------------------------------------------------------------------------------------------
-// Host API
+// Host API: lifecycle
 // -------------------------------------------------------------------------------------------------------
 int device_count() {
     int n = 0;
@@ -282,6 +413,17 @@ int device_count() {
         return 0;
     }
     return n;
+}
+
+int mps_enabled(int device) {
+    // cudaDevAttrMpsEnabled (133) exists from CUDA 12.x runtimes on; older ones answer cudaErrorInvalidValue.
+    int v = 0;
+    cudaError_t err = cudaDeviceGetAttribute(&v, static_cast<cudaDeviceAttr>(133), device);
+    if (err != cudaSuccess) {
+        cudaGetLastError();
+        return -1;
+    }
+    return v ? 1 : 0;
 }
 
 std::string get_unique_id() {
@@ -295,7 +437,7 @@ void init(const std::string& uid_bytes, int rank, int nranks, int device) {
     if (g_initialized) throw Error("init: NVSHMEM is already initialised in this process");
     // Validate everything we can before NVSHMEM sees it: some of its internal failures still exit().
     const int ndev = device_count();
-    if (ndev == 0) throw Error("init: no CUDA device is visible (NVSHMEM needs one GPU per process)");
+    if (ndev == 0) throw Error("init: no CUDA device is visible (NVSHMEM needs a GPU)");
     if (device < 0 || device >= ndev)
         throw Error("init: device " + std::to_string(device) + " out of range (" + std::to_string(ndev) + " visible)");
     if (nranks < 1 || rank < 0 || rank >= nranks) throw Error("init: bad rank/nranks");
@@ -322,19 +464,14 @@ void init(const std::string& uid_bytes, int rank, int nranks, int device) {
     }
 }
 
-bool initialized() { return g_initialized; }
-int my_pe() { require_init("my_pe"); return nvshmem_my_pe(); }
-int n_pes() { require_init("n_pes"); return nvshmem_n_pes(); }
-int team_shared_n_pes() { require_init("team_shared_n_pes"); return nvshmem_team_n_pes(NVSHMEM_TEAM_SHARED); }
-
 uint64_t malloc_(uint64_t bytes) {
     require_init("malloc");
     void* p = nvshmem_malloc(static_cast<size_t>(bytes));
     if (p == nullptr && bytes > 0) throw Error("nvshmem_malloc(" + std::to_string(bytes) + ") returned NULL");
+    // nvshmem_malloc ends in a barrier that may launch work with NVSHMEM's own runtime; make sure it went well.
+    ODC_CUDA_CHECK(cudaDeviceSynchronize());
     return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p));
 }
-
-void free_(uint64_t p) { require_init("free"); nvshmem_free(as_ptr<void>(p)); }
 
 uint64_t ptr(uint64_t addr, int pe) {
     require_init("ptr");
@@ -354,111 +491,173 @@ bool p2p_atomics() {
     return h != 0;
 }
 
-void barrier_all() {
-    require_init("barrier_all");
-    nvshmem_barrier_all();
-    ODC_CUDA_CHECK(cudaGetLastError());
+// -------------------------------------------------------------------------------------------------------
+// Engine
+// -------------------------------------------------------------------------------------------------------
+Engine::Engine(int rank, int npes, uint64_t epochs, uint64_t locks, int nlocks, uint64_t scratch, int slots,
+               uint64_t cell_bytes, bool vector_atomics)
+    : rank_(rank), npes_(npes), epochs_(epochs), locks_(locks), nlocks_(nlocks), scratch_(scratch), slots_(slots),
+      cell_bytes_(cell_bytes), vector_atomics_(vector_atomics) {
+    require_init("Engine");
+    if (npes < 1 || rank < 0 || rank >= npes) throw Error("Engine: bad rank/npes");
+    if (!epochs || !locks || !scratch || nlocks < 1 || slots < 1 || cell_bytes == 0 || cell_bytes % 16)
+        throw Error("Engine: bad symmetric control buffers or scratch configuration");
+    void* host = nullptr;
+    const size_t bytes = 2 * sizeof(uint32_t) + static_cast<size_t>(npes) * sizeof(uint64_t);
+    ODC_CUDA_CHECK(cudaHostAlloc(&host, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
+    std::memset(host, 0, bytes);
+    void* dev = nullptr;
+    cudaError_t err = cudaHostGetDevicePointer(&dev, host, 0);
+    if (err != cudaSuccess) {
+        cudaFreeHost(host);
+        ODC_CUDA_CHECK(err);
+    }
+    ctl_host_ = static_cast<volatile uint32_t*>(host);
+    ctl_dev_ = static_cast<uint32_t*>(dev);
+    abort_dev_ = ctl_dev_;
 }
 
-void barrier_all_on_stream(uint64_t stream) {
-    require_init("barrier_all_on_stream");
-    nvshmemx_barrier_all_on_stream(as_stream(stream));
-    check_launch("nvshmemx_barrier_all_on_stream");
+Engine::~Engine() {
+    // Never block here (a destructor may run at interpreter exit while a kernel still spins): raise the abort so
+    // that any kernel of this engine leaves, and leave the mapped page to process teardown (a kernel may still
+    // read it; the engine normally lives as long as the process).
+    if (ctl_host_ != nullptr) ctl_host_[0] = 1;
 }
 
-void quiet_on_stream(uint64_t stream) {
-    require_init("quiet_on_stream");
-    nvshmemx_quiet_on_stream(as_stream(stream));
-    check_launch("nvshmemx_quiet_on_stream");
+void Engine::barrier(uint64_t epoch, uint64_t stream) {
+    const int threads = std::min(npes_, 1024);
+    barrier_kernel<<<1, std::max(32, threads), 0, as_stream(stream)>>>(as_ptr<uint64_t>(epochs_), epoch, rank_, npes_,
+                                                                       abort_dev_, ctl_dev_);
+    check_launch("barrier_kernel");
 }
 
-void buffer_register(uint64_t addr, uint64_t bytes) {
-    require_init("buffer_register");
-    ODC_NVSHMEM_CHECK(nvshmemx_buffer_register(as_ptr<void>(addr), static_cast<size_t>(bytes)));
+void Engine::quiet(uint64_t stream) {
+    quiet_kernel<<<1, 1, 0, as_stream(stream)>>>();
+    check_launch("quiet_kernel");
 }
 
-void buffer_unregister(uint64_t addr) {
-    require_init("buffer_unregister");
-    ODC_NVSHMEM_CHECK(nvshmemx_buffer_unregister(as_ptr<void>(addr)));
+void Engine::set_abort() {
+    ctl_host_[0] = 1;
+    std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 
-void finalize() {
-    if (!g_initialized) return;
-    g_initialized = false;
-    nvshmem_finalize();
+bool Engine::aborted() const { return ctl_host_[0] != 0; }
+bool Engine::barrier_gave_up() const { return ctl_host_[1] != 0; }
+
+std::vector<uint64_t> Engine::heard() const {
+    const volatile uint64_t* h = reinterpret_cast<const volatile uint64_t*>(ctl_host_ + 2);
+    std::vector<uint64_t> out(npes_);
+    for (int i = 0; i < npes_; ++i) out[i] = h[i];
+    return out;
 }
 
-void fetch_p2p(const std::vector<uint64_t>& dst, const std::vector<uint64_t>& src,
-               const std::vector<uint64_t>& nbytes, uint64_t stream) {
-    require_init("fetch_p2p");
-    for_batches(dst, src, nbytes, 64 * 1024, [&](const TaskBatch& b, int blocks) {
-        fetch_p2p_kernel<<<blocks, kThreads, 0, as_stream(stream)>>>(b);
-        check_launch("fetch_p2p_kernel");
-    });
-}
-
-// Inter-node fetch, staged: the destination is ordinary device memory (not symmetric, not registered), which
-// IB RMA cannot target; so get into the symmetric scratch, then copy on the same stream.
-// Ordering: nvshmemx_getmem_on_stream is a blocking get in stream order (data is in `scratch` before the
-// next operation on the stream starts), and the copy that follows reads it; the next chunk's get is issued
-// after that copy in the same stream, so the scratch is never overwritten while being read. The caller
-// serialises every user of the scratch on one stream.
-void get_staged(uint64_t dst, uint64_t src_sym, uint64_t nbytes, int pe, uint64_t scratch,
-                uint64_t scratch_bytes, uint64_t stream) {
-    require_init("get_staged");
-    if (scratch_bytes == 0) throw Error("get_staged: empty scratch buffer");
-    for (uint64_t off = 0; off < nbytes; off += scratch_bytes) {
-        const uint64_t n = std::min(scratch_bytes, nbytes - off);
-        nvshmemx_getmem_on_stream(as_ptr<void>(scratch), as_ptr<void>(src_sym + off), n, pe, as_stream(stream));
-        check_launch("nvshmemx_getmem_on_stream");
-        ODC_CUDA_CHECK(cudaMemcpyAsync(as_ptr<void>(dst + off), as_ptr<void>(scratch), n,
-                                       cudaMemcpyDeviceToDevice, as_stream(stream)));
+// -------------------------------------------------------------------------------------------------------
+// Plan
+// -------------------------------------------------------------------------------------------------------
+Plan::Plan(std::shared_ptr<Engine> engine, int kind, std::vector<uint64_t> addr, std::vector<uint64_t> rel,
+           std::vector<uint64_t> numel, std::vector<int> pe)
+    : engine_(std::move(engine)), kind_(kind), addr_(std::move(addr)), rel_(std::move(rel)),
+      numel_(std::move(numel)), pe_(std::move(pe)) {
+    if (!engine_) throw Error("Plan: no engine");
+    const size_t n = addr_.size();
+    if (rel_.size() != n || numel_.size() != n || pe_.size() != n) throw Error("Plan: task lists differ in length");
+    if (kind_ < kFetchCopy || kind_ > kPushLocked) throw Error("Plan: unknown kind " + std::to_string(kind_));
+    for (size_t i = 0; i < n; ++i) {
+        if (pe_[i] < 0 || pe_[i] >= engine_->npes()) throw Error("Plan: peer out of range");
+        if (addr_[i] == 0 && numel_[i] != 0) throw Error("Plan: null address");
+        if ((kind_ == kPushLocked || kind_ == kPushAtomic) && addr_[i] % sizeof(float) != 0)
+            throw Error("Plan: accumulator address not 4-byte aligned");
     }
 }
 
-void accumulate_p2p(const std::vector<uint64_t>& dst, const std::vector<uint64_t>& src,
-                    const std::vector<uint64_t>& numel, int src_dtype, float scale, bool vector_atomics,
-                    uint64_t stream) {
-    require_init("accumulate_p2p");
-    for_batches(dst, src, numel, 16 * 1024, [&](const TaskBatch& b, int blocks) {
-        cudaStream_t s = as_stream(stream);
-        switch (src_dtype) {
-            case kFloat32: accumulate_p2p_kernel<float><<<blocks, kThreads, 0, s>>>(b, scale, vector_atomics); break;
-            case kBFloat16: accumulate_p2p_kernel<__nv_bfloat16><<<blocks, kThreads, 0, s>>>(b, scale, vector_atomics); break;
-            case kFloat16: accumulate_p2p_kernel<__half><<<blocks, kThreads, 0, s>>>(b, scale, vector_atomics); break;
-            default: throw Error("accumulate_p2p: unknown dtype code " + std::to_string(src_dtype));
-        }
-        check_launch("accumulate_p2p_kernel");
-    });
-}
-
-void accumulate_locked(uint64_t dst_sym, uint64_t src, uint64_t numel, int src_dtype, float scale, int pe,
-                       uint64_t scratch, uint64_t scratch_bytes, uint64_t cell_bytes, uint64_t locks,
-                       int nlocks, uint64_t stream) {
-    require_init("accumulate_locked");
-    if (numel == 0) return;
-    if (cell_bytes == 0 || cell_bytes % 16 != 0 || scratch_bytes < cell_bytes || nlocks <= 0)
-        throw Error("accumulate_locked: bad scratch/cell/lock configuration");
-    if (dst_sym % sizeof(float) != 0) throw Error("accumulate_locked: destination not 4-byte aligned");
-    const uint64_t cells = (dst_sym + numel * 4 - 1) / cell_bytes - dst_sym / cell_bytes + 1;
-    const int blocks = static_cast<int>(std::min<uint64_t>(cells, scratch_bytes / cell_bytes));
-    cudaStream_t s = as_stream(stream);
-    float* d = as_ptr<float>(dst_sym);
-    float* sc = as_ptr<float>(scratch);
-    int* lk = as_ptr<int>(locks);
-    switch (src_dtype) {
-        case kFloat32:
-            accumulate_locked_kernel<float><<<blocks, kThreads, 0, s>>>(d, as_ptr<const float>(src), numel, scale, pe, sc, cell_bytes, lk, nlocks);
-            break;
+namespace {
+uint64_t dtype_size(int dtype) {
+    switch (dtype) {
+        case kFloat32: return 4;
         case kBFloat16:
-            accumulate_locked_kernel<__nv_bfloat16><<<blocks, kThreads, 0, s>>>(d, as_ptr<const __nv_bfloat16>(src), numel, scale, pe, sc, cell_bytes, lk, nlocks);
-            break;
-        case kFloat16:
-            accumulate_locked_kernel<__half><<<blocks, kThreads, 0, s>>>(d, as_ptr<const __half>(src), numel, scale, pe, sc, cell_bytes, lk, nlocks);
-            break;
-        default: throw Error("accumulate_locked: unknown dtype code " + std::to_string(src_dtype));
+        case kFloat16: return 2;
+        default: throw Error("unknown dtype code " + std::to_string(dtype));
     }
-    check_launch("accumulate_locked_kernel");
+}
+}  // namespace
+
+void Plan::run(uint64_t base, int dtype, float scale, uint64_t stream) const {
+    require_init("Plan.run");
+    if (engine_->aborted()) throw Error("the transport was aborted after a timeout; restart the job");
+    const uint64_t es = dtype_size(dtype);
+    cudaStream_t s = as_stream(stream);
+    const size_t n = addr_.size();
+    switch (kind_) {
+        case kFetchCopy:
+            for (size_t i = 0; i < n; ++i) {
+                if (numel_[i] == 0) continue;
+                ODC_CUDA_CHECK(cudaMemcpyAsync(as_ptr<void>(base + rel_[i] * es), as_ptr<const void>(addr_[i]),
+                                               numel_[i] * es, cudaMemcpyDeviceToDevice, s));
+            }
+            return;
+        case kFetchKernel: {
+            std::vector<Task> tasks(n);
+            for (size_t i = 0; i < n; ++i) tasks[i] = Task{base + rel_[i] * es, addr_[i], numel_[i] * es};
+            for_batches(tasks, 64 * 1024, [&](const TaskBatch& b, int blocks) {
+                fetch_p2p_kernel<<<blocks, kThreads, 0, s>>>(b);
+                check_launch("fetch_p2p_kernel");
+            });
+            return;
+        }
+        case kPushAtomic: {
+            std::vector<Task> tasks(n);
+            for (size_t i = 0; i < n; ++i) tasks[i] = Task{addr_[i], base + rel_[i] * es, numel_[i]};
+            const bool vec = engine_->vector_atomics();
+            for_batches(tasks, 16 * 1024, [&](const TaskBatch& b, int blocks) {
+                switch (dtype) {
+                    case kFloat32: accumulate_p2p_kernel<float><<<blocks, kThreads, 0, s>>>(b, scale, vec); break;
+                    case kBFloat16: accumulate_p2p_kernel<__nv_bfloat16><<<blocks, kThreads, 0, s>>>(b, scale, vec); break;
+                    default: accumulate_p2p_kernel<__half><<<blocks, kThreads, 0, s>>>(b, scale, vec); break;
+                }
+                check_launch("accumulate_p2p_kernel");
+            });
+            return;
+        }
+        case kPushLocked:
+        case kFetchStaged: {
+            // One launch for all owners (up to kMaxTasks per launch); block 0 of rank r starts at item
+            // r * total / npes, so concurrent pushers start on different cells and locks.
+            const uint64_t cell = engine_->cell_bytes();
+            for (size_t first = 0; first < n; first += kMaxTasks) {
+                CellBatch b{};
+                for (size_t i = first; i < std::min(n, first + kMaxTasks); ++i) {
+                    if (numel_[i] == 0) continue;
+                    const bool push = kind_ == kPushLocked;
+                    const uint64_t size = push ? numel_[i] : numel_[i] * es;  // push: fp32 elements; get: bytes
+                    const uint64_t items = push ? (addr_[i] + size * 4 - 1) / cell - addr_[i] / cell + 1
+                                                : (size + cell - 1) / cell;
+                    b.t[b.ntasks++] = CellTask{addr_[i], base + rel_[i] * es, size, b.total, pe_[i]};
+                    b.total += items;
+                }
+                if (b.ntasks == 0) continue;
+                b.rotate = b.total * static_cast<uint64_t>(engine_->rank()) / engine_->npes();
+                const int blocks = static_cast<int>(std::min<uint64_t>(b.total, engine_->slots()));
+                if (kind_ == kFetchStaged) {
+                    get_staged_kernel<<<blocks, kThreads, 0, s>>>(b, as_ptr<char>(engine_->scratch()), cell);
+                    check_launch("get_staged_kernel");
+                    continue;
+                }
+                float* sc = as_ptr<float>(engine_->scratch());
+                unsigned* lk = as_ptr<unsigned>(engine_->locks());
+                const int nl = engine_->nlocks();
+                const volatile uint32_t* ab = engine_->abort_dev();
+                switch (dtype) {
+                    case kFloat32: accumulate_locked_kernel<float><<<blocks, kThreads, 0, s>>>(b, scale, sc, cell, lk, nl, ab); break;
+                    case kBFloat16: accumulate_locked_kernel<__nv_bfloat16><<<blocks, kThreads, 0, s>>>(b, scale, sc, cell, lk, nl, ab); break;
+                    default: accumulate_locked_kernel<__half><<<blocks, kThreads, 0, s>>>(b, scale, sc, cell, lk, nl, ab); break;
+                }
+                check_launch("accumulate_locked_kernel");
+            }
+            return;
+        }
+        default:
+            throw Error("Plan.run: unknown kind");
+    }
 }
 
 }  // namespace odc

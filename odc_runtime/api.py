@@ -19,7 +19,6 @@ import math
 import numbers
 import os
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,9 +32,9 @@ from odc_runtime.errors import (
     OdcUsageError,
 )
 from odc_runtime.transport.base import (
-    AccumulateRequest,
-    GetRequest,
+    Piece,
     SymmetricBuffer,
+    TransferPlan,
     Transport,
     Work,
 )
@@ -46,6 +45,7 @@ PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ACCUM_DTYPES = (torch.float32,)
 _FP32_MAX = torch.finfo(torch.float32).max
 _FP32 = struct.Struct("f")
+_FP32_TINY = 2.0**-149  # the smallest fp32 subnormal: any |scale| at least this is non-zero in fp32
 
 
 @dataclass
@@ -423,22 +423,90 @@ def _check_tensor(what: str, t: object, st: ShardedTensor, device: torch.device,
     return t
 
 
-def _issue(runtime: _Runtime, issue: Callable[[], None], async_op: bool, result: torch.Tensor | None):
+# -- per-call fast path ----------------------------------------------------------------------------------
+# The first fetch/push of a ShardedTensor with a given (tensor type, shape, dtype, device, layout, contiguity,
+# requires_grad, transport stream key) runs every check and builds a TransferPlan (which peer gets which slice,
+# plus whatever the transport precomputes: peer pointers, kernel arguments). Later calls with the same key skip
+# straight to plan.run(). A key that was rejected is never cached, so every rejected call takes the slow path
+# and raises there. A plan is used only while its runtime generation is current and its buffer is not freed.
+_PLAN_CACHE_SIZE = 8  # plans per ShardedTensor (keys differ only by dtype and stream in normal use)
+
+
+def _plan_pieces(st: ShardedTensor) -> list[Piece]:
+    """One piece per owner with data, starting after this rank (ranks issuing at once hit different owners)."""
+    pieces = []
+    for k in range(1, st.world_size + 1):
+        owner = (st.rank + k) % st.world_size
+        start, stop = st.owner_range(owner)
+        if stop > start:
+            pieces.append(Piece(owner, start, stop - start))
+    return pieces
+
+
+def _tensor_key(op: str, t: torch.Tensor, stream_key: object) -> tuple:
+    return (op, type(t), t.shape, t.dtype, t.device, t.layout, t.is_contiguous(), t.requires_grad, stream_key)
+
+
+def _cached_plan(st: ShardedTensor, key: tuple) -> TransferPlan | None:
+    """The plan cached for ``key`` if the runtime is alive, ``st`` belongs to it and the buffer is not freed."""
+    runtime = _runtime
+    plans = st.__dict__.get("_plans")
+    if plans is None or runtime is None or st._generation != runtime.generation:
+        return None
+    plan = plans.get(key)
+    if plan is None or plan.buf.freed:
+        return None
+    return plan
+
+
+def _store_plan(st: ShardedTensor, key: tuple, plan: TransferPlan) -> None:
+    plans = st.__dict__.setdefault("_plans", {})
+    while len(plans) >= _PLAN_CACHE_SIZE:
+        del plans[next(iter(plans))]  # oldest first
+    plans[key] = plan
+
+
+def _scale_value(scale: object) -> float:
+    """``_check_scale`` with a shortcut for the common case (a float that fp32 represents as non-zero)."""
+    if type(scale) is float and _FP32_TINY <= abs(scale) <= _FP32_MAX:
+        return scale
+    return _check_scale("push", scale)
+
+
+def _issue(
+    plan: TransferPlan, tensor: torch.Tensor, scale: float, async_op: bool, result: torch.Tensor | None
+) -> torch.Tensor | Handle | None:
+    work = plan.run(tensor, scale, async_op=async_op)
     if async_op:
-        return Handle(runtime.transport.submit(issue), result)
-    issue()
+        assert work is not None
+        return Handle(work, result)
     return result
 
 
-def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool = False):
+def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool = False) -> torch.Tensor | Handle:
     """Gather the full tensor (original shape) by reading every owner's shard; the owners do nothing.
 
     ``out`` (optional) must have ``st``'s shape and dtype, live on the transport's device and be contiguous.
     Returns the tensor, or a :class:`Handle` whose ``wait()`` returns it when ``async_op=True``.
     """
+    runtime = _runtime
+    # Fast path: a plan validated by an earlier call with the same key (a fork takes the checked path and fails).
+    if runtime is not None and type(st) is ShardedTensor and not _in_forked_child:
+        transport = runtime.transport
+        if out is None:
+            plan = _cached_plan(st, ("fetch", None, transport.stream_key()))
+            if plan is not None:
+                out = torch.empty(st.shape, dtype=st.dtype, device=transport.device)
+                return _issue(plan, out, 1.0, async_op, out)  # type: ignore[return-value]
+        elif isinstance(out, torch.Tensor):
+            plan = _cached_plan(st, _tensor_key("fetch", out, transport.stream_key()))
+            if plan is not None:  # the key says out is contiguous (only such keys are cached)
+                return _issue(plan, out, 1.0, async_op, out)  # type: ignore[return-value]
     runtime = _check_st(st, "fetch")
-    device = runtime.transport.device
+    transport = runtime.transport
+    device = transport.device
     if out is None:
+        key: tuple = ("fetch", None, transport.stream_key())
         out = torch.empty(st.shape, dtype=st.dtype, device=device)
     else:
         _check_tensor("fetch(out=...)", out, st, device, (st.dtype,))
@@ -446,34 +514,50 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
             raise OdcUsageError("odc_runtime.fetch(out=...): out must be contiguous")
         if out.requires_grad:
             raise OdcUsageError("odc_runtime.fetch(out=...): out must not require grad (pass a detached tensor)")
-    requests = [GetRequest(owner, piece) for owner, piece in st._pieces(out.view(-1))]
-    return _issue(runtime, lambda: runtime.transport.get(st._param, requests), async_op, out)
+        key = _tensor_key("fetch", out, transport.stream_key())
+    plan = transport.plan(st._param, "get", _plan_pieces(st))
+    _store_plan(st, key, plan)
+    return _issue(plan, out, 1.0, async_op, out)  # type: ignore[return-value]
 
 
-def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op: bool = False):
+def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op: bool = False) -> Handle | None:
     """Add ``grad.flatten()[range_r] * scale`` into every owner r's accumulator; the owners do nothing.
 
     ``grad`` has ``st``'s full shape, a float dtype (fp32/bf16/fp16) and lives on the transport's device. The sum
     is visible in the owners' ``st.grad`` after the next :func:`sync`. With ``async_op=True`` do not modify
     ``grad`` until the returned handle's ``wait()`` returned.
     """
+    runtime = _runtime
+    fast = runtime is not None and type(st) is ShardedTensor and not _in_forked_child
+    if fast and isinstance(grad, torch.Tensor):  # fast path, see fetch
+        key = _tensor_key("push", grad, runtime.transport.stream_key())
+        plan = _cached_plan(st, key)
+        if plan is not None:  # plans take contiguous tensors of any shape; key[6] is grad.is_contiguous()
+            src = grad if key[6] else grad.detach().reshape(-1)
+            return _issue(plan, src, _scale_value(scale), async_op, None)  # type: ignore[return-value]
     runtime = _check_st(st, "push")
     if st._grad is None:
         raise OdcUsageError(
             f"odc_runtime.push: {st.name!r} was sharded with requires_grad=False and has no gradient accumulator"
         )
-    _check_tensor("push(grad)", grad, st, runtime.transport.device, PARAM_DTYPES)
-    scale = _check_scale("push", scale)
-    flat = grad.detach().reshape(-1)
-    requests = [AccumulateRequest(owner, piece) for owner, piece in st._pieces(flat)]
-    return _issue(runtime, lambda: runtime.transport.accumulate(st._grad, requests, float(scale)), async_op, None)
+    transport = runtime.transport
+    _check_tensor("push(grad)", grad, st, transport.device, PARAM_DTYPES)
+    value = _scale_value(scale)
+    key = _tensor_key("push", grad, transport.stream_key())
+    plan = transport.plan(st._grad, "accumulate", _plan_pieces(st))
+    _store_plan(st, key, plan)
+    src = grad if grad.is_contiguous() else grad.detach().reshape(-1)
+    return _issue(plan, src, value, async_op, None)  # type: ignore[return-value]
 
 
 def sync() -> None:
     """Collective fence, once per minibatch.
 
     After it returns on any rank, every push issued by any rank before its ``sync()`` is in the owners'
-    ``st.grad``, and every write to ``st.local`` made before it is what any later ``fetch`` returns. Raises
-    OdcTimeoutError naming the missing ranks if a peer does not arrive within ``ODC_TIMEOUT`` seconds.
+    ``st.grad``, and every write to ``st.local`` made before it is what any later ``fetch`` returns. On GPU this
+    holds in stream order (work queued after ``sync()`` on the current stream sees it) and the host does not wait
+    for the barrier itself, only for the previous one. Raises OdcTimeoutError naming the missing ranks if a peer
+    does not arrive within ``ODC_TIMEOUT`` seconds (on GPU: at the next ``sync()``, ``finalize()`` or any later
+    call, at most ``ODC_TIMEOUT`` after the barrier that missed it).
     """
     _require_runtime("sync").transport.barrier("sync")

@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from odc_runtime.errors import OdcUsageError
 
@@ -174,6 +175,72 @@ def require_extension() -> bool:
     return env_flag("ODC_REQUIRE_EXTENSION", False)
 
 
-# -- nvshmem transport settings (ODC_NVSHMEM_*) ----------------------------------------------------------------
-# (block kept for the nvshmem transport; its parsers live here so that every ODC_* variable is validated in one
-# place)
+# -- nvshmem transport settings (owned by the GPU transport; agreed across ranks at init) ---------------------
+DEFAULT_NVSHMEM_CELL_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class NvshmemSettings:
+    """Protocol settings of the nvshmem transport. Every field must be the same on every rank (checked at init:
+    mixing push protocols loses updates, and the scratch is a symmetric allocation).
+
+    Attributes:
+        push: ``"auto"`` (atomics through peer pointers when every PE reaches every PE with load/store atomics,
+            else the locked protocol) or ``"locked"`` (force lock + get + add + put). ``ODC_NVSHMEM_PUSH``.
+        fetch: ``"copy"`` (copy engines: ``cudaMemcpyAsync`` on peer pointers) or ``"kernel"`` (an SM copy
+            kernel). ``ODC_NVSHMEM_FETCH``.
+        cell_bytes: locked protocol's lock granule and scratch slot size. ``ODC_NVSHMEM_CELL_BYTES``.
+        scratch_slots: locked protocol's scratch slots (one block each); ``None`` = one per SM (the largest SM
+            count of any rank). ``ODC_NVSHMEM_SCRATCH_SLOTS``.
+        vector_atomics: 4-wide fp32 atomics on sm_90+. ``ODC_NVSHMEM_VECTOR_ATOMICS``.
+    """
+
+    push: str = "auto"
+    fetch: str = "copy"
+    cell_bytes: int = DEFAULT_NVSHMEM_CELL_BYTES
+    scratch_slots: int | None = None
+    vector_atomics: bool = True
+
+
+def nvshmem_settings(env: Mapping[str, str] | None = None) -> NvshmemSettings:
+    """Parse the ``ODC_NVSHMEM_*`` variables (from ``env``, default ``os.environ``); raise OdcUsageError on bad
+    values, naming the variable and what it accepts."""
+    env = os.environ if env is None else env
+
+    def choice(name: str, allowed: tuple[str, ...], default: str) -> str:
+        value = env.get(name, "").strip().lower() or default
+        if value not in allowed:
+            raise OdcUsageError(f"{name} must be one of {', '.join(allowed)}; got {env.get(name)!r}")
+        return value
+
+    def flag(name: str, default: bool) -> bool:
+        raw = env.get(name, "").strip().lower()
+        if not raw:
+            return default
+        if raw in ("1", "true", "yes", "on"):
+            return True
+        if raw in ("0", "false", "no", "off"):
+            return False
+        raise OdcUsageError(f"{name} must be 0/1 (or true/false); got {env.get(name)!r}")
+
+    cell = DEFAULT_NVSHMEM_CELL_BYTES
+    if env.get("ODC_NVSHMEM_CELL_BYTES", "").strip():
+        cell = parse_size(env["ODC_NVSHMEM_CELL_BYTES"], what="ODC_NVSHMEM_CELL_BYTES")
+        if cell % 16 or cell > 1 << 30:
+            raise OdcUsageError(f"ODC_NVSHMEM_CELL_BYTES must be a multiple of 16 up to 1G; got {cell}")
+    slots: int | None = None
+    raw_slots = env.get("ODC_NVSHMEM_SCRATCH_SLOTS", "").strip()
+    if raw_slots:
+        try:
+            slots = int(raw_slots)
+        except ValueError:
+            slots = 0
+        if not 1 <= slots <= 65536:
+            raise OdcUsageError(f"ODC_NVSHMEM_SCRATCH_SLOTS must be an integer in [1, 65536]; got {raw_slots!r}")
+    return NvshmemSettings(
+        push=choice("ODC_NVSHMEM_PUSH", ("auto", "locked"), "auto"),
+        fetch=choice("ODC_NVSHMEM_FETCH", ("copy", "kernel"), "copy"),
+        cell_bytes=cell,
+        scratch_slots=slots,
+        vector_atomics=flag("ODC_NVSHMEM_VECTOR_ATOMICS", True),
+    )

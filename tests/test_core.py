@@ -392,10 +392,10 @@ def _rank_async_failure(rank: int, world: int) -> None:
         odc.push(st, torch.ones(4))
 
     if rank == 0:
-        failed = transport.submit(fail)
+        failed = transport._run_async(fail, "test")
         while not failed.is_completed():
             time.sleep(0.01)
-    transport.submit(slow_push)  # a later async operation must neither hide the failure nor be forgotten
+    transport._run_async(slow_push, "test")  # a later async operation must neither hide the failure nor be forgotten
     if rank == 0:
         with pytest.raises(odc.OdcBackendError, match="push failed on the worker"):
             odc.sync()

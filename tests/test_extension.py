@@ -61,10 +61,13 @@ def test_extension_imports_without_gpu(extension):
         """
         from odc_runtime.transport.nvshmem import load_extension
         C = load_extension()
-        for name in ("init", "get_unique_id", "malloc", "free", "ptr", "barrier_all_on_stream",
-                     "quiet_on_stream", "finalize", "buffer_register", "fetch_p2p", "get_staged",
-                     "accumulate_p2p", "accumulate_locked", "nvshmem_version_compiled", "nvshmem_version_runtime"):
+        for name in ("init", "get_unique_id", "malloc", "ptr", "p2p_atomics", "mps_enabled", "Engine", "Plan",
+                     "DTYPE_FLOAT32", "DTYPE_BFLOAT16", "DTYPE_FLOAT16", "PLAN_FETCH_COPY", "PLAN_FETCH_KERNEL",
+                     "PLAN_FETCH_STAGED", "PLAN_PUSH_ATOMIC", "PLAN_PUSH_LOCKED",
+                     "nvshmem_version_compiled", "nvshmem_version_runtime"):
             assert hasattr(C, name), name
+        for gone in ("barrier_all_on_stream", "quiet_on_stream", "free", "finalize", "buffer_register"):
+            assert not hasattr(C, gone), f"{gone}: no NVSHMEM host call after init"
         assert issubclass(C.NvshmemError, RuntimeError)
         print("devices", C.device_count())
         # The loaded libnvshmem_host.so.3 answers without init or GPU; it must be the release _C was built for.
@@ -85,15 +88,16 @@ def test_init_without_gpu_raises_instead_of_exiting(extension):
         from odc_runtime.transport.nvshmem import load_extension
         C = load_extension()
         assert C.device_count() == 0
+        assert C.mps_enabled(0) in (-1, 0)
         for call in (lambda: C.init(b"\\0" * 128, 0, 1, 0), C.get_unique_id, lambda: C.malloc(16),
-                     lambda: C.quiet_on_stream(0)):
+                     lambda: C.ptr(4096, 0), C.p2p_atomics,
+                     lambda: C.Engine(0, 1, 4096, 8192, 1024, 16384, 1, 65536, True)):
             try:
                 call()
             except C.NvshmemError as e:
                 print("raised:", e)
             else:
                 raise SystemExit("no exception")
-        C.finalize()  # not initialised: a no-op
         print("OK")
         """
     )

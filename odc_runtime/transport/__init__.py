@@ -17,7 +17,9 @@ from odc_runtime.errors import OdcUsageError
 from odc_runtime.transport.base import (
     AccumulateRequest,
     GetRequest,
+    Piece,
     SymmetricBuffer,
+    TransferPlan,
     Transport,
     Work,
 )
@@ -25,7 +27,9 @@ from odc_runtime.transport.base import (
 __all__ = [
     "AccumulateRequest",
     "GetRequest",
+    "Piece",
     "SymmetricBuffer",
+    "TransferPlan",
     "Transport",
     "TransportSpec",
     "Work",

@@ -7,29 +7,36 @@ Semantics every transport provides:
 
 * ``alloc`` is collective: every rank calls it in the same order with the same arguments and gets a
   :class:`SymmetricBuffer` whose ``local`` tensor is this rank's region. Peers address the same buffer by
-  ``(buffer, peer)``.
-* ``get`` copies a range of a peer's region into a local tensor; ``accumulate`` adds ``src * scale`` (converted
-  to the buffer's dtype) into a range of a peer's region. Concurrent accumulates from any number of ranks into the
-  same region are exact (no lost updates). Both may complete asynchronously with respect to the host (on GPU
-  they are ordered on the current CUDA stream); ``quiet`` completes every operation this rank issued.
-* ``barrier`` is collective and implies ``quiet`` on every rank: after it returns, every accumulate issued by
-  any rank before its barrier call is visible in the owner's region, and every write a rank made to its own
-  regions before the barrier is what any later ``get`` returns.
-* Blocking waits give up after ``timeout`` seconds with :class:`~odc_runtime.errors.OdcTimeoutError` naming the
-  operation and the ranks that did not answer.
+  ``(buffer, peer)``. ``free`` is collective too and never lets a later allocation alias a region that a live
+  tensor still views (the transport refuses, defers the reuse, or keeps the memory alive).
+* ``get`` copies a peer's region into a local tensor; ``accumulate`` adds ``src * scale`` (converted to the
+  buffer's dtype) into a peer's region. Concurrent accumulates from any number of ranks into the same region are
+  exact (no lost updates). With ``async_op=False`` they are issued in the caller's order (on GPU: ordered on the
+  current CUDA stream, so the host does not wait for them); with ``async_op=True`` they run concurrently with
+  the caller and return a :class:`Work` whose ``wait()`` orders the caller after them. ``quiet`` completes every
+  operation this rank issued, asynchronous ones included.
+* ``barrier`` is collective and implies ``quiet`` on every rank: after it (on GPU: after it in stream order),
+  every accumulate issued by any rank before its barrier call is visible in the owner's region, and every write
+  a rank made to its own regions before the barrier is what any later ``get`` returns.
+* Every wait that a dead or stuck peer can block gives up after ``timeout`` seconds with
+  :class:`~odc_runtime.errors.OdcTimeoutError` naming the operation and the ranks that did not answer (on GPU
+  the error may surface at the next call into the transport, because waits are stream-ordered).
+* :meth:`Transport.plan` returns a :class:`TransferPlan`: the validated, reusable form of one get or accumulate
+  pattern (which peer receives which slice of a flat tensor), so that the core API's steady-state calls skip
+  validation and request building. Transports may subclass it to precompute their own state (peer pointers).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 
 class Work(abc.ABC):
-    """Completion handle of an asynchronous operation (returned by ``async_op=True``)."""
+    """Completion handle of an asynchronous operation (returned with ``async_op=True``)."""
 
     @abc.abstractmethod
     def wait(self, timeout: float | None = None) -> None:
@@ -41,16 +48,6 @@ class Work(abc.ABC):
     @abc.abstractmethod
     def is_completed(self) -> bool:
         """Whether the operation already completed (non-blocking)."""
-
-
-class CompletedWork(Work):
-    """A handle for work that finished synchronously."""
-
-    def wait(self, timeout: float | None = None) -> None:
-        return None
-
-    def is_completed(self) -> bool:
-        return True
 
 
 @dataclass(eq=False)
@@ -74,20 +71,60 @@ class SymmetricBuffer:
 
 @dataclass(frozen=True)
 class GetRequest:
-    """Copy ``dst.numel()`` elements of ``peer``'s region of ``buf`` starting at ``offset`` into ``dst``."""
+    """Copy ``dst.numel()`` elements from the start of ``peer``'s region of the buffer into ``dst``."""
 
     peer: int
     dst: torch.Tensor
-    offset: int = 0
 
 
 @dataclass(frozen=True)
 class AccumulateRequest:
-    """Add ``src * scale`` into ``peer``'s region of ``buf`` at ``[offset, offset + src.numel())``."""
+    """Add ``src * scale`` into ``peer``'s region of the buffer at ``[0, src.numel())``."""
 
     peer: int
     src: torch.Tensor
-    offset: int = 0
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One peer's part of a planned transfer: elements ``[start, start + numel)`` of the flat local tensor
+    go to (accumulate) or come from (get) the first ``numel`` elements of ``peer``'s region."""
+
+    peer: int
+    start: int
+    numel: int
+
+
+class TransferPlan:
+    """A validated get or accumulate pattern over a flat local tensor, reusable across calls.
+
+    The generic plan slices the tensor and calls :meth:`Transport.get` / :meth:`Transport.accumulate`;
+    transports override :meth:`Transport.plan` to return a subclass with precomputed state. A plan is only valid
+    while its buffer is allocated and for the stream key it was made for (the caller checks both).
+    """
+
+    __slots__ = ("buf", "kind", "pieces", "stream_key", "transport")
+
+    def __init__(
+        self, transport: Transport, buf: SymmetricBuffer, kind: str, pieces: Sequence[Piece], stream_key: object
+    ) -> None:
+        if kind not in ("get", "accumulate"):
+            raise ValueError(f"unknown plan kind {kind!r}")
+        self.transport = transport
+        self.buf = buf
+        self.kind = kind
+        self.pieces = tuple(pieces)
+        self.stream_key = stream_key
+
+    def run(self, tensor: torch.Tensor, scale: float = 1.0, *, async_op: bool = False) -> Work | None:
+        """Issue the planned operation on ``tensor``: the caller's validated, contiguous tensor of any shape whose
+        flattened elements the pieces index (no view is made on the fast path; this generic plan flattens it)."""
+        flat = tensor.detach().reshape(-1)
+        if self.kind == "get":
+            gets = [GetRequest(p.peer, flat[p.start : p.start + p.numel]) for p in self.pieces]
+            return self.transport.get(self.buf, gets, async_op=async_op)
+        adds = [AccumulateRequest(p.peer, flat[p.start : p.start + p.numel]) for p in self.pieces]
+        return self.transport.accumulate(self.buf, adds, scale, async_op=async_op)
 
 
 class Transport(abc.ABC):
@@ -124,23 +161,36 @@ class Transport(abc.ABC):
 
     # -- one-sided operations -------------------------------------------------------------------------
     @abc.abstractmethod
-    def get(self, buf: SymmetricBuffer, requests: Sequence[GetRequest]) -> None:
+    def get(self, buf: SymmetricBuffer, requests: Sequence[GetRequest], *, async_op: bool = False) -> Work | None:
         """Issue the copies in ``requests`` (from peers' regions of ``buf`` into local tensors).
 
         Requests are issued in the given order; the caller rotates peers so owners are not all hit at once.
+        Returns a :class:`Work` with ``async_op=True``, else ``None``.
         """
 
     @abc.abstractmethod
-    def accumulate(self, buf: SymmetricBuffer, requests: Sequence[AccumulateRequest], scale: float) -> None:
-        """Issue ``peer_region[offset:offset+n] += src.to(buf.dtype) * scale`` for every request."""
+    def accumulate(
+        self, buf: SymmetricBuffer, requests: Sequence[AccumulateRequest], scale: float, *, async_op: bool = False
+    ) -> Work | None:
+        """Issue ``peer_region[:n] += src.to(buf.dtype) * scale`` for every request.
 
-    @abc.abstractmethod
-    def submit(self, fn: Callable[[], None]) -> Work:
-        """Run ``fn`` (which issues gets/accumulates) asynchronously, in submission order; return its handle."""
+        Returns a :class:`Work` with ``async_op=True``, else ``None``.
+        """
+
+    def plan(self, buf: SymmetricBuffer, kind: str, pieces: Sequence[Piece]) -> TransferPlan:
+        """A reusable plan of ``kind`` (``"get"`` or ``"accumulate"``) for ``pieces`` of ``buf``.
+
+        The caller has validated everything; the plan is valid for :meth:`stream_key` at this moment.
+        """
+        return TransferPlan(self, buf, kind, pieces, self.stream_key())
+
+    def stream_key(self) -> object:
+        """Identity of the execution context that plans depend on (GPU: the current CUDA stream)."""
+        return None
 
     @abc.abstractmethod
     def quiet(self) -> None:
-        """Complete every operation this rank issued (including submitted ones)."""
+        """Complete every operation this rank issued (including asynchronous ones)."""
 
     @abc.abstractmethod
     def barrier(self, op: str = "barrier") -> None:

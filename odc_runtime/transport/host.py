@@ -385,17 +385,31 @@ class HostTransport(Transport):
         buf.freed = True
 
     # -- one-sided operations -------------------------------------------------------------------------
-    def get(self, buf: SymmetricBuffer, requests: Sequence[GetRequest]) -> None:
+    def get(self, buf: SymmetricBuffer, requests: Sequence[GetRequest], *, async_op: bool = False) -> Work | None:
+        if async_op:
+            return self._run_async(lambda: self._get_now(buf, requests), "fetch")
+        self._get_now(buf, requests)
+        return None
+
+    def accumulate(
+        self, buf: SymmetricBuffer, requests: Sequence[AccumulateRequest], scale: float, *, async_op: bool = False
+    ) -> Work | None:
+        if async_op:
+            return self._run_async(lambda: self._accumulate_now(buf, requests, scale), "push")
+        self._accumulate_now(buf, requests, scale)
+        return None
+
+    def _get_now(self, buf: SymmetricBuffer, requests: Sequence[GetRequest]) -> None:
         for req in requests:
-            src = self._seg(req.peer).view(buf.handle + req.offset * buf.dtype.itemsize, req.dst.numel(), buf.dtype)  # type: ignore[operator]
+            src = self._seg(req.peer).view(buf.handle, req.dst.numel(), buf.dtype)  # type: ignore[arg-type]
             req.dst.view(-1).copy_(src)
 
-    def accumulate(self, buf: SymmetricBuffer, requests: Sequence[AccumulateRequest], scale: float) -> None:
+    def _accumulate_now(self, buf: SymmetricBuffer, requests: Sequence[AccumulateRequest], scale: float) -> None:
         itemsize = buf.dtype.itemsize
         chunk = max(1, self.chunk_bytes // itemsize)
+        base: int = buf.handle  # type: ignore[assignment]
         for req in requests:
             seg = self._seg(req.peer)
-            base = buf.handle + req.offset * itemsize  # type: ignore[operator]
             src = req.src.view(-1)
             with self._peer_locks[req.peer]:
                 for lo in range(0, src.numel(), chunk):
@@ -408,14 +422,16 @@ class HostTransport(Transport):
                         else:
                             dst.add_(src[lo : lo + n], alpha=scale)
 
-    def submit(self, fn: Callable[[], None]) -> Work:
+    def _run_async(self, fn: Callable[[], None], what: str) -> Work:
+        """Run ``fn`` on the worker thread (FIFO: asynchronous operations complete in issue order)."""
+        self._seg(self.rank)  # finalized / forked: raise here, in the caller, not later in the worker
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="odc-host")
         future = self._executor.submit(fn)
         # Keep failed operations until quiet() reports them: a failed push must not vanish silently.
         self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
         self._pending.append(future)
-        return FutureWork(future, self.timeout, "async operation")
+        return FutureWork(future, self.timeout, f"async {what}")
 
     def quiet(self) -> None:
         """Wait for every submitted operation; then re-raise the first error of one that failed since the last

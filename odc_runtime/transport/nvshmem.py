@@ -1,54 +1,67 @@
 """GPU transport on NVSHMEM (through the compiled extension ``odc_runtime._C``).
 
-Bootstrap: rank 0 creates an NVSHMEM unique id, ``torch.distributed`` broadcasts it, every rank initialises
-NVSHMEM as PE ``rank`` on the current CUDA device (one PE per GPU). Importing this module never needs a GPU or
-the extension; ``_C`` is imported inside :func:`create` / :func:`is_available`.
+Bootstrap (:func:`create`, collective): every rank validates its side and parses its settings
+(:func:`odc_runtime.config.nvshmem_settings`), the ranks agree on all of them over ``torch.distributed``
+(a mismatch raises on every rank, naming the setting and the values), rank 0's NVSHMEM unique id is broadcast,
+and every rank initialises NVSHMEM as PE ``rank`` on its current CUDA device. Importing this module never needs a
+GPU or the extension.
 
-Memory: every :meth:`NvshmemTransport.alloc` is one ``nvshmem_malloc`` (collective), zeroed; ``local`` is a
-torch tensor viewing this PE's part. The heap size is ``NVSHMEM_SYMMETRIC_SIZE`` (default 1 GiB; ``heap_size``
-of :func:`create` sets it); allocations are checked against it before ``nvshmem_malloc`` because NVSHMEM exits
-the process when the heap is exhausted. A transport-private scratch (``ODC_NVSHMEM_SCRATCH_SLOTS`` ×
-``ODC_NVSHMEM_CELL_BYTES``, default 16 × 64 KiB) and lock array (1024 ints) are allocated at start.
+Memory: the whole symmetric heap is allocated once at init (``heap_size`` / ``NVSHMEM_SYMMETRIC_SIZE``, default
+1 GiB, plus the control buffers: barrier epochs, ticket locks, the locked protocol's scratch) and sub-allocated in
+Python by :class:`~odc_runtime.transport.heap.HeapAllocator` (every rank runs the same sequence, so offsets agree).
+No NVSHMEM host call happens after init: no ``nvshmem_malloc``/``free``, no host or on-stream collective, which a
+dead peer could block without a deadline. ``free`` never lets a later allocation alias a live view: a freed range
+is quarantined until no tensor on any rank views it (checked collectively at the next ``alloc``). ``finalize``
+releases the Python state only: NVSHMEM's teardown is a collective a dead peer would hang, NVSHMEM cannot be
+initialised twice in a process anyway, and views that outlive ``finalize`` stay valid; the GPU memory is returned
+when the process exits.
 
-fetch (:meth:`get`): peers with a peer pointer (``nvshmem_ptr`` != NULL: same node, NVLink/PCIe P2P) are read
-by one chunked copy kernel, peers rotated across blocks; other peers (across nodes) are read with
-``nvshmemx_getmem_on_stream`` into the symmetric scratch and copied to the destination, because an IB get may
-only target symmetric or registered memory and the destination is the caller's ordinary tensor.
+Barrier and failure: ``barrier`` is our own kernel (``csrc/odc_nvshmem.cu``: per-peer epoch counters in symmetric
+memory, release/acquire, an abort word in host-mapped memory). It is stream-ordered and does not block the host;
+a watchdog thread polls its CUDA event against ``ODC_TIMEOUT``. On timeout it raises the abort word (every
+waiting kernel leaves within microseconds, the CUDA context stays usable), reads which peers had not arrived,
+and records an :class:`~odc_runtime.errors.OdcTimeoutError` naming them and the operation; every later call into
+the transport raises it. ``barrier`` keeps at most one barrier in flight: it first waits (short polling, same
+deadline) for the previous one, so a sync that times out is reported by the next sync at the latest.
 
-push (:meth:`accumulate`): see ``docs/design.md`` ("GPU push protocol"). One protocol for the whole job.
-When every PE reaches every PE with load/store atomics (one NVLink domain): a fused cast·scale·atomic-add kernel
-writes into the owner's fp32 accumulator through the peer pointer (vector ``red.global.add.v4.f32`` on sm_90;
-``ODC_NVSHMEM_VECTOR_ATOMICS=0`` forces scalar atomics). Otherwise (multi-node), every push, same-node ones
-included: lock + get + add + put per 64 KiB cell of the owner's address space, with a lock word per cell stripe
-on the owner (2× the bytes, no owner work, bounded scratch). ``ODC_NVSHMEM_PUSH=locked`` forces the latter.
+fetch (``get``): peers with a peer pointer (``nvshmem_ptr``: same node) are read by the copy engines
+(``cudaMemcpyAsync``; ``ODC_NVSHMEM_FETCH=kernel`` uses an SM copy kernel instead), others (across nodes) by a
+device get into the symmetric scratch, copied out by the same kernel.
 
-Streams: everything is ordered on the current torch CUDA stream. Cross-node operations run on one internal
-stream (they share the scratch) that waits for the current stream and is joined back into it. ``submit`` runs a
-callable on a side stream that first waits for the current stream. ``quiet``/``barrier`` join both streams
-into the current one first, so they cover submitted work.
+push (``accumulate``): one protocol for the whole job (see ``docs/design.md``): fused cast·scale·atomic-add
+through peer pointers when every PE reaches every PE with load/store atomics; otherwise (multi-node, or
+``ODC_NVSHMEM_PUSH=locked``) ticket lock + get + add + put per cell, one kernel for all owners, with one scratch
+slot per SM by default.
 
-Caveats: ``nvshmem_malloc``/``nvshmem_free``/init are host-blocking collectives NVSHMEM does not time out; after
-a barrier timeout the GPU may still spin in the barrier kernel (the process should exit). ``local`` tensors of
-freed buffers dangle: drop them before ``free``/``finalize``. NVSHMEM can be initialised once per process.
+Streams: everything is ordered on the current CUDA stream. Operations that use the scratch run on one internal
+stream (so two never share a slot) that waits for the current stream and is joined back into it. ``async_op=True``
+runs on a side stream that first waits for the current stream; ``Work.wait()`` makes the current stream wait for
+it (no host block). ``quiet``/``barrier`` join both into the current stream first.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import logging
 import os
+import socket
+import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from types import ModuleType
 
 import torch
 
 from odc_runtime import _nvshmem_locate as _locate
-from odc_runtime.agree import require_same
-from odc_runtime.config import parse_size
+from odc_runtime import config
+from odc_runtime.agree import gather_checked, require_same
 from odc_runtime.errors import (
     OdcBackendError,
-    OdcMemoryError,
+    OdcError,
     OdcNotInitializedError,
     OdcTimeoutError,
     OdcUsageError,
@@ -56,15 +69,25 @@ from odc_runtime.errors import (
 from odc_runtime.transport.base import (
     AccumulateRequest,
     GetRequest,
+    Piece,
     SymmetricBuffer,
+    TransferPlan,
     Transport,
     Work,
 )
+from odc_runtime.transport.heap import ALIGNMENT as HEAP_ALIGNMENT
+from odc_runtime.transport.heap import HeapAllocator
 
 __all__ = ["NvshmemTransport", "check_version", "create", "is_available", "load_extension"]
 
-DEFAULT_HEAP = 1 << 30  # NVSHMEM's default NVSHMEM_SYMMETRIC_SIZE
-ALIGN = 512  # accounting granularity of one allocation (NVSHMEM aligns allocations at least this much)
+log = logging.getLogger("odc_runtime")
+
+DEFAULT_HEAP = 1 << 30  # heap when neither heap_size nor NVSHMEM_SYMMETRIC_SIZE is given
+NLOCKS = 1024  # ticket locks per PE (two uint32 words each) guarding the locked protocol's cells
+ALIGN = 512  # NVSHMEM rounds every allocation to this; used to size NVSHMEM_SYMMETRIC_SIZE
+SLACK = 2 << 20  # extra NVSHMEM_SYMMETRIC_SIZE beyond our own allocations
+ABORT_GRACE_S = 5.0  # how long after raising the abort we wait for our kernels to leave
+WATCHDOG_PERIOD_S = 2e-3  # deadlines are seconds; a slower poll takes the GIL from the training loop less often
 _INSTALL_HINT = (
     'build it with a CUDA toolkit and an NVSHMEM wheel: pip install -e ".[cu13]" (or ".[cu12]"), '
     "or run .ci/build_ext.sh"
@@ -156,15 +179,24 @@ def is_available() -> bool:
         return False
 
 
-def _backend_call(op: str, fn: Callable, *args):
+def _backend_call(op: str, fn: Callable, *args: object) -> object:
     try:
         return fn(*args)
-    except RuntimeError as exc:  # odc_runtime._C.NvshmemError
+    except RuntimeError as exc:  # odc_runtime._C.NvshmemError, CUDA errors included
         raise OdcBackendError(f"nvshmem {op}: {exc}") from exc
 
 
+def _dtype_codes(ext: ModuleType) -> dict[torch.dtype, int]:
+    """torch dtype -> the extension's dtype code (exported by bindings.cpp, never duplicated here)."""
+    return {torch.float32: ext.DTYPE_FLOAT32, torch.bfloat16: ext.DTYPE_BFLOAT16, torch.float16: ext.DTYPE_FLOAT16}
+
+
 class _CudaArray:
-    """Exposes raw device memory through ``__cuda_array_interface__`` (bytes) so torch can wrap it."""
+    """Exposes raw device memory through ``__cuda_array_interface__`` (bytes) so torch can wrap it.
+
+    torch keeps this object alive as long as any tensor views the memory (the storage's deleter holds it), so a
+    weak reference to it tells whether views are alive.
+    """
 
     def __init__(self, ptr: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {
@@ -179,365 +211,650 @@ class _CudaArray:
 
 @dataclass
 class _Handle:
-    ptr: int  # symmetric address (the same on every PE)
-    nbytes: int  # bytes accounted against the heap
-    peer_ptrs: list[int]  # nvshmem_ptr(ptr, pe) per PE; 0 when the PE is not reachable by loads/stores
+    offset: int  # in the heap arena (the same on every PE)
+    ptr: int  # symmetric address
+    views: weakref.ref  # to the _CudaArray behind `local`: dead once no tensor views the range
 
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+@dataclass
+class _Pending:
+    """A barrier (or locked push) whose completion the watchdog checks against its deadline."""
+
+    event: torch.cuda.Event
+    deadline: float
+    op: str
+    epoch: int  # barrier number; 0 for a push
+
+
+# -- the barrier / abort state machine -------------------------------------------------------------------
+def missing_peers(heard: Sequence[int], epoch: int) -> list[int]:
+    """Peers that had not announced barrier ``epoch`` when it gave up (``heard[q]`` = last epoch from q)."""
+    return [q for q, e in enumerate(heard) if e < epoch]
+
+
+def timeout_message(op: str, rank: int, timeout: float, epoch: int, missing: list[int], left: bool) -> str:
+    """Text of the OdcTimeoutError raised when a barrier (``epoch`` > 0) or a locked push times out."""
+    if epoch > 0:
+        who = (
+            f"rank(s) {', '.join(map(str, missing))} did not arrive at barrier #{epoch}"
+            if missing
+            else f"barrier #{epoch} did not complete (every peer had arrived; this GPU was still busy with work "
+            "queued before it)"
+        )
+    else:
+        who = "a push waited for a cell lock that was never released (the holder died or is stuck)"
+    gpu = (
+        "the GPU kernels left and the CUDA context is still usable (a checkpoint can be written)"
+        if left
+        else f"the GPU was still busy {ABORT_GRACE_S:g} s after the abort (user work queued on the stream)"
+    )
+    return (
+        f"odc {op}: rank {rank} timed out after {timeout:g} s: {who}. A dead or stuck peer, or a peer that did not "
+        f"call the same collective; raise ODC_TIMEOUT if it is merely slow. The nvshmem transport is aborted and "
+        f"every later call raises this error; {gpu}. Exit the process and restart the job."
+    )
+
+
+class _Watchdog:
+    """Checks pending barrier events against their deadlines from a daemon thread (the caller never blocks).
+
+    State machine of one pending entry: PENDING --(event completes)--> DONE (dropped);
+    PENDING --(deadline passes)--> ABORTED: abort word raised, wait up to ABORT_GRACE_S for the event (the
+    kernels leave), record the error on the transport. Entries complete in stream order, so only the oldest is
+    checked. Once ABORTED the transport stays failed (abort words are never lowered).
+    """
+
+    def __init__(self, transport: NvshmemTransport) -> None:
+        self._transport = weakref.ref(transport)
+        self._device = transport.device
+        self._pending: deque[_Pending] = deque()
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def add(self, entry: _Pending) -> None:
+        with self._cond:
+            self._pending.append(entry)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="odc-nvshmem-watchdog", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def outstanding(self) -> list[_Pending]:
+        with self._cond:
+            return list(self._pending)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def poll(self) -> _Pending | None:
+        """Drop completed entries; return the oldest one past its deadline, if any."""
+        now = time.monotonic()
+        with self._cond:
+            while self._pending and self._pending[0].event.query():
+                self._pending.popleft()
+            if self._pending and now > self._pending[0].deadline:
+                return self._pending[0]
+        return None
+
+    def _loop(self) -> None:
+        torch.cuda.set_device(self._device)
+        while True:
+            with self._cond:
+                if self._stopped:
+                    return
+                if not self._pending:
+                    self._cond.wait(0.1)
+                    continue
+            transport = self._transport()
+            if transport is None:
+                return
+            try:
+                late = self.poll()
+            except RuntimeError as exc:  # a CUDA error of queued work surfaces from the event
+                transport._fail(OdcBackendError(f"nvshmem: CUDA error while waiting for a barrier: {exc}"))
+                transport._engine.set_abort()  # type: ignore[attr-defined]
+                return
+            if late is not None:
+                transport._abort(late)
+                return
+            del transport
+            time.sleep(WATCHDOG_PERIOD_S)
 
 
 class _CudaWork(Work):
-    def __init__(self, event: torch.cuda.Event) -> None:
+    def __init__(self, transport: NvshmemTransport, event: torch.cuda.Event) -> None:
+        self._transport = transport
         self._event = event
 
     def wait(self, timeout: float | None = None) -> None:
         # Stream-ordered: the caller's current stream waits; the host does not block.
-        torch.cuda.current_stream().wait_event(self._event)
+        self._transport._raise_failure()
+        torch.cuda.current_stream(self._transport.device).wait_event(self._event)
 
     def is_completed(self) -> bool:
         return self._event.query()
 
 
+class _NvshmemPlan(TransferPlan):
+    """Precomputed extension plans: ``near`` (peer pointers, current stream) and ``far`` (scratch users, the
+    internal stream), with the stream handle they were made for."""
+
+    __slots__ = ("_far", "_near", "_stream_ptr")
+
+    def __init__(
+        self,
+        transport: NvshmemTransport,
+        buf: SymmetricBuffer,
+        kind: str,
+        pieces: Sequence[Piece],
+        stream_key: object,
+        near: object | None,
+        far: object | None,
+        stream_ptr: int,
+    ) -> None:
+        super().__init__(transport, buf, kind, pieces, stream_key)
+        self._near = near
+        self._far = far
+        self._stream_ptr = stream_ptr
+
+    def run(self, tensor: torch.Tensor, scale: float = 1.0, *, async_op: bool = False) -> Work | None:
+        # `tensor` is contiguous (the caller's plan key says so): its address and dtype are all the kernels need.
+        transport: NvshmemTransport = self.transport  # type: ignore[assignment]
+        if transport._failure is not None or transport._finalized:
+            transport._raise_failure()
+        code = transport._codes.get(tensor.dtype)
+        if code is None:
+            raise OdcUsageError(f"nvshmem {self.kind}: dtype {tensor.dtype} not supported (use fp32/bf16/fp16)")
+        if async_op or self._far is not None:
+            return transport._run_on_streams(
+                self._near, self._far, tensor.data_ptr(), (tensor,), code, scale, async_op, self.kind
+            )
+        _backend_call(self.kind, self._near.run, tensor.data_ptr(), code, scale, self._stream_ptr)  # type: ignore[union-attr]
+        return None
+
+
+def _raw_stream(device_index: int) -> int:
+    """The current CUDA stream of ``device_index`` as a ``cudaStream_t`` integer (cheap where torch allows)."""
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):  # what torch's own generated code uses: no Stream object
+    _raw_stream = torch._C._cuda_getCurrentRawStream  # type: ignore[assignment]
+
+
 class NvshmemTransport(Transport):
+    """NVSHMEM symmetric heap, own barrier with abort, fetch/push plans (see the module docstring)."""
+
     name = "nvshmem"
 
     def __init__(
-        self, ext: ModuleType, rank: int, world_size: int, device: torch.device, timeout: float, capacity: int
+        self,
+        ext: ModuleType,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        timeout: float,
+        *,
+        settings: config.NvshmemSettings,
+        slots: int,
+        capacity: int,
+        arena: int,
+        peer_bases: list[int],
+        engine: object,
+        atomic_push: bool,
     ) -> None:
         super().__init__(rank, world_size, device, timeout)
         self._C = ext
-        self._capacity = capacity
-        self._used = 0
+        self._codes = _dtype_codes(ext)
+        self.settings = settings
+        self.slots = slots
+        self.atomic_push = atomic_push
+        self._allocator = HeapAllocator(capacity, limit_hint="odc.init(heap_size=...) or NVSHMEM_SYMMETRIC_SIZE")
+        self._arena = arena
+        self._peer_bases = peer_bases  # nvshmem_ptr(arena, pe) per PE; 0 = no peer pointer (other node)
+        self._engine = engine
         self._buffers: list[SymmetricBuffer] = []
+        self._quarantine: list[tuple[int, weakref.ref, str]] = []  # freed while viewed: (offset, views, tag)
         self._finalized = False
-        self._broken = False  # a barrier timed out: collective teardown would hang
+        self._failure: OdcError | None = None
+        self._abort_lock = threading.Lock()
+        self._epoch = 0
+        self._last_barrier: _Pending | None = None
+        self._watchdog = _Watchdog(self)
         self._side = torch.cuda.Stream(device)
         self._remote = torch.cuda.Stream(device)
         self._side_event: torch.cuda.Event | None = None
         self._remote_event: torch.cuda.Event | None = None
-        self._in_submit = False
-        self._vector_atomics = os.environ.get("ODC_NVSHMEM_VECTOR_ATOMICS", "1") not in ("0", "false", "")
-        self._cell_bytes = int(os.environ.get("ODC_NVSHMEM_CELL_BYTES", 64 * 1024))
-        slots = int(os.environ.get("ODC_NVSHMEM_SCRATCH_SLOTS", 16))
-        if self._cell_bytes <= 0 or self._cell_bytes % 16 or slots <= 0:
-            raise OdcUsageError("ODC_NVSHMEM_CELL_BYTES must be a positive multiple of 16, SCRATCH_SLOTS > 0")
-        self._nlocks = 1024
-        mode = os.environ.get("ODC_NVSHMEM_PUSH", "auto").strip().lower()  # must be the same on every rank
-        if mode not in ("auto", "locked"):
-            raise OdcUsageError(f"ODC_NVSHMEM_PUSH must be 'auto' or 'locked', got {mode!r}")
-        self._scratch_bytes = self._cell_bytes * slots
-        self._scratch = self.alloc(self._scratch_bytes, torch.uint8, tag="odc.scratch")
-        self._locks = self.alloc(self._nlocks, torch.int32, tag="odc.locks")
-        # One push protocol for the whole job, never a mix: atomics through peer pointers and lock+get+add+put
-        # into the same accumulator words are not atomic with respect to each other (the get/put would undo
-        # atomics that land in between), and the lock AMOs themselves must all take one path. So the atomic
-        # path is used only when NVSHMEM found that every PE reaches every PE with load/store atomics (its own
-        # job-wide decision, identical on all PEs); otherwise (multi-node, or PCIe P2P without atomics) every
-        # push, same-node and to self included, takes the locked path. ODC_NVSHMEM_PUSH=locked forces it.
-        self._atomic_push = (
-            mode == "auto"
-            and bool(_backend_call("p2p_atomics", self._C.p2p_atomics))
-            and all(self._scratch.handle.peer_ptrs)
-        )
-        self.barrier("init")
+
+    # -- failure ----------------------------------------------------------------------------------------
+    def _raise_failure(self, op: str = "call") -> None:
+        if self._failure is not None:
+            raise type(self._failure)(str(self._failure))
+        if self._finalized:
+            raise OdcNotInitializedError(f"nvshmem transport: {op} after finalize")
+
+    def _fail(self, error: OdcError) -> None:
+        if self._failure is None:
+            log.error("%s", error)
+            self._failure = error
+
+    def _abort(self, entry: _Pending) -> None:
+        """Deadline of ``entry`` passed: raise the abort word, let the kernels leave, record the error."""
+        with self._abort_lock:
+            if self._failure is not None:
+                return
+            self._engine.set_abort()  # type: ignore[attr-defined]
+            left = False
+            end = time.monotonic() + ABORT_GRACE_S
+            while time.monotonic() < end:
+                try:
+                    if entry.event.query():
+                        left = True
+                        break
+                except RuntimeError:
+                    break
+                time.sleep(1e-3)
+            missing: list[int] = []
+            if entry.epoch and self._engine.barrier_gave_up():  # type: ignore[attr-defined]
+                missing = missing_peers(self._engine.heard(), entry.epoch)  # type: ignore[attr-defined]
+            self._fail(OdcTimeoutError(timeout_message(entry.op, self.rank, self.timeout, entry.epoch, missing, left)))
+
+    def _wait(self, entry: _Pending) -> None:
+        """Host wait for ``entry`` with short polling (keeps the GPU fed), bounded by its deadline."""
+        spins = 0
+        while True:
+            try:
+                if entry.event.query():
+                    return
+            except RuntimeError as exc:  # a CUDA error of earlier work surfaces here
+                self._fail(OdcBackendError(f"nvshmem {entry.op}: CUDA error: {exc}"))
+            if self._failure is not None:
+                self._raise_failure(entry.op)
+            if time.monotonic() > entry.deadline:
+                self._abort(entry)
+                self._raise_failure(entry.op)
+            spins += 1
+            time.sleep(0 if spins < 200 else 50e-6)
 
     # -- helpers ----------------------------------------------------------------------------------------
     def _check(self, op: str) -> None:
-        if self._finalized:
-            raise OdcNotInitializedError(f"nvshmem transport: {op} after finalize")
+        if self._failure is not None or self._finalized:
+            self._raise_failure(op)
 
     def _stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
 
-    def _wait_event(self, event: torch.cuda.Event, op: str) -> None:
-        deadline = time.monotonic() + self.timeout
-        pause = 20e-6
-        while not event.query():
-            if time.monotonic() > deadline:
-                self._broken = True
-                raise OdcTimeoutError(
-                    f"odc_runtime {op}: rank {self.rank} waited {self.timeout:.0f}s for the NVSHMEM barrier; "
-                    "some rank did not arrive (dead or stuck peer, or it did not call the same collective). "
-                    "The GPU may still be blocked: restart the job (raise ODC_TIMEOUT if ranks are just slow)."
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+    def stream_key(self) -> object:
+        return _raw_stream(self.device.index)
 
     def _join_into(self, stream: torch.cuda.Stream) -> None:
         for ev in (self._side_event, self._remote_event):
             if ev is not None:
                 stream.wait_event(ev)
 
-    def _on_remote(self, issue: Callable[[int], None], tensors: Sequence[torch.Tensor]) -> None:
-        """Run cross-node work on the internal stream (it owns the scratch), ordered after the current stream."""
-        cur = self._stream()
-        self._remote.wait_stream(cur)
-        for t in tensors:
-            t.record_stream(self._remote)
-        issue(self._remote.cuda_stream)
-        ev = torch.cuda.Event()
-        ev.record(self._remote)
-        self._remote_event = ev
-        cur.wait_event(ev)
-
-    def _keep_alive(self, tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
-        # Inside submit() the tensors were allocated on the caller's stream but are used on the side stream:
-        # tell the caching allocator, so their memory is not reused before the side stream is done with them.
-        if self._in_submit:
-            for t in tensors:
-                t.record_stream(stream)
-
-    def _check_range(self, what: str, buf: SymmetricBuffer, peer: int, offset: int, n: int) -> None:
-        if not 0 <= peer < self.world_size:
-            raise OdcUsageError(f"nvshmem {what}: peer {peer} out of range [0, {self.world_size})")
-        if offset < 0 or offset + n > buf.numel:
-            raise OdcUsageError(f"nvshmem {what}: range [{offset}, {offset + n}) outside buffer of {buf.numel}")
-
-    def _check_tensor(self, what: str, t: torch.Tensor) -> None:
-        if not t.is_cuda or t.device != self.device:
+    def _check_local(self, what: str, t: object, dtypes: Sequence[torch.dtype]) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise OdcUsageError(f"nvshmem {what}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.device != self.device:
             raise OdcUsageError(f"nvshmem {what}: tensor on {t.device}, expected {self.device}")
         if not t.is_contiguous():
             raise OdcUsageError(f"nvshmem {what}: tensor must be contiguous")
+        if t.dtype not in dtypes:
+            raise OdcUsageError(f"nvshmem {what}: dtype {t.dtype} not allowed; use one of {tuple(dtypes)}")
+        return t
+
+    def _build(self, buf: SymmetricBuffer, kind: str, entries: Sequence[tuple[int, int, int]]) -> tuple:
+        """Extension plans ``(near, far)`` for ``(peer, element offset in the local tensor, numel)`` entries."""
+        h: _Handle = buf.handle  # type: ignore[assignment]
+        if buf.freed:
+            raise OdcUsageError(f"nvshmem {kind}: buffer {buf.tag!r} was freed")
+        if kind == "accumulate" and buf.dtype != torch.float32:
+            raise OdcUsageError(f"nvshmem accumulate: accumulators must be float32, got {buf.dtype}")
+        near: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+        far: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+        for peer, rel, numel in entries:
+            if not 0 <= peer < self.world_size:
+                raise OdcUsageError(f"nvshmem {kind}: peer {peer} out of range [0, {self.world_size})")
+            if numel > buf.numel:
+                raise OdcUsageError(f"nvshmem {kind}: {numel} elements exceed buffer {buf.tag!r} of {buf.numel}")
+            if numel == 0:
+                continue
+            direct = self._peer_bases[peer] != 0 and (kind == "get" or self.atomic_push)
+            lists = near if direct else far
+            lists[0].append(self._peer_bases[peer] + h.offset if direct else h.ptr)
+            lists[1].append(rel)
+            lists[2].append(numel)
+            lists[3].append(peer)
+        C = self._C
+        if kind == "get":
+            near_kind = C.PLAN_FETCH_COPY if self.settings.fetch == "copy" else C.PLAN_FETCH_KERNEL
+            far_kind = C.PLAN_FETCH_STAGED
+        else:
+            near_kind, far_kind = C.PLAN_PUSH_ATOMIC, C.PLAN_PUSH_LOCKED
+        make = C.Plan
+        return (
+            _backend_call("plan", make, self._engine, near_kind, *near) if near[0] else None,
+            _backend_call("plan", make, self._engine, far_kind, *far) if far[0] else None,
+        )
+
+    def _run_on_streams(
+        self,
+        near: object | None,
+        far: object | None,
+        base: int,
+        tensors: Sequence[torch.Tensor],
+        code: int,
+        scale: float,
+        async_op: bool,
+        kind: str,
+    ) -> Work | None:
+        cur = self._stream()
+        target = cur
+        if async_op:
+            target = self._side
+            target.wait_stream(cur)
+            for t in tensors:  # allocated on the caller's stream, used on the side stream
+                _record(t, target)
+        if near is not None:
+            _backend_call(kind, near.run, base, code, scale, target.cuda_stream)  # type: ignore[attr-defined]
+        if far is not None:
+            # Scratch users run on the internal stream only, so no two kernels ever share a scratch slot.
+            remote = self._remote
+            remote.wait_stream(target)
+            for t in tensors:
+                _record(t, remote)
+            _backend_call(kind, far.run, base, code, scale, remote.cuda_stream)  # type: ignore[attr-defined]
+            ev = torch.cuda.Event()
+            ev.record(remote)
+            self._remote_event = ev
+            target.wait_event(ev)
+            if kind == "accumulate":  # lock spins wait for other PEs: give them a deadline too
+                self._watchdog.add(_Pending(ev, time.monotonic() + self.timeout, "push", 0))
+        if not async_op:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(target)
+        self._side_event = ev
+        return _CudaWork(self, ev)
 
     # -- memory -------------------------------------------------------------------------------------------
     def heap_capacity(self) -> int:
-        return self._capacity
+        return self._allocator.capacity
 
     def heap_used(self) -> int:
-        return self._used
+        return self._allocator.used
+
+    def _release_quarantine(self) -> None:
+        """Return freed ranges that no rank views any more to the allocator (collective; same list everywhere,
+        because ``free`` is collective, so every rank takes the same decision and offsets stay symmetric)."""
+        if not self._quarantine:
+            return
+        alive = [views() is not None for _, views, _ in self._quarantine]
+        everyone = gather_checked("alloc (freed buffers)", lambda: alive)
+        keep = []
+        for i, entry in enumerate(self._quarantine):
+            if any(flags[i] for flags in everyone):
+                keep.append(entry)
+            else:
+                self._allocator.free(entry[0])
+        self._quarantine = keep
 
     def alloc(self, numel: int, dtype: torch.dtype, tag: str = "") -> SymmetricBuffer:
-        self._check("alloc")
+        self._check(f"alloc({tag})")
         if numel < 0:
             raise OdcUsageError(f"nvshmem alloc({tag!r}): negative numel {numel}")
-        nbytes = numel * dtype.itemsize
-        accounted = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
-        left = self._capacity - self._used
-        if accounted > left:
-            raise OdcMemoryError(
-                f"odc_runtime: symmetric heap exhausted allocating {tag or 'a buffer'!r}: asked {nbytes} bytes "
-                f"({accounted} with alignment), {left} bytes left of {self._capacity}; raise "
-                "NVSHMEM_SYMMETRIC_SIZE (or odc.init(heap_size=...)) before init"
-            )
-        ptr = _backend_call(f"alloc({tag})", self._C.malloc, accounted)
-        raw = torch.as_tensor(_CudaArray(ptr, accounted), device=self.device)
-        local = raw[:nbytes].view(dtype)
+        self._release_quarantine()
+        nbytes = max(1, numel * dtype.itemsize)
+        try:
+            offset = self._allocator.alloc(nbytes, what=repr(tag or "buffer"))
+        except OdcError as exc:
+            if self._quarantine:
+                held = ", ".join(repr(t) for _, _, t in self._quarantine)
+                raise type(exc)(
+                    f"{exc}. Freed buffers still viewed by live tensors keep their memory: {held}; drop the "
+                    "references (e.g. to st.local / st.grad) before freeing"
+                ) from None
+            raise
+        rounded = -(-nbytes // HEAP_ALIGNMENT) * HEAP_ALIGNMENT  # what the allocator reserved
+        raw, owner = _wrap(self._arena + offset, rounded, self.device)
+        local = raw.view(dtype)[:numel]
         local.zero_()
-        peer_ptrs = [_backend_call("ptr", self._C.ptr, ptr, pe) for pe in range(self.world_size)]
-        buf = SymmetricBuffer(numel=numel, dtype=dtype, local=local, handle=_Handle(ptr, accounted, peer_ptrs), tag=tag)
-        self._used += accounted
+        buf = SymmetricBuffer(
+            numel=numel, dtype=dtype, local=local, handle=_Handle(offset, self._arena + offset, weakref.ref(owner)),
+            tag=tag,
+        )
+        del owner, raw  # only the tensors view it now; the weak reference tells when the last one died
         self._buffers.append(buf)
-        # Every PE's zeroing is done before any peer can push into it (stream-ordered barrier, bounded wait).
+        # Stream-ordered: a peer pushes into this range only after its own barrier, which needs our arrival,
+        # which follows our zeroing on our stream.
         self.barrier(f"alloc({tag})")
         return buf
 
     def free(self, buf: SymmetricBuffer) -> None:
-        if buf.freed or self._finalized:
-            buf.freed = True
+        if buf.freed:
             return
-        self.barrier(f"free({buf.tag})")  # nobody still reads or pushes into it
-        torch.cuda.synchronize(self.device)
-        h: _Handle = buf.handle
-        _backend_call(f"free({buf.tag})", self._C.free, h.ptr)
+        self._check(f"free({buf.tag})")
+        # Nobody still reads or pushes into it once this barrier completes (stream order covers reuse: the next
+        # allocation zeroes the range on the stream after it).
+        self.barrier(f"free({buf.tag})")
+        h: _Handle = buf.handle  # type: ignore[assignment]
         buf.freed = True
-        self._used -= h.nbytes
+        buf.local = torch.empty(0, dtype=buf.dtype, device=self.device)
         self._buffers = [b for b in self._buffers if b is not buf]
+        # Never reused while any rank still views it (see _release_quarantine): no silent aliasing.
+        self._quarantine.append((h.offset, h.views, buf.tag))
 
     # -- one-sided operations ---------------------------------------------------------------------------
-    def get(self, buf: SymmetricBuffer, requests: Sequence[GetRequest]) -> None:
+    def plan(self, buf: SymmetricBuffer, kind: str, pieces: Sequence[Piece]) -> TransferPlan:
+        self._check(kind)
+        stream_ptr = self.stream_key()
+        near, far = self._build(buf, kind, [(p.peer, p.start, p.numel) for p in pieces])
+        return _NvshmemPlan(self, buf, kind, pieces, stream_ptr, near, far, stream_ptr)  # type: ignore[arg-type]
+
+    def get(self, buf: SymmetricBuffer, requests: Sequence[GetRequest], *, async_op: bool = False) -> Work | None:
         self._check("get")
-        h: _Handle = buf.handle
         item = buf.dtype.itemsize
-        p2p: tuple[list[int], list[int], list[int]] = ([], [], [])
-        remote: list[GetRequest] = []
+        entries = []
         for r in requests:  # validate everything before issuing anything
-            self._check_tensor("get(dst)", r.dst)
-            if r.dst.dtype != buf.dtype:
-                raise OdcUsageError(f"nvshmem get: dst dtype {r.dst.dtype} != buffer dtype {buf.dtype}")
-            self._check_range("get", buf, r.peer, r.offset, r.dst.numel())
-        for r in requests:
-            n = r.dst.numel() * item
-            if n == 0:
-                continue
-            if h.peer_ptrs[r.peer]:
-                p2p[0].append(r.dst.data_ptr())
-                p2p[1].append(h.peer_ptrs[r.peer] + r.offset * item)
-                p2p[2].append(n)
-            else:
-                remote.append(r)
-        stream = self._stream()
-        self._keep_alive([r.dst for r in requests], stream)
-        if p2p[0]:
-            _backend_call("get", self._C.fetch_p2p, *p2p, stream.cuda_stream)
-        if remote:
+            self._check_local("get(dst)", r.dst, (buf.dtype,))
+            # base 0 + element offset: a tensor's address is a multiple of its element size
+            entries.append((r.peer, r.dst.data_ptr() // item, r.dst.numel()))
+        code = self._codes.get(buf.dtype)
+        if code is None:
+            raise OdcUsageError(f"nvshmem get: dtype {buf.dtype} not supported (use fp32/bf16/fp16)")
+        near, far = self._build(buf, "get", entries)
+        return self._run_on_streams(near, far, 0, [r.dst for r in requests], code, 1.0, async_op, "get")
 
-            def issue(s: int) -> None:
-                for r in remote:
-                    _backend_call(
-                        "get",
-                        self._C.get_staged,
-                        r.dst.data_ptr(),
-                        h.ptr + r.offset * item,
-                        r.dst.numel() * item,
-                        r.peer,
-                        self._scratch.handle.ptr,
-                        self._scratch_bytes,
-                        s,
-                    )
-
-            self._on_remote(issue, [r.dst for r in remote])
-
-    def accumulate(self, buf: SymmetricBuffer, requests: Sequence[AccumulateRequest], scale: float) -> None:
+    def accumulate(
+        self, buf: SymmetricBuffer, requests: Sequence[AccumulateRequest], scale: float, *, async_op: bool = False
+    ) -> Work | None:
         self._check("accumulate")
-        if buf.dtype != torch.float32:
-            raise OdcUsageError(f"nvshmem accumulate: accumulators must be float32, got {buf.dtype}")
-        h: _Handle = buf.handle
+        groups: dict[torch.dtype, list[tuple[int, int, int]]] = {}
         for r in requests:
-            self._check_tensor("accumulate(src)", r.src)
-            if r.src.dtype not in _DTYPE_CODES:
-                raise OdcUsageError(f"nvshmem accumulate: src dtype {r.src.dtype} (use fp32/bf16/fp16)")
-            self._check_range("accumulate", buf, r.peer, r.offset, r.src.numel())
-        p2p: dict[int, tuple[list[int], list[int], list[int]]] = {}
-        remote: list[AccumulateRequest] = []
-        for r in requests:
-            if r.src.numel() == 0:
-                continue
-            if self._atomic_push and h.peer_ptrs[r.peer]:
-                lists = p2p.setdefault(_DTYPE_CODES[r.src.dtype], ([], [], []))
-                lists[0].append(h.peer_ptrs[r.peer] + r.offset * 4)
-                lists[1].append(r.src.data_ptr())
-                lists[2].append(r.src.numel())
-            else:
-                remote.append(r)
-        stream = self._stream()
-        self._keep_alive([r.src for r in requests], stream)
-        for code, (dst, src, numel) in p2p.items():
-            _backend_call(
-                "accumulate",
-                self._C.accumulate_p2p,
-                dst,
-                src,
-                numel,
-                code,
-                float(scale),
-                self._vector_atomics,
-                stream.cuda_stream,
-            )
-        if remote:
-
-            def issue(s: int) -> None:
-                for r in remote:
-                    _backend_call(
-                        "accumulate",
-                        self._C.accumulate_locked,
-                        h.ptr + r.offset * 4,
-                        r.src.data_ptr(),
-                        r.src.numel(),
-                        _DTYPE_CODES[r.src.dtype],
-                        float(scale),
-                        r.peer,
-                        self._scratch.handle.ptr,
-                        self._scratch_bytes,
-                        self._cell_bytes,
-                        self._locks.handle.ptr,
-                        self._nlocks,
-                        s,
-                    )
-
-            self._on_remote(issue, [r.src for r in remote])
-
-    def submit(self, fn: Callable[[], None]) -> Work:
-        self._check("submit")
-        cur = self._stream()
-        self._side.wait_stream(cur)
-        self._in_submit = True
-        try:
-            with torch.cuda.stream(self._side):
-                fn()
-        finally:
-            self._in_submit = False
-        ev = torch.cuda.Event()
-        ev.record(self._side)
-        self._side_event = ev
-        return _CudaWork(ev)
+            self._check_local("accumulate(src)", r.src, tuple(self._codes))
+            groups.setdefault(r.src.dtype, []).append((r.peer, r.src.data_ptr() // r.src.itemsize, r.src.numel()))
+        built = [(self._codes[dtype], self._build(buf, "accumulate", entries)) for dtype, entries in groups.items()]
+        srcs = [r.src for r in requests]
+        work: Work | None = None
+        for code, (near, far) in built:
+            work = self._run_on_streams(near, far, 0, srcs, code, float(scale), async_op, "accumulate")
+        return work  # all groups ran on the same side stream in order: the last handle covers them all
 
     def quiet(self) -> None:
         self._check("quiet")
         stream = self._stream()
         self._join_into(stream)
-        _backend_call("quiet", self._C.quiet_on_stream, stream.cuda_stream)
+        _backend_call("quiet", self._engine.quiet, stream.cuda_stream)  # type: ignore[attr-defined]
 
     def barrier(self, op: str = "barrier") -> None:
+        """Stream-ordered own barrier (see ``csrc/odc_nvshmem.cu``); the host waits only for the previous one."""
         self._check(op)
+        if self._last_barrier is not None:
+            self._wait(self._last_barrier)
         stream = self._stream()
         self._join_into(stream)
-        _backend_call(op, self._C.quiet_on_stream, stream.cuda_stream)
-        _backend_call(op, self._C.barrier_all_on_stream, stream.cuda_stream)
+        self._epoch += 1
+        _backend_call(op, self._engine.barrier, self._epoch, stream.cuda_stream)  # type: ignore[attr-defined]
         ev = torch.cuda.Event()
         ev.record(stream)
-        self._wait_event(ev, op)
+        entry = _Pending(ev, time.monotonic() + self.timeout, op, self._epoch)
+        self._last_barrier = entry
+        self._watchdog.add(entry)
 
     def finalize(self) -> None:
+        """Wait (bounded) for outstanding barriers, then drop all state. Raises their timeout, if any.
+
+        NVSHMEM itself is not torn down (its teardown is a collective that a dead peer would hang, and it cannot
+        be initialised again in this process); views of symmetric memory stay valid until the process exits.
+        """
+        global _initialized_once
         if self._finalized:
             return
-        self._finalized = True
-        if self._broken:
-            return  # a peer is gone: NVSHMEM's collective teardown would hang; the process should exit
+        error: OdcError | None = None
         try:
-            torch.cuda.synchronize(self.device)
-            for buf in reversed(self._buffers):
-                _backend_call("finalize", self._C.free, buf.handle.ptr)
+            if self._failure is None:
+                for entry in self._watchdog.outstanding():
+                    self._wait(entry)
+        except OdcError as exc:
+            error = exc
+        finally:
+            self._finalized = True
+            _initialized_once = True
+            self._watchdog.stop()
+            for buf in self._buffers:
                 buf.freed = True
             self._buffers = []
-            self._used = 0
-            _backend_call("finalize", self._C.finalize)
-        finally:
-            global _initialized_once
-            _initialized_once = True
+            self._quarantine = []
+        if error is not None:
+            raise error
 
 
 _initialized_once = False
+_engines: list[object] = []  # live for the process: NVSHMEM is never torn down (see finalize)
+
+
+@atexit.register
+def _abort_at_exit() -> None:
+    """At interpreter exit nothing will wait for our kernels any more: raise every abort word, so that a barrier or
+    lock spin still waiting for a dead peer leaves and the CUDA teardown does not wait for it. Our announcements
+    were made before waiting, so peers are not affected."""
+    for engine in _engines:
+        engine.set_abort()  # type: ignore[attr-defined]
+
+
+def _wrap(ptr: int, nbytes: int, device: torch.device) -> tuple[torch.Tensor, _CudaArray]:
+    """A uint8 tensor over ``nbytes`` of device memory at ``ptr``, and the object torch keeps alive for it."""
+    owner = _CudaArray(ptr, nbytes)
+    return torch.as_tensor(owner, device=device), owner
+
+
+def _record(t: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """Tell the caching allocator that ``t`` is used on ``stream`` (not reused before that work is done)."""
+    t.record_stream(stream)
+
+
+def _round(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _zero(ptr: int, nbytes: int, device: torch.device) -> None:
+    _wrap(ptr, nbytes, device)[0].zero_()
+
+
+def local_settings(heap_size: int | str | None) -> tuple[config.NvshmemSettings, int]:
+    """This rank's protocol settings and heap bytes (``heap_size``, else ``NVSHMEM_SYMMETRIC_SIZE``, else 1 GiB)."""
+    settings = config.nvshmem_settings()
+    if heap_size is not None:
+        capacity = config.parse_size(heap_size, what="heap_size")
+    elif os.environ.get("NVSHMEM_SYMMETRIC_SIZE"):
+        capacity = config.parse_size(os.environ["NVSHMEM_SYMMETRIC_SIZE"], what="NVSHMEM_SYMMETRIC_SIZE")
+    else:
+        capacity = DEFAULT_HEAP
+    return settings, capacity
+
+
+def agree_settings(infos: Sequence[tuple[config.NvshmemSettings, int, int]]) -> tuple[config.NvshmemSettings, int, int]:
+    """From every rank's ``(settings, heap bytes, SM count)`` (indexed by rank, the same list on every rank):
+    raise :class:`~odc_runtime.errors.OdcMismatchError` naming the first setting that differs and every rank's
+    value, else return ``(settings, heap bytes, scratch slots)``. Mixed push protocols would lose updates and the
+    scratch and heap are symmetric allocations, so nothing here may differ; the default slot count is one per SM
+    of the largest GPU."""
+    for f in fields(config.NvshmemSettings):
+        require_same(
+            "init:", [getattr(info[0], f.name) for info in infos],
+            rule=f"setting {f.name} ({_SETTING_ENV[f.name]}) must resolve to the same value on every rank",
+        )
+    require_same(
+        "init:", [info[1] for info in infos],
+        rule="the heap size (init(heap_size=...) / NVSHMEM_SYMMETRIC_SIZE) must resolve to the same bytes everywhere",
+    )
+    settings, capacity = infos[0][0], infos[0][1]
+    return settings, capacity, settings.scratch_slots or max(info[2] for info in infos)
 
 
 def create(*, timeout: float, heap_size: int | str | None = None) -> NvshmemTransport:
-    """Initialise NVSHMEM on every rank of the default ``torch.distributed`` group; collective."""
+    """Initialise NVSHMEM on every rank of the default ``torch.distributed`` group; collective.
+
+    Every rank validates its side and parses its settings first; the ranks agree on all of them before anyone
+    enters NVSHMEM's bootstrap, which has no timeout. NVSHMEM's init and the init-time allocations (control
+    buffers and the heap arena, each a collective ending in a barrier) are the only NVSHMEM collectives of the
+    job; a rank that dies inside them hangs the others (torch.distributed's own timeout applies to the steps
+    before).
+    """
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         raise OdcNotInitializedError("nvshmem transport: call torch.distributed.init_process_group first")
-    if _initialized_once:
-        raise OdcBackendError("nvshmem transport: NVSHMEM cannot be initialised twice in one process")
     rank, world = dist.get_rank(), dist.get_world_size()
+    ext_box: list[ModuleType] = []
 
-    # Validate locally, then agree, so that no rank enters NVSHMEM's (non-timing-out) bootstrap alone.
-    problem = None
-    ext = None
-    capacity = DEFAULT_HEAP
-    try:
+    def local_checks() -> tuple[dict, int, int, str, str, int]:
+        if _initialized_once:
+            raise OdcBackendError(
+                "nvshmem transport: NVSHMEM cannot be initialised twice in one process; start a new process"
+            )
         if not torch.cuda.is_available():
             raise OdcBackendError("nvshmem transport: no CUDA device is available (use backend='host')")
         ext = load_extension()
-        check_version(ext)
-        if heap_size is not None:
-            os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(parse_size(heap_size, what="heap_size"))
-        if os.environ.get("NVSHMEM_SYMMETRIC_SIZE"):
-            capacity = parse_size(os.environ["NVSHMEM_SYMMETRIC_SIZE"], what="NVSHMEM_SYMMETRIC_SIZE")
-    except Exception as exc:
-        problem = f"rank {rank}: {exc}"
-    reports: list = [None] * world
-    dist.all_gather_object(reports, (problem, capacity))
-    bad = [p for p, _ in reports if p]
-    if bad:
-        raise OdcBackendError("nvshmem transport cannot start: " + "; ".join(bad))
-    require_same(
-        "init:", [c for _, c in reports],
-        rule="NVSHMEM_SYMMETRIC_SIZE / init(heap_size=...) must resolve to the same number of bytes on every rank",
-    )
-    assert ext is not None
-    device = torch.device("cuda", torch.cuda.current_device())
+        check_version(ext)  # before NVSHMEM is touched: a mismatch fails on every rank, not inside init
+        ext_box.append(ext)
+        settings, capacity = local_settings(heap_size)
+        try:
+            index = torch.cuda.current_device()
+            props = torch.cuda.get_device_properties(index)
+            mps = int(ext.mps_enabled(index))
+        except RuntimeError as exc:
+            raise OdcBackendError(f"nvshmem transport: cannot query the current CUDA device: {exc}") from exc
+        uuid = str(getattr(props, "uuid", index))  # older torch: no uuid, the index then stands for the GPU
+        # The exchange carries JSON: the settings travel as a dict and are rebuilt below.
+        return asdict(settings), capacity, props.multi_processor_count, socket.gethostname(), uuid, mps
 
-    uid_or_error: list = [None]
+    infos = [
+        (config.NvshmemSettings(**info[0]), *info[1:])
+        for info in gather_checked("init (nvshmem)", local_checks, timeout=timeout)
+    ]
+    settings, capacity, slots = agree_settings([info[:3] for info in infos])
+    sharing: dict[tuple[str, str], list[int]] = {}
+    for r, info in enumerate(infos):
+        sharing.setdefault((info[3], info[4]), []).append(r)
+    for (host, uuid), ranks in sharing.items():
+        if len(ranks) > 1 and infos[ranks[0]][5] != 1:
+            log.warning(
+                "odc nvshmem: ranks %s share GPU %s on %s without CUDA MPS; their kernels time-slice (slow). "
+                "Start MPS (nvidia-cuda-mps-control -d) before the job for concurrent execution.", ranks, uuid, host,
+            )
+    ext = ext_box[0]
+    device = torch.device("cuda", torch.cuda.current_device())
+    epochs_bytes, locks_bytes, scratch_bytes = world * 8, 2 * NLOCKS * 4, slots * settings.cell_bytes
+    # NVSHMEM's heap must hold our control buffers and the arena (its internal buffers come on top of it).
+    os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(
+        _round(epochs_bytes) + _round(locks_bytes) + _round(scratch_bytes) + _round(capacity) + SLACK
+    )
+
+    uid_or_error: list[object] = [None]
     if rank == 0:
         try:
             uid_or_error[0] = ext.get_unique_id()
@@ -547,4 +864,47 @@ def create(*, timeout: float, heap_size: int | str | None = None) -> NvshmemTran
     if isinstance(uid_or_error[0], str):
         raise OdcBackendError(f"nvshmem transport: {uid_or_error[0]}")
     _backend_call("init", ext.init, uid_or_error[0], rank, world, device.index)
-    return NvshmemTransport(ext, rank, world, device, timeout, capacity)
+    global _initialized_once
+    _initialized_once = True
+
+    # Each nvshmem_malloc ends in a barrier: the zeroing of one buffer is complete on every PE before any PE
+    # returns from the next malloc, so no PE announces a barrier epoch or takes a ticket into unzeroed words.
+    epochs = int(_backend_call("malloc", ext.malloc, epochs_bytes))  # type: ignore[call-overload]
+    _zero(epochs, epochs_bytes, device)
+    locks = int(_backend_call("malloc", ext.malloc, locks_bytes))  # type: ignore[call-overload]
+    _zero(locks, locks_bytes, device)
+    torch.cuda.synchronize(device)
+    scratch = int(_backend_call("malloc", ext.malloc, scratch_bytes))  # type: ignore[call-overload]
+    arena = int(_backend_call("malloc", ext.malloc, capacity))  # type: ignore[call-overload]
+    peer_bases = [int(_backend_call("ptr", ext.ptr, arena, pe)) for pe in range(world)]  # type: ignore[call-overload]
+    # One push protocol for the whole job, never a mix (see docs/design.md): atomics through peer pointers only
+    # when NVSHMEM found that every PE reaches every PE with load/store atomics; otherwise the locked protocol.
+    atomic = settings.push == "auto" and bool(_backend_call("p2p_atomics", ext.p2p_atomics)) and all(peer_bases)
+    require_same(
+        "init:", gather_checked("init (push protocol)", lambda: atomic),
+        rule="push protocol (atomic through peer pointers vs locked) must be the same on every rank",
+    )
+    engine = _backend_call(
+        "init", ext.Engine, rank, world, epochs, locks, NLOCKS, scratch, slots, settings.cell_bytes,
+        settings.vector_atomics,
+    )
+    _engines.append(engine)
+    transport = NvshmemTransport(
+        ext, rank, world, device, timeout, settings=settings, slots=slots, capacity=capacity, arena=arena,
+        peer_bases=peer_bases, engine=engine, atomic_push=atomic,
+    )
+    log.info(
+        "odc nvshmem transport: rank %d/%d on %s, heap %d MiB, push=%s, fetch=%s, scratch %d x %d KiB",
+        rank, world, device, capacity >> 20, "atomic" if atomic else "locked", settings.fetch, slots,
+        settings.cell_bytes >> 10,
+    )
+    return transport
+
+
+_SETTING_ENV = {
+    "push": "ODC_NVSHMEM_PUSH",
+    "fetch": "ODC_NVSHMEM_FETCH",
+    "cell_bytes": "ODC_NVSHMEM_CELL_BYTES",
+    "scratch_slots": "ODC_NVSHMEM_SCRATCH_SLOTS",
+    "vector_atomics": "ODC_NVSHMEM_VECTOR_ATOMICS",
+}

@@ -146,13 +146,61 @@ def scenario_heap_exhausted():
     torch.cuda.empty_cache()
 
 
+def scenario_plan_cache():
+    """The fast path: repeated calls reuse a plan; a new dtype, out tensor or stream gives a new, correct one;
+    values that can change between calls (scale) are still checked."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = 3 * 65536 + 17
+    t = full_tensor(n, torch.float32, seed=5)
+    st = odc.shard(t, name="plans")
+    out = torch.empty_like(t)
+    for _ in range(3):
+        assert odc.fetch(st, out=out) is out
+    close(out, t, "fetch through a cached plan", rtol=0, atol=0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = odc.fetch(st)  # new stream: new plan, ordered on `side`
+        for dtype in DTYPES:
+            for _ in range(2):
+                odc.push(st, torch.ones(n, dtype=dtype, device="cuda"), scale=0.5)
+    torch.cuda.current_stream().wait_stream(side)
+    close(got, t, "fetch on another stream", rtol=0, atol=0)
+    try:
+        odc.push(st, torch.ones(n, device="cuda"), scale=float("nan"))
+    except odc.OdcUsageError:
+        pass
+    else:
+        raise AssertionError("nan scale accepted on the fast path")
+    odc.sync()
+    close(st.grad, torch.full_like(st.grad, 3.0 * world), "pushes through cached plans on a side stream")
+    del rank
+    st.free()
+
+
+def scenario_free_keeps_views():
+    """free() never lets a later allocation alias a view that is still alive."""
+    n = 4096
+    st = odc.shard(torch.full((n,), 7.0, device="cuda"), name="old")
+    view = st.local
+    ptr = view.data_ptr()
+    st.free()
+    del st
+    other = odc.shard(torch.zeros(n, device="cuda"), name="new")
+    assert other.local.data_ptr() != ptr and other.grad.data_ptr() != ptr, "a live view was aliased"
+    other.local.fill_(1.0)
+    torch.cuda.synchronize()
+    assert torch.all(view == 7.0), "the freed buffer's live view was overwritten"
+    other.free()
+
+
 SCENARIOS = {name[len("scenario_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("scenario_")}
 
 
 def main() -> None:
     out_path, names = sys.argv[1], sys.argv[2:] or list(SCENARIOS)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())  # several PEs per GPU when nproc > GPUs
     dist.init_process_group("gloo")
     odc.init(backend="nvshmem", heap_size="2G")
     results = {}

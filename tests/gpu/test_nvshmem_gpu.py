@@ -15,9 +15,11 @@ import pytest
 import torch
 
 WORKER = os.path.join(os.path.dirname(__file__), "_nvshmem_worker.py")
-SCENARIOS = ("fetch", "push", "uneven_and_sync", "async", "many_pushers", "heap_exhausted")
+SCENARIOS = (
+    "fetch", "push", "uneven_and_sync", "async", "many_pushers", "heap_exhausted", "plan_cache", "free_keeps_views",
+)
 # The lock + get + add + put push (the multi-node protocol), forced on one node: same results expected.
-LOCKED_SCENARIOS = ("push", "async", "many_pushers")
+LOCKED_SCENARIOS = ("push", "async", "many_pushers", "plan_cache")
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
@@ -77,3 +79,15 @@ def locked(tmp_path_factory):
 @pytest.mark.parametrize("scenario", LOCKED_SCENARIOS)
 def test_locked_push(locked, scenario):
     assert locked[scenario] == "ok", locked[scenario]
+
+
+@pytest.fixture(scope="module")
+def shared_gpu(tmp_path_factory):
+    """4 NVSHMEM PEs on the first GPU (what a single lent GPU can run): the multi-PE paths, atomic push."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    return _run(4, tmp_path_factory, env={"CUDA_VISIBLE_DEVICES": first})
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_four_pes_on_one_gpu(shared_gpu, scenario):
+    assert shared_gpu[scenario] == "ok", shared_gpu[scenario]

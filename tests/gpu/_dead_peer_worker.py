@@ -1,0 +1,88 @@
+"""Worker for tests/gpu/test_dead_peer_gpu.py: one rank of a job in which the last rank dies.
+
+    RANK=r WORLD_SIZE=n MASTER_ADDR=... MASTER_PORT=... python _dead_peer_worker.py SCENARIO RESULT_DIR
+
+Every rank shards a tensor, pushes and syncs once (a good minibatch). Then the last rank kills itself (SIGKILL,
+like an OOM kill) and the survivors run SCENARIO: ``push`` (push + sync + sync), ``fetch`` (fetch + sync + sync) or
+``sync`` (sync + sync). The second sync waits for the first, so the survivors must raise OdcTimeoutError within
+ODC_TIMEOUT + a margin. Each survivor writes RESULT_DIR/rank<r>.json with the error, the seconds it took and the
+wall-clock time it finished, then exits (the test measures how long the exit takes).
+
+Scenario ``mismatch``: rank 0 sets ODC_NVSHMEM_PUSH=locked, the others keep the default; every rank must raise
+OdcMismatchError from init, naming the setting (nobody enters NVSHMEM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import odc_runtime as odc
+
+
+def main() -> None:
+    scenario, out_dir = sys.argv[1], sys.argv[2]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    result: dict = {"rank": rank}
+    if scenario == "mismatch":
+        if rank == 0:
+            os.environ["ODC_NVSHMEM_PUSH"] = "locked"
+        try:
+            odc.init("nvshmem", heap_size="64M")
+            result["error"] = None
+        except odc.OdcMismatchError as e:
+            result["error"] = f"{type(e).__name__}: {e}"
+        _write(out_dir, rank, result)
+        return
+    odc.init("nvshmem", heap_size="256M")
+    n = 1 << 20
+    st = odc.shard(torch.zeros(n, device="cuda"), name="w")
+    g = torch.ones(n, device="cuda")
+    odc.push(st, g)
+    odc.sync()
+    odc.sync()  # the good minibatch is complete everywhere
+    torch.cuda.synchronize()
+    assert torch.all(st.grad == world), "the good minibatch before the failure was wrong"
+    dist.barrier()
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1.0)  # let the victim die first
+    start = time.monotonic()
+    try:
+        if scenario == "push":
+            odc.push(st, g)
+        elif scenario == "fetch":
+            odc.fetch(st)
+        odc.sync()
+        odc.sync()
+        torch.cuda.synchronize()
+        result["error"] = None
+    except odc.OdcError as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+    result["seconds"] = time.monotonic() - start
+    # The CUDA context must still be usable after the error (a checkpoint can be written).
+    try:
+        result["context_ok"] = float((torch.ones(4, device="cuda") * 2).sum().item()) == 8.0
+    except Exception as e:  # reported, not raised: the test asserts on it
+        result["context_ok"] = f"{type(e).__name__}: {e}"
+    result["finished_at"] = time.time()
+    _write(out_dir, rank, result)
+    sys.exit(0)  # not os._exit: a normal exit must be prompt too
+
+
+def _write(out_dir: str, rank: int, result: dict) -> None:
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

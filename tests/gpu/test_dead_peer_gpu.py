@@ -1,0 +1,127 @@
+"""A killed rank never hangs the survivors (issue 12), on ONE GPU with 2-4 NVSHMEM PEs.
+
+The survivors must raise OdcTimeoutError in push, fetch and sync within ODC_TIMEOUT + 5 s, name the dead rank,
+keep a usable CUDA context, and then exit within 5 s. Mismatched protocol settings must raise on every rank.
+Runs with and without CUDA MPS (started by this test when ``nvidia-cuda-mps-control`` exists). Ranks are plain
+processes (not torchrun, whose agent would kill the survivors as soon as one rank dies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+WORKER = os.path.join(os.path.dirname(__file__), "_dead_peer_worker.py")
+NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
+TIMEOUT_S = 12
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+
+
+def _require_backend() -> None:
+    if NGPU == 0:
+        pytest.skip("needs a CUDA GPU (none visible); runs 2-4 NVSHMEM PEs on one GPU")
+    from odc_runtime.transport import nvshmem
+
+    if not nvshmem.is_available():
+        if os.environ.get("ODC_REQUIRE_EXTENSION") == "1":
+            pytest.fail("nvshmem backend unavailable but ODC_REQUIRE_EXTENSION=1")
+        pytest.skip("odc_runtime._C not built (run .ci/build_ext.sh)")
+
+
+@contextlib.contextmanager
+def _mps(enabled: bool, tmp):
+    """Start a private CUDA MPS daemon for the job's processes (skip if it cannot be started)."""
+    if not enabled:
+        yield {}
+        return
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        pytest.skip("nvidia-cuda-mps-control not found: cannot start CUDA MPS for the multi-PE-per-GPU run")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp / "mps-pipe"), "CUDA_MPS_LOG_DIRECTORY": str(tmp / "mps-log")}
+    for d in env.values():
+        os.makedirs(d, exist_ok=True)
+    full = {**os.environ, **env}
+    started = subprocess.run([control, "-d"], env=full, capture_output=True, text=True, timeout=30)
+    if started.returncode != 0:
+        pytest.skip(f"could not start CUDA MPS ({started.stderr.strip() or started.stdout.strip()})")
+    try:
+        yield env
+    finally:
+        subprocess.run([control], input="quit\n", env=full, capture_output=True, text=True, timeout=30)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(scenario: str, world: int, out_dir, extra_env: dict) -> tuple[list[subprocess.Popen], dict[int, float]]:
+    port = _free_port()
+    procs = []
+    for r in range(world):
+        env = {
+            **os.environ, **extra_env, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "ODC_TIMEOUT": str(TIMEOUT_S),
+        }
+        procs.append(subprocess.Popen([sys.executable, WORKER, scenario, str(out_dir)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    exited: dict[int, float] = {}
+    deadline = time.monotonic() + 300
+    while len(exited) < world and time.monotonic() < deadline:
+        for r, p in enumerate(procs):
+            if r not in exited and p.poll() is not None:
+                exited[r] = time.time()
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    return procs, exited
+
+
+def _output(procs) -> str:
+    return "\n".join(f"--- rank {r} rc={p.returncode} ---\n{p.stdout.read()[-3000:]}" for r, p in enumerate(procs))
+
+
+@pytest.mark.parametrize("mps", [False, True], ids=["no-mps", "mps"])
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("scenario", ["push", "fetch", "sync"])
+def test_dead_peer_raises_within_timeout(scenario: str, world: int, mps: bool, tmp_path) -> None:
+    _require_backend()
+    with _mps(mps, tmp_path) as env:
+        procs, exited = _launch(scenario, world, tmp_path, env)
+    log = _output(procs)
+    victim = world - 1
+    for r in range(world - 1):
+        path = tmp_path / f"rank{r}.json"
+        assert path.exists(), f"survivor {r} wrote no result (hung or crashed)\n{log}"
+        res = json.loads(path.read_text())
+        assert res["error"] and res["error"].startswith("OdcTimeoutError"), f"rank {r}: {res}\n{log}"
+        assert str(victim) in res["error"].split("did not arrive")[0], f"rank {r} does not name rank {victim}: {res}"
+        assert res["seconds"] <= TIMEOUT_S + 5, f"rank {r} raised after {res['seconds']:.1f} s: {res}"
+        assert res["context_ok"] is True, f"rank {r}: CUDA context unusable after the error: {res}"
+        assert r in exited and exited[r] - res["finished_at"] <= 5, f"rank {r} took too long to exit\n{log}"
+        print(f"{scenario} world={world} mps={mps} rank {r}: raised after {res['seconds']:.2f} s, "
+              f"exited {exited[r] - res['finished_at']:.2f} s later")
+    assert procs[victim].returncode == -9, log
+
+
+@pytest.mark.parametrize("world", [2])
+def test_mismatched_settings_raise_on_every_rank(world: int, tmp_path) -> None:
+    _require_backend()
+    procs, _ = _launch("mismatch", world, tmp_path, {})
+    log = _output(procs)
+    for r in range(world):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert res["error"] and "ODC_NVSHMEM_PUSH" in res["error"], f"rank {r}: {res}\n{log}"
+        assert procs[r].returncode == 0, log
