@@ -9,9 +9,9 @@ For every size N (bytes of the *full* fp32 tensor; binary units, 1M = 2^20 bytes
 ========== =========================================================================================
 copy        ``dst.copy_(src)`` of N bytes on every rank, no communication: the ceiling
 add         ``dst.add_(src)`` of N bytes on every rank, no communication (what a push does, in total)
-all_gather  collective ``all_gather_single`` (gloo / NCCL): every rank receives the full N-byte tensor
+all_gather  collective ``all_gather_into_tensor`` (gloo / NCCL): every rank receives the full N-byte tensor
 fetch       ``odc.fetch(st, out=...)``: every rank reads the full N-byte tensor from its owners
-red_scatter collective ``reduce_scatter_single`` (SUM): every rank sends an N-byte gradient, keeps its shard
+red_scatter collective ``reduce_scatter_tensor`` (SUM): every rank sends an N-byte gradient, keeps its shard
 push        ``odc.push(st, grad)``: every rank adds its N-byte gradient into the owners' accumulators
 sync        ``odc.sync()`` alone (the once-per-minibatch fence that makes pushes visible)
 ========== =========================================================================================
@@ -137,9 +137,9 @@ def make_ops(nbytes: int, world: int, device):
     return st, {
         "copy": (lambda: out.copy_(full), None),
         "add": (lambda: out.add_(full), None),
-        "all_gather": (lambda: dist.all_gather_single(gathered, shard), None),
+        "all_gather": (lambda: dist.all_gather_into_tensor(gathered, shard), None),
         "fetch": (lambda: odc.fetch(st, out=out), None),
-        "red_scatter": (lambda: dist.reduce_scatter_single(grad_shard, grad_full), None),
+        "red_scatter": (lambda: dist.reduce_scatter_tensor(grad_shard, grad_full), None),
         # untimed sync after every push: all pushes have landed before the next repeat starts
         "push": (lambda: odc.push(st, full), odc.sync),
         "sync": (odc.sync, None),
@@ -229,8 +229,8 @@ def report(args, results: list[dict], world: int, collective: str, device) -> No
         ])
     table = format_table(["size", "op", "ms", "algbw GB/s", "busbw GB/s", "/copy", "/collective"], rows)
     notes = [
-        f"all_gather = torch.distributed.all_gather_single ({collective}); red_scatter = "
-        f"reduce_scatter_single ({collective}, SUM); both are supported natively by {collective} in torch "
+        f"all_gather = torch.distributed.all_gather_into_tensor ({collective}); red_scatter = "
+        f"reduce_scatter_tensor ({collective}, SUM); both are supported natively by {collective} in torch "
         f"{_torch_version()}.",
         "/copy: algbw relative to a local dst.copy_(src) of the same bytes run on all ranks at once (ceiling); "
         "/collective: fetch vs all_gather, push vs red_scatter.",

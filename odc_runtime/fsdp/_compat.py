@@ -28,12 +28,18 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from odc_runtime.errors import OdcUsageError
+
+if TYPE_CHECKING:  # torch's private classes, for annotations only: nothing here imports them at run time
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 __all__ = [
     "CAPABILITIES",
@@ -160,7 +166,7 @@ def _init_attr_names(cls: type) -> set[str]:
 _SENTINEL = object()
 
 
-def _attr(obj: object, name: str, what: str) -> Any:
+def _attr(obj: object, name: str, what: str) -> object:
     value = getattr(obj, name, _SENTINEL)
     if value is _SENTINEL:
         raise OdcUsageError(
@@ -170,7 +176,7 @@ def _attr(obj: object, name: str, what: str) -> Any:
     return value
 
 
-def param_groups(module: nn.Module) -> list[Any]:
+def param_groups(module: nn.Module) -> list[FSDPParamGroup]:
     """The FSDP parameter groups (``FSDPParamGroup``) of one FSDP module: ``[]``, one, or several (torch >= 2.13)."""
     state = module._get_fsdp_state()  # FSDPModule's own accessor (private name, present 2.6 .. 2.14)
     groups = getattr(state, "_fsdp_param_groups", _SENTINEL)
@@ -184,15 +190,15 @@ def param_groups(module: nn.Module) -> list[Any]:
 class GroupLayout:
     """What ODC reads from one ``FSDPParamGroup`` at ``enable()`` time."""
 
-    fsdp_params: list[Any]
-    mp_policy: Any
-    offload_policy: Any
+    fsdp_params: list[FSDPParam]
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
     device: torch.device
     hsdp_or_hpz: bool  # post-forward mesh differs from the main mesh (reshard_after_forward=int)
     all_reduce_hook: bool
 
 
-def group_layout(group: Any) -> GroupLayout:
+def group_layout(group: FSDPParamGroup) -> GroupLayout:
     """Read the layout-relevant attributes of an ``FSDPParamGroup``."""
     pf = _attr(group, "post_forward_mesh_info", "FSDPParamGroup")
     mesh = _attr(group, "mesh_info", "FSDPParamGroup")
@@ -206,32 +212,32 @@ def group_layout(group: Any) -> GroupLayout:
     )
 
 
-def gradient_divide_factor(group: Any) -> float | None:
+def gradient_divide_factor(group: FSDPParamGroup) -> float | None:
     """The group's ``set_gradient_divide_factor`` value (``None`` if never set)."""
     return _attr(group, "gradient_divide_factor", "FSDPParamGroup")
 
 
-def reduce_grads(group: Any) -> bool:
+def reduce_grads(group: FSDPParamGroup) -> bool:
     """False while ``set_requires_gradient_sync(False)`` is active."""
     return bool(_attr(group, "reduce_grads", "FSDPParamGroup"))
 
 
-def comms(group: Any) -> tuple[Any, Any]:
+def comms(group: FSDPParamGroup) -> tuple[AllGather, ReduceScatter]:
     """The group's current all-gather and reduce-scatter comm objects (restored by ``disable()``)."""
     return _attr(group, "_all_gather_comm", "FSDPParamGroup"), _attr(group, "_reduce_scatter_comm", "FSDPParamGroup")
 
 
-def reduce_scatter_unused_params(group: Any) -> bool:
+def reduce_scatter_unused_params(group: FSDPParamGroup) -> bool:
     """The group's ``set_reduce_scatter_unused_params`` value (False where torch lacks it)."""
     return bool(getattr(group, "reduce_scatter_unused_params", False))
 
 
-def sharded_param(fsdp_param: Any) -> nn.Parameter:
+def sharded_param(fsdp_param: FSDPParam) -> nn.Parameter:
     """The ``FSDPParam``'s sharded parameter (a DTensor registered on the module)."""
     return _attr(fsdp_param, "sharded_param", "FSDPParam")
 
 
-def unsharded_param(fsdp_param: Any) -> nn.Parameter | None:
+def unsharded_param(fsdp_param: FSDPParam) -> nn.Parameter | None:
     """The ``FSDPParam``'s unsharded parameter, or None before its first all-gather. The object is created at the
     first all-gather and reused afterwards (its storage is freed and re-allocated), so hooks on it persist."""
     if not hasattr(fsdp_param, "_unsharded_param"):

@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ import odc_runtime as odc
 from odc_runtime.errors import OdcUsageError
 
 from . import _compat
-from ._layout import State, Unit
+from ._layout import Param, State, Unit
 
 
 class _CommBase:
@@ -113,7 +113,7 @@ def make_reduce_scatter(base: type) -> type:
             output_tensor: torch.Tensor,
             input_tensor: torch.Tensor,
             group: dist.ProcessGroup,
-            op: Any,
+            op: dist.ReduceOp,
             async_op: bool = False,
         ) -> dist.Work | None:
             state = self._check_group(group, "reduce-scatter")
@@ -178,7 +178,7 @@ def install_unused_tracking(unit: Unit) -> None:
     unit.track_unused = True
     trainable = sum(p.rs_offset is not None for p in unit.params)
 
-    def after_unshard(module: nn.Module, args: Any) -> None:
+    def after_unshard(module: nn.Module, args: tuple[object, ...]) -> None:
         # Runs after FSDP's own pre-forward hook (registered with prepend=True), which has unsharded and waited.
         if len(unit.hooked) == trainable:
             return
@@ -192,7 +192,7 @@ def install_unused_tracking(unit: Unit) -> None:
     unit.handles.append(unit.module.register_forward_pre_hook(after_unshard))
 
 
-def _marker(p: Any) -> Any:
+def _marker(p: Param) -> Callable[[torch.Tensor], None]:
     def mark(_: torch.Tensor) -> None:
         p.used = True
 

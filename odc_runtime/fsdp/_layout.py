@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -23,12 +23,18 @@ from odc_runtime.errors import OdcUsageError
 
 from . import _compat
 
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.utils.hooks import RemovableHandle
+
 
 @dataclass
 class Param:
     """One FSDP parameter of a unit: where its padded shard sits in the unit's rows."""
 
-    fsdp_param: Any  # torch's FSDPParam (read through _compat only)
+    fsdp_param: FSDPParam  # read through _compat only
     fqn: str
     ag_offset: int  # offset of this parameter's padded shard in the all-gather row
     rs_offset: int | None  # offset in the reduce-scatter row; None if frozen
@@ -45,7 +51,7 @@ class Unit:
     """One FSDP module (one FSDP parameter group) under ODC."""
 
     module: nn.Module
-    group: Any  # torch's FSDPParamGroup (read through _compat; written only through FSDPModule's setters)
+    group: FSDPParamGroup  # read through _compat; written only through FSDPModule's setters
     fqn: str
     params: list[Param]
     ag_numel: int
@@ -56,9 +62,9 @@ class Unit:
     device: torch.device
     st_ag: odc.ShardedTensor | None = None
     st_rs: odc.ShardedTensor | None = None
-    prev: dict[str, Any] = field(default_factory=dict)
+    prev: dict[str, object] = field(default_factory=dict)
     track_unused: bool = False  # torch lacks set_reduce_scatter_unused_params: ODC tracks gradients itself
-    handles: list[Any] = field(default_factory=list)  # hook handles removed by disable()
+    handles: list[RemovableHandle] = field(default_factory=list)  # hook handles removed by disable()
     hooked: set[int] = field(default_factory=set)  # ids of unsharded params with a grad-tracking hook
     checked: bool = False
     all_gathers: int = 0
@@ -83,7 +89,9 @@ STATES: weakref.WeakKeyDictionary[nn.Module, State] = weakref.WeakKeyDictionary(
 OWNER: weakref.WeakKeyDictionary[nn.Module, State] = weakref.WeakKeyDictionary()  # FSDP module -> state
 
 
-def effective_dtypes(mp_policy: Any, orig_dtype: torch.dtype) -> tuple[torch.dtype | None, torch.dtype | None]:
+def effective_dtypes(
+    mp_policy: MixedPrecisionPolicy, orig_dtype: torch.dtype
+) -> tuple[torch.dtype | None, torch.dtype | None]:
     """``(param_dtype, reduce_dtype)`` after FSDP2's clamping (``FSDPParam.init_dtype_attrs``, same in 2.9..2.14)."""
     param_dtype, reduce_dtype = mp_policy.param_dtype, mp_policy.reduce_dtype
     if reduce_dtype == param_dtype:
@@ -104,7 +112,7 @@ def fp16_pre_factor(reduce_dtype: torch.dtype, factor: float) -> float:
 
 
 def build_unit(
-    module: nn.Module, fqn: str, group: Any, world_size: int, api: _compat.FsdpApi, names: dict[int, str]
+    module: nn.Module, fqn: str, group: FSDPParamGroup, world_size: int, api: _compat.FsdpApi, names: dict[int, str]
 ) -> Unit:
     """Read one FSDP parameter group into a :class:`Unit` (offsets, dtypes, scale); refuse what ODC cannot do.
 
