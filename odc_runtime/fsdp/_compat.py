@@ -15,12 +15,14 @@ messages (and a test that keeps the table honest), the oldest torch release know
 
 What differs across the supported range (torch 2.9 to 2.14, read from the released sources):
 
-- ``FSDPState._fsdp_param_group`` (one group or ``None``; torch <= 2.12) became ``_fsdp_param_groups`` (a list,
-  several with per-parameter meshes from ``shard_placement_fn``; torch >= 2.13). :func:`param_groups` reads
+- ``FSDPState._fsdp_param_group`` (one group or ``None``; torch <= 2.11) became ``_fsdp_param_groups`` (a list,
+  several with per-parameter meshes from ``shard_placement_fn``; torch >= 2.12). :func:`param_groups` reads
   whichever exists.
 - ``FSDPModule.set_reduce_scatter_unused_params`` (torch >= 2.13) makes FSDP include zero gradients for
   parameters that got none, so the reduce-scatter layout never changes. Without it ODC tracks which parameters
   received a gradient itself (``odc_runtime.fsdp._hooks``) and re-expands FSDP's shorter input.
+- ``FSDPModule.reset_iter_state`` (torch >= 2.13) recovers FSDP after an exception mid-iteration; ODC only names
+  it in its error messages where it exists (older torch: rebuild the model from a checkpoint).
 """
 
 from __future__ import annotations
@@ -78,6 +80,11 @@ CAPABILITIES: dict[str, Capability] = {
     "param_groups_list": Capability(
         "FSDPState._fsdp_param_groups (several parameter groups per FSDP module); older releases have one "
         "_fsdp_param_group",
+        (2, 12),
+        False,
+    ),
+    "reset_iter_state": Capability(
+        "FSDPModule.reset_iter_state (recover FSDP after an exception inside forward or backward)",
         (2, 13),
         False,
     ),
@@ -145,6 +152,9 @@ def has_capability(name: str) -> bool:
     if name == "reduce_scatter_unused_params":
         api = _detect()
         return not isinstance(api, str) and api.reduce_scatter_unused_params
+    if name == "reset_iter_state":
+        api = _detect()
+        return not isinstance(api, str) and callable(getattr(api.fsdp_module, "reset_iter_state", None))
     if name == "param_groups_list":
         try:
             from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
@@ -177,7 +187,7 @@ def _attr(obj: object, name: str, what: str) -> object:
 
 
 def param_groups(module: nn.Module) -> list[FSDPParamGroup]:
-    """The FSDP parameter groups (``FSDPParamGroup``) of one FSDP module: ``[]``, one, or several (torch >= 2.13)."""
+    """The FSDP parameter groups (``FSDPParamGroup``) of one FSDP module: ``[]``, one, or several (torch >= 2.12)."""
     state = module._get_fsdp_state()  # FSDPModule's own accessor (private name, present 2.6 .. 2.14)
     groups = getattr(state, "_fsdp_param_groups", _SENTINEL)
     if groups is not _SENTINEL:

@@ -119,10 +119,16 @@ def make_reduce_scatter(base: type) -> type:
             state = self._check_group(group, "reduce-scatter")
             unit = self._unit
             if not state.in_minibatch:
+                recover = (
+                    "call model.reset_iter_state() on the root model before going on"
+                    if _compat.has_capability("reset_iter_state")
+                    else f"torch {torch.__version__} has no FSDPModule.reset_iter_state (torch >= 2.13): rebuild "
+                    "the model (e.g. from a checkpoint) before going on"
+                )
                 raise OdcUsageError(
                     "odc_runtime.fsdp: backward() ran outside a minibatch on an ODC-enabled model; wrap the "
                     "micro-batches in `with odc_runtime.fsdp.minibatch(model):` (or begin_minibatch/end_minibatch). "
-                    "FSDP's iteration state is now undefined: call model.reset_iter_state() before going on"
+                    f"FSDP's iteration state is now undefined: {recover}"
                 )
             w, n = state.world_size, unit.rs_numel
             rows = _full_rows(unit, input_tensor, w) if unit.track_unused else None
