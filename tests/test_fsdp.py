@@ -1,5 +1,10 @@
 """FSDP2 in ODC mode (odc_runtime.fsdp): equivalence with a single-process reference and with stock FSDP2.
 
+Runs unchanged on every supported torch (2.9 .. 2.14; .ci/compat.sh runs it on the oldest and the newest besides
+the main CI torch): where a torch lacks a capability ODC provides itself (unused-parameter tracking before 2.13) the
+same scenarios exercise ODC's replacement, and ``test_private_fsdp_surface_of_this_torch`` checks the FSDP2
+internals ODC reads on the torch at hand.
+
 Scenarios live in ``tests/_fsdp_harness.py`` and run on a tiny transformer whose parameter shapes do not divide by
 the world size. To keep the file fast on a 2-core machine, the scenarios are batched into two spawned jobs (3 ranks
 and 2 ranks: gloo, host transport, one torch thread each), run once per module by fixtures; each test checks the
