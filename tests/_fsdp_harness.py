@@ -563,6 +563,18 @@ def scenario_refusals(rank: int, world: int) -> dict[str, str]:
     return out
 
 
+def scenario_single_rank(rank: int, world: int) -> str:
+    """enable() on a world of one refuses (FSDP2 would bypass the reduce-scatter hook there)."""
+    import odc_runtime.fsdp as ofsdp
+    from odc_runtime.errors import OdcUsageError
+
+    try:
+        ofsdp.enable(shard_model(make_model()))
+    except OdcUsageError as e:
+        return str(e)
+    return "NO ERROR"
+
+
 def run_suite(rank: int, world: int, plan: list[tuple[str, str, tuple]]) -> dict[str, Any]:
     """Run several scenarios in one process group: ``plan`` = [(key, scenario function name, args)].
 

@@ -134,6 +134,12 @@ def test_private_fsdp_surface_of_this_torch(suite2):
             )
 
 
+@pytest.mark.timeout(120)
+def test_single_rank_is_refused():
+    [msg] = h.run(h.scenario_single_rank, 1, timeout=100)
+    assert "on a single rank" in msg, msg
+
+
 def test_torch_without_custom_comm_hooks_is_refused_by_name(monkeypatch):
     """A torch lacking FSDP2's custom comm hooks (e.g. 2.8) gets an error naming the version, the capability and
     the oldest torch that has it; simulated by removing the method from this torch's FSDPModule."""

@@ -173,6 +173,13 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
     world_size, rank = odc.world_size(), odc.rank()
     if dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise OdcUsageError("odc_runtime.fsdp: the ODC runtime and the default process group disagree on ranks")
+    if world_size < 2:
+        # FSDP2 (torch >= 2.11) skips the reduce-scatter hook on one rank and writes the gradients itself, so
+        # divide_factor could not be honoured; and there is no communication to replace.
+        raise OdcUsageError(
+            "odc_runtime.fsdp.enable() on a single rank: FSDP2 communicates nothing there, so ODC mode has nothing "
+            "to replace; train with plain FSDP2 (or launch at least 2 ranks)"
+        )
     device_type = "cpu" if odc.backend() == "host" else "cuda"
     # Reshard so that the sharded parameters are the registered ones and the next forward gathers again.
     for _, m in modules:
