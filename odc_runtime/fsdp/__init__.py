@@ -64,6 +64,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,9 @@ from ._layout import STATES as _STATES
 from ._layout import State as _State
 from ._layout import Unit as _Unit
 from ._layout import build_unit as _build_unit
+
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +125,7 @@ def _fsdp_modules(model: nn.Module, fsdp_module_cls: type) -> list[tuple[str, nn
     return [(name, m) for name, m in model.named_modules() if isinstance(m, fsdp_module_cls)]
 
 
-def _param_group(module: nn.Module, fqn: str) -> object | None:
+def _param_group(module: nn.Module, fqn: str) -> FSDPParamGroup | None:
     """The module's single FSDP parameter group, or None if it manages no parameters."""
     groups = _compat.param_groups(module)
     if len(groups) > 1:
