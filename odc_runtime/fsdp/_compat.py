@@ -21,6 +21,8 @@ What differs across the supported range (torch 2.9 to 2.14, read from the releas
 - ``FSDPModule.set_reduce_scatter_unused_params`` (torch >= 2.13) makes FSDP include zero gradients for
   parameters that got none, so the reduce-scatter layout never changes. Without it ODC tracks which parameters
   received a gradient itself (``odc_runtime.fsdp._hooks``) and re-expands FSDP's shorter input.
+- The mixed-precision policy moved from ``FSDPParamGroup.mp_policy`` to each ``FSDPParam.mp_policy`` only in 2.15
+  (per-parameter ``param_dtype_override_fn``); every release since 2.9 has the per-parameter one, so ODC reads that.
 - ``FSDPModule.reset_iter_state`` (torch >= 2.13) recovers FSDP after an exception mid-iteration; ODC only names
   it in its error messages where it exists (older torch: rebuild the model from a checkpoint).
 """
@@ -201,7 +203,6 @@ class GroupLayout:
     """What ODC reads from one ``FSDPParamGroup`` at ``enable()`` time."""
 
     fsdp_params: list[FSDPParam]
-    mp_policy: MixedPrecisionPolicy
     offload_policy: OffloadPolicy
     device: torch.device
     hsdp_or_hpz: bool  # post-forward mesh differs from the main mesh (reshard_after_forward=int)
@@ -214,7 +215,6 @@ def group_layout(group: FSDPParamGroup) -> GroupLayout:
     mesh = _attr(group, "mesh_info", "FSDPParamGroup")
     return GroupLayout(
         fsdp_params=list(_attr(group, "fsdp_params", "FSDPParamGroup")),
-        mp_policy=_attr(group, "mp_policy", "FSDPParamGroup"),
         offload_policy=_attr(group, "offload_policy", "FSDPParamGroup"),
         device=_attr(group, "device", "FSDPParamGroup"),
         hsdp_or_hpz=pf is not None and pf != mesh,
@@ -245,6 +245,12 @@ def reduce_scatter_unused_params(group: FSDPParamGroup) -> bool:
 def sharded_param(fsdp_param: FSDPParam) -> nn.Parameter:
     """The ``FSDPParam``'s sharded parameter (a DTensor registered on the module)."""
     return _attr(fsdp_param, "sharded_param", "FSDPParam")
+
+
+def mp_policy(fsdp_param: FSDPParam) -> MixedPrecisionPolicy:
+    """The parameter's mixed-precision policy. Every FSDPParam keeps the policy it was built with (2.9 .. 2.15);
+    up to 2.14 it is the group's policy, from 2.15 it may be resolved per parameter (``param_dtype_override_fn``)."""
+    return _attr(fsdp_param, "mp_policy", "FSDPParam")
 
 
 def unsharded_param(fsdp_param: FSDPParam) -> nn.Parameter | None:
@@ -289,6 +295,7 @@ def check_private_surface(module: nn.Module) -> list[str]:
         if isinstance(layout, GroupLayout):
             for fp in layout.fsdp_params:
                 sp = probe("sharded_param", lambda f=fp: sharded_param(f))
+                probe("mp_policy", lambda f=fp: mp_policy(f))
                 if sp is not None and not any(sp is p for p in module.parameters()):
                     problems.append("sharded_param: not a registered parameter of the FSDP module")
                 up = probe("unsharded_param", lambda f=fp: unsharded_param(f))

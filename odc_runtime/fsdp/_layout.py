@@ -92,7 +92,8 @@ OWNER: weakref.WeakKeyDictionary[nn.Module, State] = weakref.WeakKeyDictionary()
 def effective_dtypes(
     mp_policy: MixedPrecisionPolicy, orig_dtype: torch.dtype
 ) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """``(param_dtype, reduce_dtype)`` after FSDP2's clamping (``FSDPParam.init_dtype_attrs``, same in 2.9..2.14)."""
+    """``(param_dtype, reduce_dtype)`` after FSDP2's clamping (``FSDPParam.init_dtype_attrs``; 2.15 no longer clamps
+    ``reduce_dtype == param_dtype`` to None, which gives the same effective reduce dtype)."""
     param_dtype, reduce_dtype = mp_policy.param_dtype, mp_policy.reduce_dtype
     if reduce_dtype == param_dtype:
         reduce_dtype = None
@@ -163,7 +164,7 @@ def build_unit(
         rows = sp.shape[0] if sp.ndim > 0 else 1
         padded = -(-rows // world_size) * (math.prod(sp.shape[1:]) if sp.ndim > 1 else 1)
         orig = sp.dtype
-        param_dtype, reduce_dtype = effective_dtypes(layout.mp_policy, orig)
+        param_dtype, reduce_dtype = effective_dtypes(_compat.mp_policy(fp), orig)
         ag_dtypes.add(param_dtype or orig)
         rs_off_this = None
         if sp.requires_grad:
