@@ -26,10 +26,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import odc_runtime as odc
+from odc_runtime.api import PARAM_DTYPES
 from odc_runtime.errors import OdcUsageError
 
 from . import _compat
-from ._layout import Param, State, Unit
+from ._layout import Param, State, Unit, fp16_pre_factor
 
 
 class _CommBase:
@@ -131,12 +132,17 @@ def make_reduce_scatter(base: type) -> type:
                     f"FSDP's iteration state is now undefined: {recover}"
                 )
             w, n = state.world_size, unit.rs_numel
+            if unit.st_rs is None or input_tensor.dtype not in PARAM_DTYPES:
+                raise _layout_error(unit, input_tensor, w)
             rows = _full_rows(unit, input_tensor, w) if unit.track_unused else None
             if rows is None:
-                if input_tensor.numel() != w * n or input_tensor.dtype != unit.rs_dtype or unit.st_rs is None:
+                if input_tensor.numel() != w * n:
                     raise _layout_error(unit, input_tensor, w)
                 rows = input_tensor.view(w, n)
-            odc.push(unit.st_rs, rows, scale=unit.rs_input_scale)
+            # FSDP pre-divides reduce dtypes with overflow risk (fp16) before the reduce-scatter; undo it so the
+            # accumulator holds plain sums. The reduce dtype is the input's (it differs across torch versions).
+            factor = _compat.gradient_divide_factor(unit.group) or float(w)
+            odc.push(unit.st_rs, rows, scale=fp16_pre_factor(input_tensor.dtype, factor))
             output_tensor.zero_()
             unit.reduce_scatters += 1
             return None
@@ -147,7 +153,7 @@ def make_reduce_scatter(base: type) -> type:
 def _layout_error(unit: Unit, input_tensor: torch.Tensor, w: int) -> OdcUsageError:
     return OdcUsageError(
         f"odc_runtime.fsdp reduce-scatter for {unit.fqn!r}: FSDP passed {input_tensor.numel()} elements of "
-        f"{input_tensor.dtype} but ODC laid out {w} x {unit.rs_numel} of {unit.rs_dtype} at enable() time; "
+        f"{input_tensor.dtype} but ODC laid out {w} x {unit.rs_numel} floating-point elements at enable() time; "
         "trainable parameters (requires_grad) or dtypes changed after enable(): disable() and enable() again"
     )
 
@@ -159,8 +165,6 @@ def _full_rows(unit: Unit, input_tensor: torch.Tensor, w: int) -> torch.Tensor |
     present = [p for p in unit.params if p.rs_offset is not None and p.used]
     for p in unit.params:
         p.used = False
-    if unit.st_rs is None or input_tensor.dtype != unit.rs_dtype:
-        raise _layout_error(unit, input_tensor, w)
     sub = sum(p.padded for p in present)
     if input_tensor.numel() != w * sub:
         raise OdcUsageError(

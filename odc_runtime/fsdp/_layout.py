@@ -57,8 +57,8 @@ class Unit:
     ag_numel: int
     ag_dtype: torch.dtype
     rs_numel: int
-    rs_dtype: torch.dtype | None
-    rs_input_scale: float  # undoes FSDP's fp16 pre-division, so the accumulator holds plain sums
+    rs_dtype: torch.dtype | None  # expected reduce dtype (torch 2.15 reduces in the original dtype instead; the
+    # hooks take the dtype FSDP passes and undo its pre-division for that dtype)
     device: torch.device
     st_ag: odc.ShardedTensor | None = None
     st_rs: odc.ShardedTensor | None = None
@@ -187,6 +187,4 @@ def build_unit(
     rs_dtype = next(iter(rs_dtypes)) if rs_dtypes else None
     if rs_dtype is not None and rs_dtype not in PARAM_DTYPES:
         raise OdcUsageError(f"odc_runtime.fsdp: reduce dtype {rs_dtype} of {name!r} is not supported by ODC")
-    factor = _compat.gradient_divide_factor(group) or float(world_size)
-    scale = fp16_pre_factor(rs_dtype, factor) if rs_dtype is not None else 1.0
-    return Unit(module, group, name, params, ag_off, ag_dtype, rs_off, rs_dtype, scale, layout.device)
+    return Unit(module, group, name, params, ag_off, ag_dtype, rs_off, rs_dtype, layout.device)
