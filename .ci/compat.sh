@@ -4,6 +4,7 @@
 #
 #   bash .ci/compat.sh                       # torch 2.9.1 and 2.14.1
 #   ODC_COMPAT_TORCH="2.11.0" bash .ci/compat.sh
+#   PIP_CONFIG_FILE=/dev/null ODC_COMPAT_TORCH=2.15.0 bash .ci/compat.sh   # past this machine's torch<=2.14.1 pip cap
 #
 # Each torch gets its own virtual environment under ${ODC_COMPAT_CACHE:-$HOME/.cache/odc-compat}/torch-X.Y.Z,
 # created on the first run and reused while its torch imports with the expected version (the PyPI wheels are CUDA
