@@ -19,7 +19,8 @@ global number of target tokens, so the loss curves agree (up to float summation 
     torchrun --nproc-per-node 4 examples/sft.py --comm odc --steps 10
 
 CPU ranks use gloo and ODC's ``host`` backend; with CUDA the same command uses nccl, one GPU per rank, and ODC's
-default GPU backend (``nvshmem``). Logs one line per step (rank 0): loss, tokens/s, micro-batch counts per rank.
+default GPU backend (``nvshmem``). Logs one line per step (rank 0): loss, tokens/s, the number of non-empty
+micro-batches per rank (in collective mode the ranks with fewer also run empty ones, as the log line says).
 """
 
 from __future__ import annotations
@@ -231,7 +232,10 @@ def train(args: argparse.Namespace) -> None:
         dt = time.perf_counter() - t0
 
         dist.all_reduce(loss_sum)
-        counts = [len([mb for mb in r if mb]) for r in plan]
+        counts = [len([mb for mb in r if mb]) for r in plan]  # non-empty ones
+        padded = ""
+        if args.comm == "collective" and len(set(counts)) > 1:  # the collectives made every rank run as many
+            padded = f" (+ empty ones: every rank runs {max(len(r) for r in plan)})"
         rec = {
             "step": step,
             "loss": loss_sum.item() / global_targets,
@@ -246,7 +250,7 @@ def train(args: argparse.Namespace) -> None:
             print(
                 f"step {step:3d}  loss {rec['loss']:.5f}  grad_norm {rec['grad_norm']:.4f}  "
                 f"tokens {rec['tokens']:6d}  {dt:6.2f}s  {rec['tokens_per_s']:8.0f} tok/s  "
-                f"micro-batches/rank {counts}",
+                f"micro-batches/rank {counts}{padded}",
                 flush=True,
             )
     if rank == 0:
