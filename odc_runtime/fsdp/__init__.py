@@ -315,6 +315,8 @@ def begin_minibatch(model: nn.Module) -> None:
         with torch.no_grad():
             for unit in state.units:
                 unit.module.reshard()  # the next forward must all-gather the newly published rows
+                for p in unit.params:  # unused-parameter tracking: drop marks left by an aborted backward
+                    p.used = False
                 row = unit.st_ag.local
                 for p in unit.params:
                     local = p.sharded_param.to_local().reshape(-1)
