@@ -280,17 +280,6 @@ class ShardedTensor:
             raise OdcUsageError(f"odc_runtime.{what}(): ShardedTensor {self.name!r} was freed")
         return runtime
 
-    def _pieces(self, flat: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """``(owner, slice of flat)`` for every owner with data, starting after this rank (rotated so that
-        ranks issuing at the same time hit different owners)."""
-        pieces = []
-        for k in range(1, self.world_size + 1):
-            owner = (self.rank + k) % self.world_size
-            start, stop = self.owner_range(owner)
-            if stop > start:
-                pieces.append((owner, flat[start:stop]))
-        return pieces
-
     def __repr__(self) -> str:
         return (
             f"ShardedTensor(name={self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
