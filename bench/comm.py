@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
     except OdcError as e:
         parser.error(str(e))
     args.backend, args.device_type = spec.name, spec.device_type
-    args.sizes = args.sizes or sizes_type(DEFAULT_SIZES[spec.device_type])
+    args.sizes = args.sizes or sizes_type(DEFAULT_SIZES.get(spec.device_type, DEFAULT_SIZES["cpu"]))
     args.ops = args.ops or list(OPS)
     if args.pes_per_gpu < 1 or (args.pes_per_gpu > 1 and spec.device_type != "cuda"):
         parser.error(f"--pes-per-gpu must be >= 1, and > 1 only with a GPU transport ({args.backend} runs on "
