@@ -433,9 +433,10 @@ def _plan_pieces(st: ShardedTensor) -> list[Piece]:
 
 
 def _tensor_key(op: str, t: torch.Tensor, stream_key: object) -> tuple:
-    # Sparse and nested tensors have no plan (the slow path refuses them) and no is_contiguous(): key[6] False.
-    contiguous = t.layout is torch.strided and not t.is_nested and t.is_contiguous()
-    return (op, type(t), t.shape, t.dtype, t.device, t.layout, contiguous, t.requires_grad, stream_key)
+    if t.layout is not torch.strided or t.is_nested:
+        # No plan is ever stored for these (the slow path refuses them); some have no shape or is_contiguous().
+        return (op, type(t), t.layout, t.is_nested)
+    return (op, type(t), t.shape, t.dtype, t.device, t.layout, t.is_contiguous(), t.requires_grad, stream_key)
 
 
 def _cached_plan(st: ShardedTensor, key: tuple) -> TransferPlan | None:

@@ -273,6 +273,8 @@ def _rank_bad_values(rank: int, world: int) -> list[float]:
         (lambda: odc.push(st, dense, scale=1j), "finite real"),
         (lambda: odc.push(st, dense.to_sparse()), "layout"),
         (lambda: odc.push(st, dense.to_sparse_csr()), "layout"),
+        (lambda: odc.push(st, torch.nested.nested_tensor([dense[0], dense[1]])), "layout"),
+        (lambda: odc.fetch(st, out=torch.nested.nested_tensor([dense[0], dense[1]])), "layout"),
         (lambda: odc.fetch(st, torch.empty(2, 3).to_sparse()), "layout"),
         (lambda: odc.push(dense, dense), "expected a ShardedTensor"),
         (lambda: odc.fetch(dense), "expected a ShardedTensor"),
