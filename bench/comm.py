@@ -53,9 +53,19 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import _common
-from _common import format_table, launch, progress
+from _common import launch, progress
+
+from odc_runtime import config
+from odc_runtime import transport as registry
+from odc_runtime.errors import OdcError
+
+if TYPE_CHECKING:
+    import torch
+
+    from odc_runtime.api import ShardedTensor
 
 OPS = ("copy", "add", "all_gather", "fetch", "red_scatter", "push", "sync", "sync_busy", "mm", "mm+fetch",
        "mm+push")
@@ -65,12 +75,33 @@ BUS_FACTOR_OPS = ("all_gather", "fetch", "red_scatter", "push")
 LOCAL_BOUND = {"fetch": "copy", "all_gather": "copy", "push": "add", "red_scatter": "add", "mm+fetch": "mm",
                "mm+push": "mm"}
 NO_BANDWIDTH_OPS = ("sync", "sync_busy", "mm", "mm+fetch", "mm+push")
+# Default sizes by the transport's device type (GPUs get one more, larger size).
+DEFAULT_SIZES = {"cpu": "1M,4M,16M,64M,256M", "cuda": "1M,4M,16M,64M,256M,1G"}
+# Heap settings of the transports; when the user set one, the benchmark does not override it with heap_size=.
+HEAP_ENV_VARS = ("ODC_HEAP_SIZE", "NVSHMEM_SYMMETRIC_SIZE")
+
+LEGEND = {
+    "size": "bytes of the full fp32 tensor (binary units: 1M = 2^20 B)",
+    "op": "operation (see --help: copy/add are the no-communication bounds, all_gather/red_scatter the "
+          "collectives, fetch/push/sync ODC)",
+    "ms": "milliseconds of one call: slowest rank per repeat, median over repeats (GPU: CUDA events, host time "
+          "included)",
+    "host µs": "microseconds of the Python call alone on rank 0 (median; on GPU: not waiting for the GPU)",
+    "algbw GB/s": "size / ms in 10^9 B/s ('-' for ops that move no bytes of their own)",
+    "busbw GB/s": "algbw * (W-1)/W for the gather/scatter ops, as nccl-tests (bytes that cross between ranks)",
+    "/local": "algbw vs the same bytes without communication: fetch and all_gather vs copy_, push and "
+              "red_scatter vs add_; for mm+fetch / mm+push the matmul's slowdown (1.0 = no interference)",
+    "/collective": "algbw of fetch vs all_gather, push vs red_scatter (above 1: ODC faster)",
+    "host/copy": "host µs of the call vs host µs of a bare copy_ of the same bytes",
+}
 
 
-def parse_sizes(text: str) -> list[int]:
-    from odc_runtime.config import parse_size
+def size(text: str) -> int:
+    """One ``--sizes`` item: a byte count such as ``64K`` or ``1G`` (binary units)."""
+    return config.parse_size(text, what="--sizes")
 
-    return [parse_size(s.strip(), what="--sizes") for s in text.split(",") if s.strip()]
+
+sizes_type = _common.comma_list(cast=size)  # --sizes: "1M,64M" -> [1048576, 67108864]
 
 
 def human(n: int) -> str:
@@ -80,25 +111,22 @@ def human(n: int) -> str:
     return f"{n}B"
 
 
-DEFAULT_SIZES = {"host": "1M,4M,16M,64M,256M", "nvshmem": "1M,4M,16M,64M,256M,1G"}
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=None, help="processes to spawn (default 4 on CPU, all GPUs)")
-    p.add_argument("--backend", choices=("host", "nvshmem"), default=None,
-                   help="ODC transport (default: nvshmem when CUDA is available, else host)")
-    p.add_argument("--sizes", default=None,
-                   help=f"full-tensor sizes, comma separated (default {DEFAULT_SIZES['host']} on CPU, "
-                        f"{DEFAULT_SIZES['nvshmem']} on GPUs)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes to spawn (default 4 for a CPU transport, every GPU x --pes-per-gpu for a GPU one)")
+    p.add_argument("--backend", choices=registry.names(), default=None,
+                   help="ODC transport from the registry (default: ODC_BACKEND, else the first available)")
+    p.add_argument("--sizes", default=None, type=sizes_type,
+                   help=f"full-tensor sizes, comma separated (default {DEFAULT_SIZES['cpu']} for a CPU transport, "
+                        f"{DEFAULT_SIZES['cuda']} for a GPU one)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per op and size (default by size)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--ops", default=None,
+    p.add_argument("--ops", default=None, type=_common.comma_list(OPS),
                    help=f"subset of {','.join(OPS)} (default: all; on CPU without {','.join(GPU_ONLY_OPS)})")
     p.add_argument("--pes-per-gpu", type=int, default=1,
-                   help="GPU: ranks per GPU (NVSHMEM PEs sharing a GPU; use CUDA MPS, see above)")
-    p.add_argument("--json", default=None, help="write results as JSON to this path")
-    p.add_argument("--plot", default=None, help="PNG path (default bench/results/comm.png); 'none' to skip")
+                   help="GPU transports: ranks per GPU (NVSHMEM PEs sharing a GPU; use CUDA MPS, see above)")
+    _common.add_output_args(p, "comm")
     return p
 
 
@@ -117,7 +145,7 @@ class Timer:
     """Times one operation per repeat on this rank: perf_counter on CPU, CUDA events on GPU (the start event is
     recorded before the Python call, so host time counts). Also returns the host time of the call itself."""
 
-    def __init__(self, device) -> None:
+    def __init__(self, device: torch.device) -> None:
         import torch
 
         self.cuda = device.type == "cuda"
@@ -154,17 +182,18 @@ class Op:
     stream: Callable[[], object] | None = None
 
 
-def heap_size(backend: str, largest: int, world: int) -> int | None:
-    """Symmetric heap to ask for: None (the default, 1 GiB, or what the user's env var says) unless the
+def heap_size(largest: int, world: int) -> int | None:
+    """Symmetric heap to ask for: None (the default, 1 GiB, or what the user's heap setting says) unless the
     largest size's parameter shard + fp32 gradient shard would not fit in the default."""
-    env = "ODC_HEAP_SIZE" if backend == "host" else "NVSHMEM_SYMMETRIC_SIZE"
     need = 2 * -(-largest // world) + (64 << 20)
-    if os.environ.get(env) or need <= (1 << 30) - (64 << 20):
+    if any(os.environ.get(env) for env in HEAP_ENV_VARS) or need <= (1 << 30) - (64 << 20):
         return None
     return need
 
 
-def make_ops(nbytes: int, world: int, device, collectives: bool):
+def make_ops(
+    nbytes: int, world: int, device: torch.device, collectives: bool
+) -> tuple[ShardedTensor, dict[str, Op], Callable[[], None]]:
     """The timed operations at one size: ``{op: Op}``, a verification function and the ShardedTensor."""
     import torch
     import torch.distributed as dist
@@ -201,7 +230,7 @@ def make_ops(nbytes: int, world: int, device, collectives: bool):
         def queue_compute() -> None:
             torch.mm(a, b)  # ~1.5 ms on an H100: the sync below is issued behind it
 
-        def mm_with(comm) -> Callable[[], None]:
+        def mm_with(comm: Callable[[], object]) -> Callable[[], None]:
             def run() -> None:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
@@ -244,13 +273,13 @@ def make_ops(nbytes: int, world: int, device, collectives: bool):
     return st, ops, verify
 
 
-def _init(args: argparse.Namespace):
+def _init(args: argparse.Namespace) -> tuple[int, int, torch.device, bool]:
     """(rank, world, device, collectives available)."""
     import torch
     import torch.distributed as dist
 
-    if args.backend != "nvshmem" or args.pes_per_gpu == 1:
-        rank, world, device = _common.init_distributed("cuda" if args.backend == "nvshmem" else "cpu")
+    if args.pes_per_gpu == 1:
+        rank, world, device = _common.init_distributed(args.device_type)
         return rank, world, device, True
     # Several ranks per GPU: NCCL refuses duplicate GPUs, so torch.distributed runs on gloo (collectives skipped).
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -268,16 +297,13 @@ def worker(args: argparse.Namespace) -> None:
     import odc_runtime as odc
 
     rank, world, device, collectives = _init(args)
-    sizes = parse_sizes(args.sizes)
-    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    unknown = set(ops) - set(OPS)
-    if unknown:
-        raise SystemExit(f"unknown ops {sorted(unknown)}; choose from {OPS}")
+    sizes: list[int] = args.sizes
+    ops: list[str] = list(args.ops)
     if device.type != "cuda":
         ops = [o for o in ops if o not in GPU_ONLY_OPS]
     if not collectives:
         ops = [o for o in ops if o not in COLLECTIVE_OPS]
-    odc.init(args.backend, heap_size=heap_size(args.backend, max(sizes), world))
+    odc.init(args.backend, heap_size=heap_size(max(sizes), world))
     timer = Timer(device)
     collective = "nccl" if device.type == "cuda" and collectives else "gloo"
     results = []
@@ -347,41 +373,32 @@ def add_ratios(results: list[dict]) -> None:
         r["host_vs_copy"] = r["host_us"] / copy["host_us"] if copy and copy["host_us"] > 0 else None
 
 
-def report(args, results: list[dict], world: int, collective: str, device) -> None:
+def report(args: argparse.Namespace, results: list[dict], world: int, collective: str, device: torch.device) -> None:
     add_ratios(results)
-    header = (
+    title = (
         f"ODC {args.backend} transport vs {collective} collectives, {world} ranks on {device.type}"
-        f"{f' ({args.pes_per_gpu} per GPU)' if args.pes_per_gpu > 1 else ''}; fp32, sizes are full-tensor "
-        f"bytes (1M = 2^20 B); GB/s = 1e9 B/s; median over repeats of the slowest rank"
+        f"{f' ({args.pes_per_gpu} per GPU)' if args.pes_per_gpu > 1 else ''}; fp32; torch {_torch_version()}"
     )
-    rows = []
-    for r in results:
-        rows.append([
-            human(r["bytes"]), r["op"], r["time_s"] * 1e3, r["host_us"],
-            r["algbw_GBps"], r["busbw_GBps"],
-            r["vs_local"], r["vs_collective"], r["host_vs_copy"],
-        ])
-    table = format_table(
-        ["size", "op", "ms", "host µs", "algbw GB/s", "busbw GB/s", "/local", "/collective", "host/copy"], rows
-    )
+    rows = [
+        [human(r["bytes"]), r["op"], r["time_s"] * 1e3, r["host_us"], r["algbw_GBps"], r["busbw_GBps"],
+         r["vs_local"], r["vs_collective"], r["host_vs_copy"]]
+        for r in results
+    ]
+    print(flush=True)
+    _common.print_table(list(LEGEND), rows, LEGEND, title=title)
     notes = [
-        "ms: time of one call on the timeline that matters (GPU: CUDA events, host time included); host µs: "
-        "time of the Python call alone (median).",
         f"all_gather = torch.distributed.all_gather_into_tensor ({collective}); red_scatter = "
-        f"reduce_scatter_tensor ({collective}, SUM); torch {_torch_version()}.",
-        "busbw = algbw * (W-1)/W as nccl-tests; /local: fetch and all_gather vs copy_, push and red_scatter vs add_ "
-        "(the same bytes without communication); for mm+fetch / mm+push the matmul's slowdown (1.0 = none).",
-        "/collective: fetch vs all_gather, push vs red_scatter; host/copy: host µs per call vs a bare copy_.",
+        f"reduce_scatter_tensor ({collective}, SUM).",
         "push is timed until it returns; its sync (made untimed after every repeat) is the 'sync' row; sync_busy "
         "is a sync issued behind ~1.5 ms of queued matmuls.",
         "Every size was verified before timing (fetch values, push sums, collective results).",
     ]
-    print("\n" + header + "\n" + table + "\n" + "\n".join("  " + n for n in notes), flush=True)
+    print("\n".join("  " + n for n in notes), flush=True)
     payload = {
         "results": results,
         "config": {"world_size": world, "backend": args.backend, "collective": collective,
                    "pes_per_gpu": args.pes_per_gpu,
-                   "sizes": parse_sizes(args.sizes), "warmup": args.warmup, "repeats": args.repeats,
+                   "sizes": args.sizes, "warmup": args.warmup, "repeats": args.repeats,
                    "dtype": "float32", "bytes": "full tensor (fetch/all_gather: received per rank; "
                    "push/reduce_scatter: sent per rank; copy/add: destination)",
                    "busbw_factor": "(W-1)/W for all_gather, fetch, red_scatter, push",
@@ -403,18 +420,22 @@ def _torch_version() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    if args.backend is None:
-        import torch
-
-        args.backend = "nvshmem" if torch.cuda.is_available() else "host"
-    args.sizes = args.sizes or DEFAULT_SIZES[args.backend]
-    args.ops = args.ops or ",".join(OPS)
-    if args.pes_per_gpu < 1 or (args.pes_per_gpu > 1 and args.backend != "nvshmem"):
-        raise SystemExit("--pes-per-gpu must be >= 1, and > 1 only with --backend nvshmem")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:  # the transport: --backend, else ODC_BACKEND, else the preferred available one (as odc.init picks)
+        choice = config.backend_name(args.backend)
+        spec = registry.get(choice) if choice is not None else registry.auto_select()
+    except OdcError as e:
+        parser.error(str(e))
+    args.backend, args.device_type = spec.name, spec.device_type
+    args.sizes = args.sizes or sizes_type(DEFAULT_SIZES.get(spec.device_type, DEFAULT_SIZES["cpu"]))
+    args.ops = args.ops or list(OPS)
+    if args.pes_per_gpu < 1 or (args.pes_per_gpu > 1 and spec.device_type != "cuda"):
+        parser.error(f"--pes-per-gpu must be >= 1, and > 1 only with a GPU transport ({args.backend} runs on "
+                     f"{spec.device_type})")
     nproc = args.nproc
     if nproc is None:
-        if args.backend == "nvshmem":
+        if spec.device_type == "cuda":
             import torch
 
             nproc = torch.cuda.device_count() * args.pes_per_gpu

@@ -20,7 +20,7 @@ Typical loop::
     odc.sync()
 """
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from odc_runtime.errors import (
     OdcBackendError,
@@ -43,7 +43,7 @@ _API_NAMES = frozenset(
 )
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _API_NAMES:
         from odc_runtime import api
 

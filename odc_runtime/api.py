@@ -280,17 +280,6 @@ class ShardedTensor:
             raise OdcUsageError(f"odc_runtime.{what}(): ShardedTensor {self.name!r} was freed")
         return runtime
 
-    def _pieces(self, flat: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """``(owner, slice of flat)`` for every owner with data, starting after this rank (rotated so that
-        ranks issuing at the same time hit different owners)."""
-        pieces = []
-        for k in range(1, self.world_size + 1):
-            owner = (self.rank + k) % self.world_size
-            start, stop = self.owner_range(owner)
-            if stop > start:
-                pieces.append((owner, flat[start:stop]))
-        return pieces
-
     def __repr__(self) -> str:
         return (
             f"ShardedTensor(name={self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
@@ -444,6 +433,9 @@ def _plan_pieces(st: ShardedTensor) -> list[Piece]:
 
 
 def _tensor_key(op: str, t: torch.Tensor, stream_key: object) -> tuple:
+    if t.layout is not torch.strided or t.is_nested:
+        # No plan is ever stored for these (the slow path refuses them); some have no shape or is_contiguous().
+        return (op, type(t), t.layout, t.is_nested)
     return (op, type(t), t.shape, t.dtype, t.device, t.layout, t.is_contiguous(), t.requires_grad, stream_key)
 
 
@@ -498,7 +490,7 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
             if plan is not None:
                 out = torch.empty(st.shape, dtype=st.dtype, device=transport.device)
                 return _issue(plan, out, 1.0, async_op, out)  # type: ignore[return-value]
-        elif isinstance(out, torch.Tensor) and out.layout is torch.strided:
+        elif isinstance(out, torch.Tensor):
             plan = _cached_plan(st, _tensor_key("fetch", out, transport.stream_key()))
             if plan is not None:  # the key says out is contiguous (only such keys are cached)
                 return _issue(plan, out, 1.0, async_op, out)  # type: ignore[return-value]
@@ -529,7 +521,7 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     """
     runtime = _runtime
     fast = runtime is not None and type(st) is ShardedTensor and not _in_forked_child
-    if fast and isinstance(grad, torch.Tensor) and grad.layout is torch.strided:  # fast path, see fetch
+    if fast and isinstance(grad, torch.Tensor):  # fast path, see fetch
         key = _tensor_key("push", grad, runtime.transport.stream_key())
         plan = _cached_plan(st, key)
         if plan is not None:  # plans take contiguous tensors of any shape; key[6] is grad.is_contiguous()

@@ -36,13 +36,13 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def env(name: str) -> str | None:
-    """The value of environment variable ``name``, or ``None`` when unset.
+def env(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The value of environment variable ``name`` (in ``environ``, default ``os.environ``), or ``None`` when unset.
 
     Raises OdcUsageError when it is set but empty (or blank): an empty value is almost always a shell mistake,
     and silently falling back to the default (or, for a path, to the current directory) would hide it.
     """
-    raw = os.environ.get(name)
+    raw = (os.environ if environ is None else environ).get(name)
     if raw is None:
         return None
     if not raw.strip():
@@ -133,9 +133,9 @@ def backend_name(arg: str | None) -> str | None:
     return env("ODC_BACKEND")
 
 
-def env_flag(name: str, default: bool) -> bool:
+def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
     """A boolean setting: ``1/true/yes/on`` or ``0/false/no/off`` (case-insensitive)."""
-    raw = env(name)
+    raw = env(name, environ)
     if raw is None:
         return default
     if raw.lower() in _TRUE:
@@ -145,9 +145,9 @@ def env_flag(name: str, default: bool) -> bool:
     raise OdcUsageError(f"{name} must be 0 or 1 (or true/false), got {raw!r}")
 
 
-def env_int(name: str, default: int, *, minimum: int = 1) -> int:
+def env_int(name: str, default: int, *, minimum: int = 1, environ: Mapping[str, str] | None = None) -> int:
     """An integer setting (sizes such as ``64K`` accepted) of at least ``minimum``."""
-    raw = env(name)
+    raw = env(name, environ)
     if raw is None:
         return default
     try:
@@ -159,10 +159,10 @@ def env_int(name: str, default: int, *, minimum: int = 1) -> int:
     return value
 
 
-def env_choice(name: str, choices: Iterable[str], default: str) -> str:
+def env_choice(name: str, choices: Iterable[str], default: str, environ: Mapping[str, str] | None = None) -> str:
     """A setting with a fixed set of values (compared case-insensitively)."""
     options = tuple(choices)
-    raw = env(name)
+    raw = env(name, environ)
     if raw is None:
         return default
     if raw.lower() not in options:
@@ -202,45 +202,21 @@ class NvshmemSettings:
     vector_atomics: bool = True
 
 
-def nvshmem_settings(env: Mapping[str, str] | None = None) -> NvshmemSettings:
-    """Parse the ``ODC_NVSHMEM_*`` variables (from ``env``, default ``os.environ``); raise OdcUsageError on bad
-    values, naming the variable and what it accepts."""
-    env = os.environ if env is None else env
-
-    def choice(name: str, allowed: tuple[str, ...], default: str) -> str:
-        value = env.get(name, "").strip().lower() or default
-        if value not in allowed:
-            raise OdcUsageError(f"{name} must be one of {', '.join(allowed)}; got {env.get(name)!r}")
-        return value
-
-    def flag(name: str, default: bool) -> bool:
-        raw = env.get(name, "").strip().lower()
-        if not raw:
-            return default
-        if raw in ("1", "true", "yes", "on"):
-            return True
-        if raw in ("0", "false", "no", "off"):
-            return False
-        raise OdcUsageError(f"{name} must be 0/1 (or true/false); got {env.get(name)!r}")
-
-    cell = DEFAULT_NVSHMEM_CELL_BYTES
-    if env.get("ODC_NVSHMEM_CELL_BYTES", "").strip():
-        cell = parse_size(env["ODC_NVSHMEM_CELL_BYTES"], what="ODC_NVSHMEM_CELL_BYTES")
-        if cell % 16 or cell > 1 << 30:
-            raise OdcUsageError(f"ODC_NVSHMEM_CELL_BYTES must be a multiple of 16 up to 1G; got {cell}")
+def nvshmem_settings(environ: Mapping[str, str] | None = None) -> NvshmemSettings:
+    """Parse the ``ODC_NVSHMEM_*`` variables (from ``environ``, default ``os.environ``) with the parsers above;
+    raise OdcUsageError on bad or set-but-empty values, naming the variable and what it accepts."""
+    cell = env_int("ODC_NVSHMEM_CELL_BYTES", DEFAULT_NVSHMEM_CELL_BYTES, environ=environ)
+    if cell % 16 or cell > 1 << 30:
+        raise OdcUsageError(f"ODC_NVSHMEM_CELL_BYTES must be a multiple of 16 up to 1G; got {cell}")
     slots: int | None = None
-    raw_slots = env.get("ODC_NVSHMEM_SCRATCH_SLOTS", "").strip()
-    if raw_slots:
-        try:
-            slots = int(raw_slots)
-        except ValueError:
-            slots = 0
-        if not 1 <= slots <= 65536:
-            raise OdcUsageError(f"ODC_NVSHMEM_SCRATCH_SLOTS must be an integer in [1, 65536]; got {raw_slots!r}")
+    if env("ODC_NVSHMEM_SCRATCH_SLOTS", environ) is not None:
+        slots = env_int("ODC_NVSHMEM_SCRATCH_SLOTS", 1, environ=environ)
+        if slots > 65536:
+            raise OdcUsageError(f"ODC_NVSHMEM_SCRATCH_SLOTS must be an integer in [1, 65536]; got {slots}")
     return NvshmemSettings(
-        push=choice("ODC_NVSHMEM_PUSH", ("auto", "locked"), "auto"),
-        fetch=choice("ODC_NVSHMEM_FETCH", ("copy", "kernel"), "copy"),
+        push=env_choice("ODC_NVSHMEM_PUSH", ("auto", "locked"), "auto", environ),
+        fetch=env_choice("ODC_NVSHMEM_FETCH", ("copy", "kernel"), "copy", environ),
         cell_bytes=cell,
         scratch_slots=slots,
-        vector_atomics=flag("ODC_NVSHMEM_VECTOR_ATOMICS", True),
+        vector_atomics=env_flag("ODC_NVSHMEM_VECTOR_ATOMICS", True, environ),
     )

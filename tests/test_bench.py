@@ -135,12 +135,33 @@ def test_imbalance_end_to_end_two_ranks(tmp_path):
 
 def test_comm_end_to_end_two_ranks(tmp_path):
     out = tmp_path / "comm.json"
-    _run([str(BENCH / "comm.py"), "--nproc", "2", "--sizes", "64K", "--repeats", "2", "--warmup", "1",
+    proc = _run([str(BENCH / "comm.py"), "--nproc", "2", "--sizes", "64K", "--repeats", "2", "--warmup", "1",
           "--json", str(out), "--plot", "none"], tmp_path)
     data = json.loads(out.read_text())
     ops = {r["op"] for r in data["results"]}
     assert {"copy", "fetch", "push", "all_gather", "red_scatter"} <= ops
     assert all(r["time_s"] > 0 for r in data["results"])
+    assert data["config"]["backend"] == "host" and data["config"]["sizes"] == [64 << 10]
+    lines = proc.stdout.splitlines()
+    for column, meaning in __import__("comm").LEGEND.items():  # every column is explained under the table
+        assert any(line.startswith(f"  {column} ") and line.endswith(meaning) for line in lines), column
+
+
+def test_comm_arguments():
+    """comm.py's options go through the shared parsers and the transport registry."""
+    import comm
+
+    from odc_runtime import transport
+
+    p = comm.build_parser()
+    assert p.parse_args(["--sizes", "64K,1M", "--ops", "copy,fetch"]).sizes == [64 << 10, 1 << 20]
+    assert p.parse_args(["--ops", "copy, fetch"]).ops == ["copy", "fetch"]
+    assert set(p._option_string_actions["--backend"].choices) == set(transport.names())
+    for bad in (["--sizes", "1X"], ["--sizes", ""], ["--ops", "copy,bogus"], ["--backend", "bogus"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
+    with pytest.raises(SystemExit):  # several ranks per GPU only for a GPU transport
+        comm.main(["--backend", "host", "--pes-per-gpu", "2"])
 
 
 def _has_matplotlib() -> bool:

@@ -23,6 +23,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
         ("ODC_SHM_DIR", config.shm_dir),
         ("ODC_BACKEND", lambda: config.backend_name(None)),
         ("ODC_REQUIRE_EXTENSION", config.require_extension),
+        ("ODC_NVSHMEM_PUSH", config.nvshmem_settings),
+        ("ODC_NVSHMEM_SCRATCH_SLOTS", config.nvshmem_settings),
+        ("ODC_NVSHMEM_CELL_BYTES", config.nvshmem_settings),
     ],
 )
 def test_set_but_empty_is_an_error(monkeypatch, var, read) -> None:

@@ -17,9 +17,10 @@ import textwrap
 import pytest
 import torch
 
+from odc_runtime import config
 from odc_runtime.transport import nvshmem
 
-REQUIRE = os.environ.get("ODC_REQUIRE_EXTENSION", "0") == "1"
+REQUIRE = config.require_extension()
 HAS_GPU = torch.cuda.is_available()
 
 

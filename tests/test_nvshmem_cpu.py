@@ -68,12 +68,11 @@ def _rank_settings_mismatch(rank: int, world: int) -> None:
     from odc_runtime.agree import gather_checked
 
     os.environ["ODC_NVSHMEM_CELL_BYTES"] = "64K" if rank == 0 else "32K"
-
     def local() -> tuple[dict, int, int]:
         settings, capacity = nvshmem.local_settings("1M")
         return asdict(settings), capacity, 100  # the exchange carries JSON, as in nvshmem.create
 
-    infos = [(config.NvshmemSettings(**s), c, m) for s, c, m in gather_checked("test", local)]
+    infos = [(config.NvshmemSettings(**s), cap, sms) for s, cap, sms in gather_checked("test", local)]
     with pytest.raises(odc.OdcMismatchError, match=r"cell_bytes .*rank 0: 65536; rank 1: 32768"):
         nvshmem.agree_settings(infos)
 

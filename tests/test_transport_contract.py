@@ -65,7 +65,7 @@ def _rank_contract(rank: int, world: int, name: str) -> dict[str, object]:
         t.quiet()
         assert torch.equal(dst, torch.arange(n, dtype=torch.float32, device=device) + 1000 * peer), peer
     half = torch.empty(n // 2, dtype=torch.float32, device=device)
-    t.get(buf, [GetRequest((rank + 1) % world, half)])  # a shorter destination reads the start of the region
+    t.get(buf, [GetRequest((rank + 1) % world, half)])  # a shorter dst reads the region's first dst.numel()
     t.quiet()
     assert torch.equal(half, torch.arange(n // 2, dtype=torch.float32, device=device) + 1000 * ((rank + 1) % world))
     t.barrier("contract.read")

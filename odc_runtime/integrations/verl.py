@@ -264,7 +264,7 @@ def attach_engine(engine: Any, *, backend: str | None = None, cost: balance.Cost
     original = engine.forward_backward_batch
 
     @functools.wraps(original)
-    def forward_backward_batch(data, loss_function, forward_only=False):
+    def forward_backward_batch(data: Any, loss_function: Callable, forward_only: bool = False) -> Any:
         token = _ACTIVE.set(cost or True)
         try:
             with odc_fsdp.minibatch(module):
@@ -282,7 +282,7 @@ def attach_engine(engine: Any, *, backend: str | None = None, cost: balance.Cost
 
 def _routed(original: Callable) -> Callable:
     @functools.wraps(original)
-    def route(batch, max_token_len, *args, **kwargs):
+    def route(batch: Any, max_token_len: int, *args: Any, **kwargs: Any) -> Any:
         active = _ACTIVE.get()
         if not active:  # not inside an ODC engine's minibatch (reference / critic models): veRL's own planner
             return original(batch, max_token_len, *args, **kwargs)

@@ -18,24 +18,12 @@ import sys
 import time
 
 import pytest
-import torch
+from test_nvshmem_gpu import _require_backend  # skip without GPU / backend (fail under ODC_REQUIRE_EXTENSION=1)
 
 WORKER = os.path.join(os.path.dirname(__file__), "_dead_peer_worker.py")
-NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 TIMEOUT_S = 12
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
-
-
-def _require_backend() -> None:
-    if NGPU == 0:
-        pytest.skip("needs a CUDA GPU (none visible); runs 2-4 NVSHMEM PEs on one GPU")
-    from odc_runtime.transport import nvshmem
-
-    if not nvshmem.is_available():
-        if os.environ.get("ODC_REQUIRE_EXTENSION") == "1":
-            pytest.fail("nvshmem backend unavailable but ODC_REQUIRE_EXTENSION=1")
-        pytest.skip("odc_runtime._C not built (run .ci/build_ext.sh)")
 
 
 @contextlib.contextmanager

@@ -26,12 +26,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 
 def _require_backend() -> None:
+    """Skip without a GPU; without the nvshmem backend skip, or fail under ``ODC_REQUIRE_EXTENSION=1``."""
     if NGPU == 0:
         pytest.skip("no CUDA GPU")
     from odc_runtime.transport import nvshmem
 
     if not nvshmem.is_available():
-        if os.environ.get("ODC_REQUIRE_EXTENSION") == "1":
+        from odc_runtime import config
+
+        if config.require_extension():
             pytest.fail("nvshmem backend unavailable but ODC_REQUIRE_EXTENSION=1")
         pytest.skip("odc_runtime._C not built (run .ci/build_ext.sh)")
 
