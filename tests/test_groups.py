@@ -191,3 +191,15 @@ def _rank_crossed(rank: int, world: int) -> None:
 
 def test_crossed_group_and_world_sync_is_a_mismatch_not_a_hang() -> None:
     run_ranks(_rank_crossed, 4, env={"ODC_TIMEOUT": "6"}, timeout=90)
+
+
+def test_nvshmem_refuses_group_fences_clearly() -> None:
+    """No GPU needed: the nvshmem transport's group fence is a typed refusal that says what to call instead (its
+    barrier kernel has no per-group counters yet), never a silent world barrier that could hang."""
+    from types import SimpleNamespace
+
+    from odc_runtime.transport.base import Group
+    from odc_runtime.transport.nvshmem import NvshmemTransport
+
+    with pytest.raises(OdcUsageError, match=r"call odc_runtime.sync\(\) without a group"):
+        NvshmemTransport.group_barrier(SimpleNamespace(), "sync(group=[0, 1])", Group(0, (0, 1)))  # type: ignore[arg-type]

@@ -2,11 +2,12 @@
 
 Layout. Each rank creates one segment ``odc-<job>-r<rank>-p<pid>-s<start>-n<pidns>.heap`` (mode 0600; ``start`` is
 the process's start time, so a later process that reuses the pid is not mistaken for the creator; ``pidns`` its pid
-namespace, so segments of another container sharing the directory are never judged by pid): a control page
-followed by its symmetric heap. Every rank maps every segment, so a *get* is a ``memcpy`` from a peer's mapping
-and an *accumulate* is an ``add_`` into it. Once all ranks have mapped all segments (end of ``create``) each rank
-unlinks its own file: the memory lives exactly as long as the mappings, so a crash cannot leave segments behind
-except during ``create`` itself; those stale files (their process is gone) are removed by the next ``create``.
+namespace, so segments of another container sharing the directory are never judged by pid): two control pages
+(world rounds, group fences) followed by its symmetric heap. Every rank maps every segment, so a *get* is a
+``memcpy`` from a peer's mapping and an *accumulate* is an ``add_`` into it. Once all ranks have mapped all
+segments (end of ``create``) each rank unlinks its own file: the memory lives exactly as long as the mappings, so a
+crash cannot leave segments behind except during ``create`` itself; those stale files (their process is gone) are
+removed by the next ``create``.
 
 Memory is reserved before it is touched. The segment file is sparse; every allocation first reserves its bytes
 with ``posix_fallocate`` and raises :class:`~odc_runtime.errors.OdcMemoryError` (on every rank, through the
@@ -32,6 +33,15 @@ rank. Page stores and loads happen under an ``fcntl`` lock of the control page: 
 that order memory, so every data write a rank made before its barrier (its own parameters, its completed
 accumulates) is visible to a peer that has seen its epoch. Cannot deadlock: a rank waits only for peers' epochs to
 reach its own, never while holding a lock, and gives up at ``ODC_TIMEOUT``.
+
+Group fences (``group_barrier``, for ``sync(group=...)``). The second control page holds one int64 per group index
+(this rank's last fence number in that group) and a marker (the group this rank waits in, that fence's number, a
+bitmap of its ranks). A fence: quiet, bump and publish the group's number with the marker set (one locked store),
+poll the members' numbers for that group until each reached ours, clear the marker. The world epoch is untouched,
+so groups fence at their own pace. Two ranks waiting for each other in different collectives (one in a group fence,
+the other in a world round or another group's fence, each needing the other first) see it from the peer's world
+epoch or marker and raise :class:`~odc_runtime.errors.OdcMismatchError` instead of timing out. Ordering and
+deadlock argument: docs/design.md, "Process groups".
 
 Dead peers. While it waits, a rank checks every half second whether the processes it waits for still exist (pid +
 start time from their control pages); a dead one raises :class:`~odc_runtime.errors.OdcPeerLostError` at once,
