@@ -2,13 +2,13 @@
 
 Every rank walks its program (:meth:`schedule.Schedule.program`), one task per layer of a micro-batch:
 
-- *gather* the layer's parameters: ``all_gather_single`` (collective) or ``odc.fetch`` (odc), issued one task
+- *gather* the layer's parameters: ``all_gather_into_tensor`` (collective) or ``odc.fetch`` (odc), issued one task
   ahead (FSDP's prefetch) and waited for before the task computes;
 - *compute* for the task's modelled seconds times ``time_scale``, as ``time.sleep`` (default) or a busy-wait
   loop. Sleep models a GPU: the host core is free while the device computes, so on a machine with fewer cores
   than ranks the other ranks (and the communication threads) can use it. A busy-wait occupies a core and, with
   more ranks than cores, stretches every rank's compute by the time-sharing;
-- backward tasks then *scatter* the layer's gradient: ``reduce_scatter_single`` into the owner's shard plus an
+- backward tasks then *scatter* the layer's gradient: ``reduce_scatter_tensor`` into the owner's shard plus an
   add into its accumulator (collective), or ``odc.push`` (odc), asynchronously (waited for before the buffer is
   reused and at the end of the minibatch).
 
@@ -92,10 +92,10 @@ class CollectiveComm:
         self.zeros = torch.zeros(world * shard_numel, device=device)
 
     def gather(self, layer: int, slot: int) -> Handle:
-        return dist.all_gather_single(self.gathered_bufs[slot], self.shards[layer], async_op=True)
+        return dist.all_gather_into_tensor(self.gathered_bufs[slot], self.shards[layer], async_op=True)
 
     def scatter(self, layer: int, empty: bool) -> Handle:
-        work = dist.reduce_scatter_single(self.grad_out[layer], self.zeros if empty else self.ones, async_op=True)
+        work = dist.reduce_scatter_tensor(self.grad_out[layer], self.zeros if empty else self.ones, async_op=True)
         return _Then(work, lambda: self.grad_acc[layer].add_(self.grad_out[layer]))
 
     def set_shard(self, layer: int, value: float) -> None:

@@ -14,11 +14,13 @@ follow a long-tailed post-training distribution (``odc_runtime.workloads``). Eve
 Loss normalisation is the same in both modes: the sum of token cross-entropies of the minibatch divided by its
 global number of target tokens, so the loss curves agree (up to float summation order).
 
+    python examples/sft.py --comm odc --steps 10            # spawns --nproc ranks itself (default 4 on CPU)
     torchrun --nproc-per-node 4 examples/sft.py --comm collective --steps 10
     torchrun --nproc-per-node 4 examples/sft.py --comm odc --steps 10
 
 CPU ranks use gloo and ODC's ``host`` backend; with CUDA the same command uses nccl, one GPU per rank, and ODC's
-default GPU backend (``nvshmem``). Logs one line per step (rank 0): loss, tokens/s, micro-batch counts per rank.
+default GPU backend (``nvshmem``). Logs one line per step (rank 0): loss, tokens/s, the number of non-empty
+micro-batches per rank (in collective mode the ranks with fewer also run empty ones, as the log line says).
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ import argparse
 import json
 import os
 import random
+import socket
 import time
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
@@ -102,7 +106,7 @@ def make_sequence(step: int, index: int, length: int, vocab: int, seed: int) -> 
     return torch.tensor(tokens, dtype=torch.long)
 
 
-def micro_batch_loss(model, samples: list[torch.Tensor], device) -> tuple[torch.Tensor, int]:
+def micro_batch_loss(model: nn.Module, samples: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropies over the packed samples, and the number of targets."""
     tokens = torch.cat(samples).to(device)
     seqlens = [len(s) for s in samples]
@@ -139,14 +143,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
     p.add_argument("--odc-backend", default=None, help="host | nvshmem (default: automatic)")
     p.add_argument("--json", default=None, help="write per-step records to this file (rank 0)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="ranks to spawn when not launched by torchrun (default: 4 on CPU, one per GPU)",
+    )
     args = p.parse_args()
     if args.policy is None:
         args.policy = "lb_mini" if args.comm == "odc" else "lb_micro"
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def train(args: argparse.Namespace) -> None:
+    """One rank of the job (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT`` in the environment)."""
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
@@ -222,7 +232,10 @@ def main() -> None:
         dt = time.perf_counter() - t0
 
         dist.all_reduce(loss_sum)
-        counts = [len([mb for mb in r if mb]) for r in plan]
+        counts = [len([mb for mb in r if mb]) for r in plan]  # non-empty ones
+        padded = ""
+        if args.comm == "collective" and len(set(counts)) > 1:  # the collectives made every rank run as many
+            padded = f" (+ empty ones: every rank runs {max(len(r) for r in plan)})"
         rec = {
             "step": step,
             "loss": loss_sum.item() / global_targets,
@@ -237,7 +250,7 @@ def main() -> None:
             print(
                 f"step {step:3d}  loss {rec['loss']:.5f}  grad_norm {rec['grad_norm']:.4f}  "
                 f"tokens {rec['tokens']:6d}  {dt:6.2f}s  {rec['tokens_per_s']:8.0f} tok/s  "
-                f"micro-batches/rank {counts}",
+                f"micro-batches/rank {counts}{padded}",
                 flush=True,
             )
     if rank == 0:
@@ -251,6 +264,32 @@ def main() -> None:
         odc_fsdp.disable(model)
         odc.finalize()
     dist.destroy_process_group()
+
+
+def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    train(args)
+
+
+def main() -> None:
+    args = parse_args()
+    if "RANK" in os.environ:  # launched by torchrun (or another launcher that sets the rank environment)
+        train(args)
+        return
+    nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 4)
+    if nproc < 1:
+        raise SystemExit(f"--nproc must be at least 1, got {nproc}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_spawned, args=(nproc, port, args), nprocs=nproc)
 
 
 if __name__ == "__main__":

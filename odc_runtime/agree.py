@@ -249,12 +249,18 @@ def gather_checked(
         "error": None if error is None else f"{type(error).__name__}: {error}",
         "memory": isinstance(error, OdcMemoryError),
     }
+    try:
+        payload = json.dumps(record).encode()
+    except TypeError as e:  # a caller bug: fail on every rank together instead of sending a stringified value
+        error = OdcBackendError(f"odc {shorten(what)}: rank {_rank()}: the checked value is not JSON-serialisable: {e}")
+        record = {"value": None, "error": f"{type(error).__name__}: {error}", "memory": False}
+        payload = json.dumps(record).encode()
     if exchange is None:
         from odc_runtime import config
 
         exchange = StoreExchange(timeout if timeout is not None else config.resolve_timeout(None))
     try:
-        raw = exchange.exchange(what, json.dumps(record, default=str).encode())
+        raw = exchange.exchange(what, payload)
     except OdcError:
         if error is not None:
             raise error from None  # our own failure is the cause; the peers are told or time out on it

@@ -583,7 +583,7 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
             if plan is not None:
                 out = torch.empty(st.shape, dtype=st.dtype, device=transport.device)
                 return _issue(plan, out, 1.0, async_op, out)  # type: ignore[return-value]
-        elif isinstance(out, torch.Tensor):
+        elif isinstance(out, torch.Tensor) and out.layout is torch.strided:
             plan = _cached_plan(st, _tensor_key("fetch", out, transport.stream_key()))
             if plan is not None:  # the key says out is contiguous (only such keys are cached)
                 return _issue(plan, out, 1.0, async_op, out)  # type: ignore[return-value]
@@ -614,7 +614,7 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     """
     runtime = _runtime
     fast = runtime is not None and type(st) is ShardedTensor and not _in_forked_child
-    if fast and isinstance(grad, torch.Tensor):  # fast path, see fetch
+    if fast and isinstance(grad, torch.Tensor) and grad.layout is torch.strided:  # fast path, see fetch
         key = _tensor_key("push", grad, runtime.transport.stream_key())
         plan = _cached_plan(st, key)
         if plan is not None:  # plans take contiguous tensors of any shape; key[6] is grad.is_contiguous()

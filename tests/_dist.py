@@ -45,6 +45,7 @@ def _entry(
         init_method = store if store.startswith("tcp://") else f"file://{store}"
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
         import odc_runtime
+        import odc_runtime.api
 
         try:
             value = fn(rank, world, *args)

@@ -33,8 +33,15 @@ def run(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, init_o
 # --------------------------------------------------------------------------------------------------- model
 
 
-def make_model(seed: int = 0, vocab: int = 37, dim: int = 12, heads: int = 3, hidden: int = 22, layers: int = 2):
-    """A tiny decoder-only transformer whose parameter dims are not multiples of 2, 3 or 4 (uneven shards)."""
+def make_model(
+    seed: int = 0, vocab: int = 37, dim: int = 12, heads: int = 3, hidden: int = 22, layers: int = 2, branch=False
+):
+    """A tiny decoder-only transformer whose parameter dims are not multiples of 2, 3 or 4 (uneven shards).
+
+    ``branch``: add layers used only by some micro-batches (``extra`` in the root's parameters, between ``pos`` and
+    ``ln_f``, when the batch has 2 rows; ``aux`` in each block when the sequence length is odd), so a backward
+    leaves some trainable parameters without a gradient, as mixture-of-experts or multi-modal models do.
+    """
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -48,12 +55,15 @@ def make_model(seed: int = 0, vocab: int = 37, dim: int = 12, heads: int = 3, hi
             self.ln2 = nn.LayerNorm(dim)
             self.up = nn.Linear(dim, hidden)
             self.down = nn.Linear(hidden, dim)
+            self.aux = nn.Linear(dim, dim) if branch else None
 
         def forward(self, x):
             b, t, d = x.shape
             q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+            if self.aux is not None and t % 2 == 1:
+                x = x + self.aux(x)
             return x + self.down(F.gelu(self.up(self.ln2(x))))
 
     class TinyLM(nn.Module):
@@ -61,12 +71,15 @@ def make_model(seed: int = 0, vocab: int = 37, dim: int = 12, heads: int = 3, hi
             super().__init__()
             self.emb = nn.Embedding(vocab, dim)
             self.pos = nn.Embedding(16, dim)
+            self.extra = nn.Linear(dim, dim) if branch else None
             self.blocks = nn.ModuleList(Block() for _ in range(layers))
             self.ln_f = nn.LayerNorm(dim)
             self.head = nn.Linear(dim, vocab, bias=False)
 
         def forward(self, tokens):
             x = self.emb(tokens) + self.pos(torch.arange(tokens.shape[1]))
+            if self.extra is not None and tokens.shape[0] == 2:
+                x = x + self.extra(x)
             for block in self.blocks:
                 x = block(x)
             return self.head(self.ln_f(x))
@@ -149,7 +162,8 @@ def scenario_vs_reference(rank: int, world: int, steps: int, counts: list[int], 
     """ODC with ``counts[r]`` micro-batches on rank r vs one process training on the union (sum loss / tokens).
 
     opts: ``clip`` (max norm or None), ``bf16`` (MixedPrecisionPolicy(bf16, fp32) vs a bf16-semantics reference),
-    ``reshard_after_forward``.
+    ``reshard_after_forward``, ``frozen`` (parameter names), ``branch`` (see :func:`make_model`),
+    ``track_unused`` (use ODC's own unused-parameter tracking even where torch has the hook).
     """
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -158,7 +172,7 @@ def scenario_vs_reference(rank: int, world: int, steps: int, counts: list[int], 
 
     bf16 = opts.get("bf16", False)
     clip = opts.get("clip")
-    model = make_model()
+    model = make_model(branch=opts.get("branch", False))
     for name in opts.get(
         "frozen", ()
     ):  # frozen parameters: FSDP's reduce-scatter row is shorter than its all-gather row
@@ -167,7 +181,12 @@ def scenario_vs_reference(rank: int, world: int, steps: int, counts: list[int], 
     ref_compute = copy.deepcopy(model).to(torch.bfloat16) if bf16 else ref
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     shard_model(model, mp, opts.get("reshard_after_forward", True))
-    ofsdp.enable(model)
+    ofsdp._FORCE_UNUSED_TRACKING = opts.get("track_unused", False)
+    try:
+        ofsdp.enable(model)
+    finally:
+        ofsdp._FORCE_UNUSED_TRACKING = False
+    tracking = any(u.track_unused for u in ofsdp._STATES[model].units)
     opt = _sgd([p for p in model.parameters() if p.requires_grad])
     ref_opt = _sgd([p for p in ref.parameters() if p.requires_grad])
     data = make_data(steps, counts)
@@ -212,8 +231,28 @@ def scenario_vs_reference(rank: int, world: int, steps: int, counts: list[int], 
         out["diff"].append(max_param_diff(model, ref))
         out["loss"].append(local_loss.item() / tokens)
         out["ref_loss"].append(ref_loss / tokens)
+    out["tracking"] = tracking
+    # micro-batches of this rank that leave some trainable parameter without a gradient (with branch=True)
+    out["partial"] = sum(mb.shape[0] != 2 or (mb.shape[1] - 1) % 2 == 0 for step in data for mb in step[rank])
+    out["has_hook"] = ofsdp.has_capability("reduce_scatter_unused_params")
     ofsdp.disable(model)
     return out
+
+
+def scenario_compat(rank: int, world: int) -> dict:
+    """The private FSDP2 surface ODC reads (odc_runtime.fsdp._compat) on this torch, and the capability table."""
+    import torch
+
+    from odc_runtime.fsdp import _compat
+
+    model = shard_model(make_model())
+    token_loss_sum(model, make_data(1, [1])[0][0][0]).backward()  # creates the unsharded parameters
+    problems = []
+    for m in (model.blocks[0], model):
+        problems += _compat.check_private_surface(m)
+    version = _compat.torch_version()
+    table = {name: [_compat.has_capability(name), version >= cap.oldest] for name, cap in _compat.CAPABILITIES.items()}
+    return {"problems": problems, "table": table, "torch": torch.__version__}
 
 
 def scenario_vs_fsdp(rank: int, world: int, steps: int, micro: int, opts: dict) -> dict:
@@ -320,10 +359,12 @@ def scenario_state_dict(rank: int, world: int) -> dict:
 
 def scenario_disable(rank: int, world: int) -> dict:
     """ODC steps, then disable(): the model behaves as stock FSDP2 again (compared with a stock twin)."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
     import odc_runtime as odc
     import odc_runtime.fsdp as ofsdp
+    from odc_runtime.fsdp import _compat
 
     data = make_data(4, [1] * world, seed=7)
     a, b = shard_model(make_model()), shard_model(make_model())
@@ -339,14 +380,18 @@ def scenario_disable(rank: int, world: int) -> dict:
             opt.step()
             opt.zero_grad()
     ofsdp.disable(a)
-    groups = [m._get_fsdp_state()._fsdp_param_groups for m in a.modules() if hasattr(m, "_get_fsdp_state")]
-    restored = all(
-        type(g._all_gather_comm) is DefaultAllGather
-        and type(g._reduce_scatter_comm) is DefaultReduceScatter
-        and not g.force_sum_reduction_for_comms
-        and not g.reduce_scatter_unused_params
-        for gs in groups
-        for g in gs
+    groups = [g for m in a.modules() if isinstance(m, FSDPModule) for g in _compat.param_groups(m)]
+    restored = bool(groups) and all(
+        type(_compat.comms(g)[0]) is DefaultAllGather
+        and type(_compat.comms(g)[1]) is DefaultReduceScatter
+        and not _compat.reduce_scatter_unused_params(g)
+        for g in groups
+    )
+    # no ODC hook is left on the unsharded parameters (the unused-parameter tracking of older torch)
+    restored = restored and all(
+        not getattr(_compat.unsharded_param(fp), "_post_accumulate_grad_hooks", None)
+        for g in groups
+        for fp in _compat.group_layout(g).fsdp_params
     )
     for step in range(2, 4):  # plain FSDP2 on both: backward outside any minibatch is fine again
         for model, opt in ((a, opt_a), (b, opt_b)):
@@ -417,9 +462,14 @@ def scenario_misuse(rank: int, world: int) -> dict:
         token_loss_sum(model, mb).backward()  # forward outside is a collective all-gather; backward must refuse
 
     expect("backward_outside", backward_outside)
-    model.reset_iter_state()
-    for p in model.parameters():
-        p.grad = None
+    if ofsdp.has_capability("reset_iter_state"):
+        model.reset_iter_state()
+        for p in model.parameters():
+            p.grad = None
+    else:  # torch < 2.13 cannot recover FSDP after an exception mid-backward: go on with a fresh model
+        ofsdp.disable(model)
+        model = shard_model(make_model())
+        ofsdp.enable(model)
     expect("bad_divide_factor", lambda: (ofsdp.begin_minibatch(model), ofsdp.end_minibatch(model, divide_factor=0)))
     ofsdp.end_minibatch(model)
     # still usable after the misuse: a normal minibatch works
@@ -440,7 +490,8 @@ def scenario_misuse(rank: int, world: int) -> dict:
             token_loss_sum(model, mb)
 
     expect("modified_inside", modified_inside)
-    model.reset_iter_state()
+    if ofsdp.has_capability("reset_iter_state"):
+        model.reset_iter_state()
     msgs["usable_after"] = str(ok)
     return msgs
 
@@ -464,8 +515,7 @@ def scenario_eval_outside(rank: int, world: int) -> dict:
 
 
 def scenario_refusals(rank: int, world: int) -> dict[str, str]:
-    """enable() refuses clearly: before odc.init, old torch, HSDP, CPU offload, params outside FSDP, no_sync."""
-    import torch
+    """enable() refuses clearly: before odc.init, HSDP, CPU offload, params outside FSDP, no_sync."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
@@ -488,12 +538,6 @@ def scenario_refusals(rank: int, world: int) -> dict[str, str]:
 
     expect("before_init", "needs odc_runtime.init()", lambda: ofsdp.enable(shard_model(make_model())))
     odc.init("host", timeout=60)
-    real = torch.__version__
-    torch.__version__ = "2.12.1+cpu"
-    try:
-        expect("old_torch", "needs torch >= 2.13", lambda: ofsdp.enable(shard_model(make_model())))
-    finally:
-        torch.__version__ = real
     mesh2d = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     hsdp = make_model()
     fully_shard(hsdp, mesh=mesh2d)
@@ -517,6 +561,18 @@ def scenario_refusals(rank: int, world: int) -> dict[str, str]:
     ofsdp.end_minibatch(late)
     ofsdp.disable(late)
     return out
+
+
+def scenario_single_rank(rank: int, world: int) -> str:
+    """enable() on a world of one refuses (FSDP2 would bypass the reduce-scatter hook there)."""
+    import odc_runtime.fsdp as ofsdp
+    from odc_runtime.errors import OdcUsageError
+
+    try:
+        ofsdp.enable(shard_model(make_model()))
+    except OdcUsageError as e:
+        return str(e)
+    return "NO ERROR"
 
 
 def run_suite(rank: int, world: int, plan: list[tuple[str, str, tuple]]) -> dict[str, Any]:

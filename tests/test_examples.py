@@ -31,12 +31,14 @@ def test_custom_trainer_matches_single_process() -> None:
 
 @pytest.mark.timeout(240)
 def test_sft_example_same_losses_in_both_modes() -> None:
+    # one mode launched by torchrun, the other spawning its own ranks (plain `python examples/sft.py`)
+    launch = {
+        "collective": ["-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/sft.py"],
+        "odc": ["examples/sft.py", "--nproc", "2"],
+    }
     losses = {}
     for comm in ("collective", "odc"):
-        out = _run(
-            ["-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/sft.py", "--comm", comm,
-             "--steps", "2", "--samples", "8"]
-        )
+        out = _run([*launch[comm], "--comm", comm, "--steps", "2", "--samples", "8"])
         losses[comm] = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
         assert len(losses[comm]) == 2, out
     assert losses["collective"] == pytest.approx(losses["odc"], abs=1e-4)

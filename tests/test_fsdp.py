@@ -1,5 +1,10 @@
 """FSDP2 in ODC mode (odc_runtime.fsdp): equivalence with a single-process reference and with stock FSDP2.
 
+Runs unchanged on every supported torch (2.9 .. 2.14; .ci/compat.sh runs it on the oldest and the newest besides
+the main CI torch): where a torch lacks a capability ODC provides itself (unused-parameter tracking before 2.13) the
+same scenarios exercise ODC's replacement, and ``test_private_fsdp_surface_of_this_torch`` checks the FSDP2
+internals ODC reads on the torch at hand.
+
 Scenarios live in ``tests/_fsdp_harness.py`` and run on a tiny transformer whose parameter shapes do not divide by
 the world size. To keep the file fast on a 2-core machine, the scenarios are batched into two spawned jobs (3 ranks
 and 2 ranks: gloo, host transport, one torch thread each), run once per module by fixtures; each test checks the
@@ -36,6 +41,8 @@ PLAN3 = [
     ("state_dict", "scenario_state_dict", ()),
     # frozen parameters (requires_grad=False): the gradient rows are shorter than the parameter rows
     ("frozen", "scenario_vs_reference", (2, [2, 0, 1], {"frozen": ["pos.weight", "blocks.1.up.bias"]})),
+    # layers used by some micro-batches only: FSDP leaves their gradients out of the reduce-scatter input
+    ("unused", "scenario_vs_reference", (2, [2, 1, 3], {"branch": True})),
 ]
 PLAN2 = [
     ("bf16_ref", "scenario_vs_reference", (3, [1, 3], {"bf16": True, "reshard_after_forward": False})),
@@ -46,6 +53,9 @@ PLAN2 = [
     ("disable", "scenario_disable", ()),
     ("eval", "scenario_eval_outside", ()),
     ("misuse", "scenario_misuse", ()),
+    # the same with ODC's own unused-parameter tracking forced (what torch < 2.13 always uses)
+    ("unused_tracked", "scenario_vs_reference", (2, [3, 1], {"branch": True, "track_unused": True})),
+    ("compat", "scenario_compat", ()),
     ("refusals", "scenario_refusals", ()),  # finalizes and re-initialises ODC: keep it last
 ]
 
@@ -93,6 +103,66 @@ def test_zero_microbatch_rank_and_clip_grad_norm(suite3):
 @pytest.mark.timeout(SUITE_TIMEOUT)
 def test_frozen_parameters(suite3):
     _check_vs_reference(_results(suite3, "frozen"), FP32_TOL)
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT)
+def test_unused_parameters_keep_the_reduce_scatter_layout(suite3):
+    results = _results(suite3, "unused")
+    _check_vs_reference(results, FP32_TOL)
+    assert sum(res["partial"] for res in results) > 0  # some backward really left parameters without a gradient
+    for res in results:  # torch's own hook where it exists (>= 2.13), ODC's tracking before
+        assert res["tracking"] is not res["has_hook"]
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT)
+def test_unused_parameters_with_odc_tracking(suite2):
+    results = _results(suite2, "unused_tracked")
+    _check_vs_reference(results, FP32_TOL)
+    assert sum(res["partial"] for res in results) > 0
+    assert all(res["tracking"] for res in results)
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT)
+def test_private_fsdp_surface_of_this_torch(suite2):
+    """Fails loudly when a torch release changes an FSDP2 internal that odc_runtime.fsdp._compat reads."""
+    for res in _results(suite2, "compat"):
+        assert res["problems"] == [], f"torch {res['torch']}: {res['problems']}"
+        for name, (detected, by_table) in res["table"].items():
+            assert detected == by_table, (
+                f"torch {res['torch']}: capability {name} detected={detected}, table says "
+                f"{by_table}; update odc_runtime.fsdp._compat.CAPABILITIES"
+            )
+
+
+@pytest.mark.timeout(120)
+def test_single_rank_is_refused():
+    [msg] = h.run(h.scenario_single_rank, 1, timeout=100)
+    assert "on a single rank" in msg, msg
+
+
+def test_torch_without_custom_comm_hooks_is_refused_by_name(monkeypatch):
+    """A torch lacking FSDP2's custom comm hooks (e.g. 2.8) gets an error naming the version, the capability and
+    the oldest torch that has it; simulated by removing the method from this torch's FSDPModule."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    import odc_runtime.fsdp as ofsdp
+    from odc_runtime.errors import OdcUsageError
+    from odc_runtime.fsdp import _compat
+
+    monkeypatch.delattr(FSDPModule, "set_custom_reduce_scatter")
+    _compat._detect.cache_clear()
+    try:
+        with pytest.raises(OdcUsageError) as info:
+            ofsdp.enable(torch.nn.Linear(2, 2))
+        assert not ofsdp.has_capability("custom_comm_hooks")
+    finally:
+        monkeypatch.undo()
+        _compat._detect.cache_clear()
+    msg = str(info.value)
+    assert f"torch {torch.__version__} lacks" in msg and "set_custom_reduce_scatter is missing" in msg, msg
+    assert "available from torch 2.9" in msg, msg
+    assert ofsdp.has_capability("custom_comm_hooks")
 
 
 @pytest.mark.timeout(SUITE_TIMEOUT)

@@ -63,11 +63,17 @@ def test_agree_settings_names_the_setting_and_every_value() -> None:
 
 def _rank_settings_mismatch(rank: int, world: int) -> None:
     import os
+    from dataclasses import asdict
 
     from odc_runtime.agree import gather_checked
 
     os.environ["ODC_NVSHMEM_CELL_BYTES"] = "64K" if rank == 0 else "32K"
-    infos = gather_checked("test", lambda: (*nvshmem.local_settings("1M"), 100))
+
+    def local() -> tuple[dict, int, int]:
+        settings, capacity = nvshmem.local_settings("1M")
+        return asdict(settings), capacity, 100  # the exchange carries JSON, as in nvshmem.create
+
+    infos = [(config.NvshmemSettings(**s), c, m) for s, c, m in gather_checked("test", local)]
     with pytest.raises(odc.OdcMismatchError, match=r"cell_bytes .*rank 0: 65536; rank 1: 32768"):
         nvshmem.agree_settings(infos)
 

@@ -7,6 +7,7 @@ No data moves (the fake Plan records its calls); the GPU tests check the values.
 from __future__ import annotations
 
 import array
+import itertools
 import types
 
 import pytest
@@ -101,7 +102,7 @@ def _install(monkeypatch, world: int, peer_bases: list[int], atomic: bool, fetch
         ext, 0, world, torch.device("cpu"), 5.0, settings=config.NvshmemSettings(fetch=fetch), slots=4,
         capacity=1 << 20, arena=ARENA, peer_bases=peer_bases, engine=ext.Engine(), atomic_push=atomic,
     )
-    api._runtime = api._Runtime(transport=transport, generation=next(api._generations), names=iter(range(100)))
+    api._runtime = api._Runtime(transport=transport, generation=next(api._generations), shards=itertools.count())
     return transport, calls, current
 
 

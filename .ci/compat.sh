@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Compatibility run: the FSDP2 integration, both examples and a short bench/comm.py on the oldest and the newest
+# supported torch (the main CI run covers the torch pinned in .ci/run). CPU only: gloo + the host transport.
+#
+#   bash .ci/compat.sh                       # torch 2.9.1 and 2.14.1
+#   ODC_COMPAT_TORCH="2.11.0" bash .ci/compat.sh
+#   PIP_CONFIG_FILE=/dev/null ODC_COMPAT_TORCH=2.15.0 bash .ci/compat.sh   # past this machine's torch<=2.14.1 pip cap
+#
+# Each torch gets its own virtual environment under ${ODC_COMPAT_CACHE:-$HOME/.cache/odc-compat}/torch-X.Y.Z,
+# created on the first run and reused while its torch imports with the expected version (the PyPI wheels are CUDA
+# builds of several GB with their nvidia-* dependencies; they run on the CPU). odc_runtime is installed into it
+# from this checkout (editable, without the extension) on every run, so the venv always tests this tree.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+cache=${ODC_COMPAT_CACHE:-$HOME/.cache/odc-compat}
+versions=${ODC_COMPAT_TORCH:-"2.9.1 2.14.1"}
+mkdir -p "$cache"
+
+for v in $versions; do
+  t0=$(date +%s)
+  venv="$cache/torch-$v"
+  if ! "$venv/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$v')" 2>/dev/null; then
+    echo "compat: creating $venv"
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install -q --upgrade pip
+    "$venv/bin/python" -m pip install -q "torch==$v"
+  fi
+  ODC_BUILD_EXT=0 "$venv/bin/python" -m pip install -q -e ".[test]"
+  "$venv/bin/python" -c "import torch, odc_runtime.fsdp; print('compat: torch', torch.__version__, 'ready')"
+  echo "compat: torch $v installed in $(( $(date +%s) - t0 ))s"
+
+  # FSDP2 in ODC mode (incl. the per-version check of the FSDP2 internals odc_runtime.fsdp._compat reads) and
+  # both examples (examples/sft.py: same losses in collective and ODC mode).
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_fsdp.py tests/test_examples.py
+  # The collective rows use all_gather_into_tensor / reduce_scatter_tensor (present in every supported torch).
+  "$venv/bin/python" bench/comm.py --sizes 1M --nproc 2 --repeats 3 --warmup 1 --plot none \
+    --json "$cache/comm-$v.json"
+  echo "compat: torch $v done in $(( $(date +%s) - t0 ))s"
+done
+echo "compat: done in $(( $(date +%s) - start ))s"

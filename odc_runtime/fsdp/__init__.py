@@ -1,0 +1,427 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) in ODC mode.
+
+Users keep their FSDP2 model, optimizer and checkpoints and add a few lines::
+
+    fully_shard(block) for each block; fully_shard(model)      # as usual
+    odc_runtime.init()
+    odc_runtime.fsdp.enable(model)
+    for minibatch in data:
+        with odc_runtime.fsdp.minibatch(model):              # or begin_minibatch / end_minibatch
+            for micro_batch in my_share_of(minibatch):        # any count per rank, zero included
+                model(micro_batch).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # optional, DTensor grads as with FSDP
+        optimizer.step()
+        optimizer.zero_grad()
+
+How. :func:`enable` installs, on every FSDP module (the setters are not recursive), a custom all-gather and a
+custom reduce-scatter through FSDP2's public hooks ``set_custom_all_gather`` / ``set_custom_reduce_scatter``;
+nothing of torch is patched. To lay out the rows exactly as FSDP does, it *reads* (never writes) each module's
+FSDP parameter-group metadata (parameter order, mixed-precision and offload policies, meshes), as FSDPModule's own
+setters do; every such read lives in :mod:`odc_runtime.fsdp._compat`, which also detects what this torch offers
+(torch 2.9 to 2.14 are tested). The layout is re-checked at run time (row sizes and dtypes on every call, the
+published values against FSDP's all-gather input on the first call), so a change in torch's internals gives a
+clear error instead of wrong gradients. For each FSDP module (one parameter group) it creates ODC sharded tensors
+of shape ``(W, I)`` for the parameters and ``(W, R)`` for the gradients, where ``I`` is FSDP's per-rank
+all-gather input numel and ``R`` its per-rank reduce-scatter output numel (both padded as FSDP pads), so ODC owner
+``r`` holds exactly row ``r`` (:mod:`._layout`). When ``R == I`` (no frozen parameter in the module) one sharded
+tensor serves both: its parameter buffer holds the published row and its fp32 accumulator the gradient row.
+
+- All-gather (in place; FSDP's input is row ``rank`` of the output): inside a minibatch the output rows are
+  fetched from the owners' published rows (one-sided; the owners do nothing). Outside a minibatch (e.g. an
+  evaluation forward run by all ranks together) it falls back to the ordinary collective all-gather.
+- Reduce-scatter (the input is laid out so ``input.view(W, -1)[r]`` is rank ``r``'s shard): one ``odc.push`` of
+  the whole input adds row ``r`` into owner ``r``'s fp32 accumulator; the output is returned as zeros, so what
+  FSDP adds into ``sharded_param.grad`` during the minibatch is zero (and FSDP's reduce op and post-division,
+  which differ across torch versions, act on zeros). Parameters that got no gradient in a backward keep their
+  columns: ``set_reduce_scatter_unused_params(True)`` where torch has it (>= 2.13), ODC's own tracking before
+  (:mod:`._hooks`). A reduce-scatter outside a minibatch raises :class:`OdcUsageError`.
+- :func:`begin_minibatch` reshards every FSDP module (so the next forward gathers again), writes this rank's
+  sharded parameters, cast to the all-gather dtype exactly as FSDP casts them (``MixedPrecisionPolicy
+  .param_dtype``), into its row of the parameter buffers, and runs ``odc.sync()``.
+- :func:`end_minibatch` runs ``odc.sync()``, writes ``accumulator / divide_factor`` (cast to the parameter dtype)
+  into every ``sharded_param.grad`` (a DTensor, as FSDP makes it; added to an existing ``.grad`` as FSDP adds),
+  and zeroes the accumulators.
+
+Scaling. FSDP2 averages over the data-parallel ranks in every backward and *sums* over the micro-batches of a
+gradient-accumulation window. The accumulator holds the plain sum over all ranks and micro-batches, so the
+default ``divide_factor`` is the world size (or the module's ``set_gradient_divide_factor`` value if one was
+set): with equal micro-batch counts this is exactly FSDP2's gradient. With unequal counts choose the divisor
+that matches your loss, e.g. sum the token losses and pass the global token count of the minibatch.
+
+Ordering (why two syncs per minibatch suffice). Let minibatch ``k`` be ``publish_k; S1_k; micro-batches; S2_k;
+read + zero``. (a) Every fetch in ``k`` happens after ``S1_k``, hence after every owner's ``publish_k``.
+(b) ``publish_{k+1}`` on owner ``o`` happens after ``o`` left ``S2_k``, hence after every rank entered ``S2_k``,
+hence after every fetch of ``k`` (fetches are complete when they return), so no rank reads a half-updated row.
+(c) Every push of ``k`` precedes its rank's ``S2_k``, so it is in the accumulator when the owner reads it.
+(d) The owner zeroes its accumulator after ``S2_k`` (all pushes of ``k`` landed, none is lost) and before
+``S1_{k+1}``; every push of ``k+1`` comes after ``S1_{k+1}``, so none is wiped. Hence the zeroing needs no third
+sync: ``S1_{k+1}`` is its fence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import odc_runtime as odc
+from odc_runtime.errors import OdcUsageError
+
+from . import _compat, _hooks
+from ._compat import CAPABILITIES, has_capability
+from ._layout import OWNER as _OWNER
+from ._layout import STATES as _STATES
+from ._layout import State as _State
+from ._layout import Unit as _Unit
+from ._layout import build_unit as _build_unit
+
+if TYPE_CHECKING:  # annotations only
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+log = logging.getLogger(__name__)
+
+# Tests only: use ODC's own unused-parameter tracking even where torch has set_reduce_scatter_unused_params, so the
+# fallback that older torch releases need is exercised on every version.
+_FORCE_UNUSED_TRACKING = False
+
+__all__ = [
+    "CAPABILITIES",
+    "begin_minibatch",
+    "disable",
+    "enable",
+    "end_minibatch",
+    "has_capability",
+    "is_enabled",
+    "minibatch",
+    "stats",
+]
+
+
+def is_enabled(model: nn.Module) -> bool:
+    """Whether :func:`enable` is active on ``model``."""
+    return model in _STATES
+
+
+def _state(model: nn.Module, what: str) -> _State:
+    state = _STATES.get(model)
+    if state is None:
+        hint = ""
+        if model in _OWNER:
+            hint = " (it is enabled on an enclosing model: pass that root model)"
+        raise OdcUsageError(
+            f"odc_runtime.fsdp.{what}() on a model without ODC{hint}: call odc_runtime.fsdp.enable(model) after "
+            "fully_shard() and odc_runtime.init()"
+        )
+    return state
+
+
+def _fsdp_modules(model: nn.Module, fsdp_module_cls: type) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, fsdp_module_cls)]
+
+
+def _param_group(module: nn.Module, fqn: str) -> FSDPParamGroup | None:
+    """The module's single FSDP parameter group, or None if it manages no parameters."""
+    groups = _compat.param_groups(module)
+    if len(groups) > 1:
+        raise OdcUsageError(
+            f"odc_runtime.fsdp: FSDP module {fqn or '<root>'!r} has {len(groups)} parameter groups (per-parameter "
+            "meshes via shard_placement_fn); FSDP2's custom comm hooks and ODC support one group per module"
+        )
+    return groups[0] if groups else None
+
+
+def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
+    """Put an FSDP2 model in ODC mode (collective: call on every rank, after ``fully_shard`` and ``odc.init``).
+
+    Installs ODC's all-gather and reduce-scatter on every FSDP module of ``model``, keeps the reduce-scatter
+    layout fixed for parameters without a gradient (``set_reduce_scatter_unused_params(True)`` where torch has it,
+    ODC's own tracking otherwise), and allocates the ODC buffers. Every parameter of ``model`` that requires a
+    gradient must be managed by FSDP.
+
+    Args:
+        model: the root module (normally itself passed to ``fully_shard``).
+        validate: compare FSDP's all-gather input with the published parameters at the first all-gather of every
+            module in every minibatch (default: only once after ``enable``). Catches parameters modified inside
+            a minibatch; costs one comparison of the local shard per module per minibatch.
+
+    Returns ``model``. Raises :class:`OdcUsageError` for a torch without FSDP2's custom comm hooks (naming the
+    oldest torch that has them), for unsupported configurations (HSDP and
+    other 2-D meshes, CPU offload, ``reshard_after_forward=<int>``, FSDP all-gather extensions, mixed dtypes in a
+    module, parameters outside FSDP) and if ODC is already enabled on the model or one of its FSDP modules.
+    """
+    api = _compat.fsdp_api()
+    if not odc.is_initialized():
+        raise OdcUsageError("odc_runtime.fsdp.enable() needs odc_runtime.init() first")
+    if not isinstance(model, nn.Module):
+        raise OdcUsageError(f"odc_runtime.fsdp.enable() expects an nn.Module, got {type(model).__name__}")
+    if model in _STATES:
+        raise OdcUsageError("odc_runtime.fsdp.enable() called twice on the same model; call disable() first")
+    modules = _fsdp_modules(model, api.fsdp_module)
+    if not modules:
+        raise OdcUsageError(
+            "odc_runtime.fsdp.enable(): no FSDP module found; apply torch.distributed.fsdp.fully_shard to the "
+            "blocks and the root first"
+        )
+    for fqn, m in modules:
+        if m in _OWNER:
+            raise OdcUsageError(
+                f"odc_runtime.fsdp.enable(): FSDP module {fqn or '<root>'!r} already belongs to an ODC-enabled "
+                "model; call disable() on that model first"
+            )
+    world_size, rank = odc.world_size(), odc.rank()
+    if dist.get_world_size() != world_size or dist.get_rank() != rank:
+        raise OdcUsageError("odc_runtime.fsdp: the ODC runtime and the default process group disagree on ranks")
+    if world_size < 2:
+        # FSDP2 (torch >= 2.11) skips the reduce-scatter hook on one rank and writes the gradients itself, so
+        # divide_factor could not be honoured; and there is no communication to replace.
+        raise OdcUsageError(
+            "odc_runtime.fsdp.enable() on a single rank: FSDP2 communicates nothing there, so ODC mode has nothing "
+            "to replace; train with plain FSDP2 (or launch at least 2 ranks)"
+        )
+    device_type = "cpu" if odc.backend() == "host" else "cuda"
+    # Reshard so that the sharded parameters are the registered ones and the next forward gathers again.
+    for _, m in modules:
+        m.reshard()
+    units: list[_Unit] = []
+    managed: set[int] = set()
+    names = {id(p): n for n, p in model.named_parameters()}
+    for fqn, m in modules:
+        group = _param_group(m, fqn)
+        if group is None:
+            continue
+        unit = _build_unit(m, fqn, group, world_size, api, names)
+        if unit.device.type != device_type:
+            raise OdcUsageError(
+                f"odc_runtime.fsdp: FSDP module {unit.fqn!r} runs on {unit.device} but the ODC "
+                f"{odc.backend()!r} backend works on {device_type}"
+            )
+        managed.update(id(p.sharded_param) for p in unit.params)
+        if unit.ag_numel > 0:
+            units.append(unit)
+    outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in managed]
+    if outside:
+        raise OdcUsageError(
+            f"odc_runtime.fsdp.enable(): parameters {outside[:5]} require gradients but are not managed by FSDP "
+            "(apply fully_shard to the root too, and do not use ignored_params with ODC)"
+        )
+    state = _State(model, units, world_size, rank, validate)
+    all_gather_cls = _hooks.make_all_gather(api.all_gather)
+    reduce_scatter_cls = _hooks.make_reduce_scatter(api.reduce_scatter)
+    model_id = next(_ENABLE_COUNT)  # shard names must be unique per runtime; several models may share one
+    try:
+        for unit in units:
+            shared = unit.rs_numel == unit.ag_numel
+            unit.st_ag = odc.shard(
+                torch.empty((world_size, unit.ag_numel), dtype=unit.ag_dtype, device="meta"),
+                name=f"fsdp{model_id}.{unit.fqn}.params",
+                requires_grad=shared,  # with frozen parameters the gradients get their own, smaller buffer
+            )
+            if shared:
+                unit.st_rs = unit.st_ag
+            elif unit.rs_numel > 0:
+                unit.st_rs = odc.shard(
+                    torch.empty((world_size, unit.rs_numel), dtype=unit.rs_dtype, device="meta"),
+                    name=f"fsdp{model_id}.{unit.fqn}.grads",
+                )
+    except BaseException:
+        _free_buffers(units)
+        raise
+    for unit in units:
+        g, m = unit.group, unit.module
+        prev_ag, prev_rs = _compat.comms(g)
+        unused = _compat.reduce_scatter_unused_params(g)
+        unit.prev = {"all_gather": prev_ag, "reduce_scatter": prev_rs, "unused": unused}
+        m.set_custom_all_gather(all_gather_cls(state, unit))
+        m.set_custom_reduce_scatter(reduce_scatter_cls(state, unit))
+        if api.reduce_scatter_unused_params and not _FORCE_UNUSED_TRACKING:
+            m.set_reduce_scatter_unused_params(True, recurse=False)
+        else:
+            _hooks.install_unused_tracking(unit)
+    _STATES[model] = state
+    for _, m in modules:
+        _OWNER[m] = state
+    log.info(
+        "odc fsdp enabled: %d FSDP modules, %d parameter elements per rank row",
+        len(units),
+        sum(u.ag_numel for u in units),
+    )
+    return model
+
+
+_ENABLE_COUNT = itertools.count()  # enable() is collective: the same count on every rank
+
+
+def _free_buffers(units: list[_Unit]) -> None:
+    if not odc.is_initialized():
+        return
+    for unit in units:
+        for st in {id(s): s for s in (unit.st_ag, unit.st_rs) if s is not None}.values():
+            with contextlib.suppress(odc.OdcError):
+                st.free()
+        unit.st_ag = unit.st_rs = None
+
+
+def disable(model: nn.Module) -> nn.Module:
+    """Return ``model`` to plain FSDP2 (collective): restore the previous comms and settings, free the buffers.
+
+    Not allowed inside a minibatch. Gradients already written to ``.grad`` stay.
+    """
+    state = _state(model, "disable")
+    if state.in_minibatch:
+        raise OdcUsageError("odc_runtime.fsdp.disable() inside a minibatch; call it between minibatches")
+    for unit in state.units:
+        m, prev = unit.module, unit.prev
+        m.set_custom_all_gather(prev["all_gather"])
+        m.set_custom_reduce_scatter(prev["reduce_scatter"])
+        if unit.track_unused:
+            _hooks.remove_unused_tracking(unit)
+        else:
+            m.set_reduce_scatter_unused_params(prev["unused"], recurse=False)
+    _free_buffers(state.units)
+    del _STATES[model]
+    for m in [m for m, s in _OWNER.items() if s is state]:
+        del _OWNER[m]
+    return model
+
+
+# --------------------------------------------------------------------------------------------------- minibatch
+
+
+def begin_minibatch(model: nn.Module) -> None:
+    """Start a minibatch (collective): publish the current parameters, then ``odc.sync()``.
+
+    Between :func:`begin_minibatch` and :func:`end_minibatch` a rank may run any number of forward/backward
+    micro-batches (zero included); parameters must not change in between.
+    """
+    state = _state(model, "begin_minibatch")
+    if state.in_minibatch:
+        raise OdcUsageError(
+            "odc_runtime.fsdp: minibatch already open (nested minibatch() or begin_minibatch() twice); end it first"
+        )
+    if state.broken is not None:
+        raise OdcUsageError(
+            f"odc_runtime.fsdp: a previous minibatch failed ({state.broken}); the ranks' accumulators are no longer "
+            "consistent. Restart training from a checkpoint"
+        )
+    for unit in state.units:
+        if not _compat.reduce_grads(unit.group):
+            raise OdcUsageError(
+                f"odc_runtime.fsdp: set_requires_gradient_sync(False) is active on {unit.fqn!r}; ODC accumulates "
+                "across micro-batches itself, keep gradient sync on"
+            )
+    try:
+        with torch.no_grad():
+            for unit in state.units:
+                unit.module.reshard()  # the next forward must all-gather the newly published rows
+                for p in unit.params:  # unused-parameter tracking: drop marks left by an aborted backward
+                    p.used = False
+                row = unit.st_ag.local
+                for p in unit.params:
+                    local = p.sharded_param.to_local().reshape(-1)
+                    row[p.ag_offset : p.ag_offset + local.numel()].copy_(local)
+        _device_sync(state)
+        odc.sync()  # S1: every row is published before anyone fetches; every accumulator was zeroed before it
+    except BaseException as e:
+        state.broken = f"begin_minibatch: {type(e).__name__}: {e}"
+        raise
+    state.in_minibatch = True
+    state.minibatches += 1
+
+
+def end_minibatch(model: nn.Module, *, divide_factor: float | None = None) -> None:
+    """End a minibatch (collective): ``odc.sync()``, write the gradients into ``sharded_param.grad``, zero.
+
+    Args:
+        divide_factor: the accumulated (summed over ranks and micro-batches) gradient is divided by this. Default:
+            the module's ``set_gradient_divide_factor`` value, else the world size, i.e. FSDP2's mean over ranks
+            (and sum over micro-batches). Pass e.g. the minibatch's global token count when the loss is a sum.
+    """
+    state = _state(model, "end_minibatch")
+    if not state.in_minibatch:
+        raise OdcUsageError("odc_runtime.fsdp.end_minibatch() without begin_minibatch()")
+    if divide_factor is not None and (
+        isinstance(divide_factor, bool)
+        or not isinstance(divide_factor, (int, float))
+        or not math.isfinite(divide_factor)
+        or divide_factor <= 0
+    ):
+        raise OdcUsageError(f"odc_runtime.fsdp: divide_factor must be a positive finite number, got {divide_factor!r}")
+    state.in_minibatch = False
+    try:
+        _device_sync(state)
+        odc.sync()  # S2: every push of this minibatch is in its owner's accumulator
+        _write_grads(state, divide_factor)
+    except BaseException as e:
+        state.broken = f"end_minibatch: {type(e).__name__}: {e}"
+        raise
+
+
+def _write_grads(state: _State, divide_factor: float | None) -> None:
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for unit in state.units:
+            st = unit.st_rs
+            if st is None:
+                continue
+            factor = float(divide_factor or _compat.gradient_divide_factor(unit.group) or state.world_size)
+            acc = st.grad
+            for p in unit.params:
+                if p.rs_offset is None:
+                    continue
+                sp = p.sharded_param
+                local = sp.to_local()
+                g = acc[p.rs_offset : p.rs_offset + local.numel()].view(local.shape)
+                g = g.div(factor) if factor != 1.0 else g.clone()  # FSDP divides in the reduce dtype, then casts
+                g = g.to(sp.dtype)
+                if sp.grad is None:
+                    sp.grad = DTensor.from_local(
+                        g, sp.device_mesh, sp.placements, run_check=False, shape=sp.shape, stride=sp.stride()
+                    )
+                else:  # FSDP adds into an existing sharded gradient (no zero_grad between steps)
+                    sp.grad.to_local().add_(g)
+            st.zero_grad()  # fenced by the next begin_minibatch's sync (see the module docstring)
+
+
+@contextlib.contextmanager
+def minibatch(model: nn.Module, *, divide_factor: float | None = None) -> Iterator[None]:
+    """``with minibatch(model):`` = :func:`begin_minibatch` … :func:`end_minibatch` (see both).
+
+    If the body raises, the minibatch is abandoned without the closing sync (peers waiting in it time out after
+    ``ODC_TIMEOUT``) and later minibatches on this model refuse to start.
+    """
+    begin_minibatch(model)
+    try:
+        yield
+    except BaseException as e:
+        state = _STATES.get(model)
+        if state is not None and state.in_minibatch:
+            state.in_minibatch = False
+            state.broken = f"{type(e).__name__}: {e}"
+        raise
+    end_minibatch(model, divide_factor=divide_factor)
+
+
+def stats(model: nn.Module) -> dict[str, int]:
+    """Counters: minibatches, ODC all-gathers (fetches) and reduce-scatters (pushes) since :func:`enable`."""
+    state = _state(model, "stats")
+    return {
+        "minibatches": state.minibatches,
+        "all_gathers": sum(u.all_gathers for u in state.units),
+        "reduce_scatters": sum(u.reduce_scatters for u in state.units),
+        "row_numel": sum(u.ag_numel for u in state.units),
+    }
+
+
+def _device_sync(state: _State) -> None:
+    # FSDP issues pushes on its reduce-scatter stream and waits for them on the current stream at the end of
+    # backward; a full device sync keeps the once-per-minibatch fence simple on GPU. No-op on CPU.
+    if state.units and state.units[0].device.type == "cuda":
+        torch.cuda.synchronize()

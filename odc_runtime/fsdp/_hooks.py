@@ -1,0 +1,218 @@
+"""ODC's custom all-gather and reduce-scatter for FSDP2 (installed through ``FSDPModule.set_custom_*``).
+
+- All-gather (in place; FSDP's input is row ``rank`` of the output): inside a minibatch the other rows are fetched
+  from the owners' published rows; outside one (an evaluation forward run by all ranks together) it is the ordinary
+  collective ``all_gather_into_tensor``.
+- Reduce-scatter (``input.view(W, -1)[r]`` is rank ``r``'s shard): one ``odc.push`` adds row ``r`` into owner
+  ``r``'s fp32 accumulator; the output is returned as zeros, so whatever FSDP does with it afterwards (divide,
+  add into ``sharded_param.grad``) leaves zeros. The reduce op FSDP asks for (``SUM``, ``AVG`` or a pre-multiplied
+  sum, depending on the torch version and dtypes) is therefore irrelevant: the accumulator holds the plain sum and
+  ``end_minibatch`` applies FSDP's scaling.
+- Unused parameters. FSDP leaves parameters that got no gradient in a backward out of the reduce-scatter input,
+  which would shift every later parameter's columns. torch >= 2.13 keeps the layout fixed with
+  ``set_reduce_scatter_unused_params(True)``. On older torch ODC does the same itself: a post-accumulate-grad hook
+  on each unsharded parameter (registered by a forward pre-hook that runs after FSDP's unshard) marks the parameters
+  that received a gradient; the reduce-scatter maps FSDP's shorter input back onto the full row layout (zeros for
+  the unmarked parameters) before pushing. Both give the same accumulator contents.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import odc_runtime as odc
+from odc_runtime.api import PARAM_DTYPES
+from odc_runtime.errors import OdcUsageError
+
+from . import _compat
+from ._layout import Param, State, Unit, fp16_pre_factor
+
+
+class _CommBase:
+    def __init__(self, state: State, unit: Unit) -> None:
+        self._state = weakref.ref(state)
+        self._unit = unit
+
+    def allocate(self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def _check_group(self, group: dist.ProcessGroup, what: str) -> State:
+        state = self._state()
+        if state is None:  # pragma: no cover - the model was garbage collected
+            raise OdcUsageError(f"odc_runtime.fsdp {what}: the ODC state of this model is gone")
+        if group.size() != state.world_size:
+            raise OdcUsageError(
+                f"odc_runtime.fsdp {what} for {self._unit.fqn!r}: process group of size {group.size()} but ODC "
+                f"runs on {state.world_size} ranks (reshard_after_forward=int and HSDP are not supported)"
+            )
+        return state
+
+
+def make_all_gather(base: type) -> type:
+    """A subclass of torch's ``AllGather`` (``base``) that fetches the published rows from their owners."""
+
+    class OdcAllGather(_CommBase, base):
+        """All-gather that fetches the published rows from their owners (see the module docstring)."""
+
+        def __call__(
+            self,
+            output_tensor: torch.Tensor,
+            input_tensor: torch.Tensor,
+            group: dist.ProcessGroup,
+            async_op: bool = False,
+        ) -> dist.Work | None:
+            state = self._check_group(group, "all-gather")
+            unit = self._unit
+            if not state.in_minibatch:
+                # Outside a minibatch every rank runs this forward together (e.g. evaluation): collective.
+                return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+            w, n = state.world_size, unit.ag_numel
+            if input_tensor.numel() != n or output_tensor.numel() != w * n or input_tensor.dtype != unit.ag_dtype:
+                raise OdcUsageError(
+                    f"odc_runtime.fsdp all-gather for {unit.fqn!r}: FSDP passed {input_tensor.numel()} elements of "
+                    f"{input_tensor.dtype} per rank but ODC laid out {n} of {unit.ag_dtype} at enable() time; "
+                    "parameters (or their dtypes / requires_grad) changed after enable(): disable() and enable() "
+                    "again"
+                )
+            if state.validate or not unit.checked:
+                check_published(unit, input_tensor)
+                unit.checked = True
+            odc.fetch(unit.st_ag, out=output_tensor.view(w, n))
+            unit.all_gathers += 1
+            return None
+
+    return OdcAllGather
+
+
+def check_published(unit: Unit, input_tensor: torch.Tensor) -> None:
+    """FSDP's all-gather input must equal the row published at ``begin_minibatch`` (layout and freshness check)."""
+    row = unit.st_ag.local
+    for p in unit.params:
+        n = p.sharded_param.to_local().numel()
+        a, b = input_tensor[p.ag_offset : p.ag_offset + n], row[p.ag_offset : p.ag_offset + n]
+        if not torch.equal(a, b):
+            raise OdcUsageError(
+                f"odc_runtime.fsdp: FSDP's all-gather input for {p.fqn!r} differs from the parameters published at "
+                "the start of the minibatch; parameters must not change inside a minibatch (optimizer.step() "
+                "and load_state_dict() belong between minibatches)"
+            )
+
+
+def make_reduce_scatter(base: type) -> type:
+    """A subclass of torch's ``ReduceScatter`` (``base``) that pushes row r of the input into owner r."""
+
+    class OdcReduceScatter(_CommBase, base):
+        """Reduce-scatter that pushes row r of the input into owner r's accumulator (see the module docstring)."""
+
+        def __call__(
+            self,
+            output_tensor: torch.Tensor,
+            input_tensor: torch.Tensor,
+            group: dist.ProcessGroup,
+            op: dist.ReduceOp,
+            async_op: bool = False,
+        ) -> dist.Work | None:
+            state = self._check_group(group, "reduce-scatter")
+            unit = self._unit
+            if not state.in_minibatch:
+                recover = (
+                    "call model.reset_iter_state() on the root model before going on"
+                    if _compat.has_capability("reset_iter_state")
+                    else f"torch {torch.__version__} has no FSDPModule.reset_iter_state (torch >= 2.13): rebuild "
+                    "the model (e.g. from a checkpoint) before going on"
+                )
+                raise OdcUsageError(
+                    "odc_runtime.fsdp: backward() ran outside a minibatch on an ODC-enabled model; wrap the "
+                    "micro-batches in `with odc_runtime.fsdp.minibatch(model):` (or begin_minibatch/end_minibatch). "
+                    f"FSDP's iteration state is now undefined: {recover}"
+                )
+            w, n = state.world_size, unit.rs_numel
+            if unit.st_rs is None or input_tensor.dtype not in PARAM_DTYPES:
+                raise _layout_error(unit, input_tensor, w)
+            rows = _full_rows(unit, input_tensor, w) if unit.track_unused else None
+            if rows is None:
+                if input_tensor.numel() != w * n:
+                    raise _layout_error(unit, input_tensor, w)
+                rows = input_tensor.view(w, n)
+            # FSDP pre-divides reduce dtypes with overflow risk (fp16) before the reduce-scatter; undo it so the
+            # accumulator holds plain sums. The reduce dtype is the input's (it differs across torch versions).
+            factor = _compat.gradient_divide_factor(unit.group) or float(w)
+            odc.push(unit.st_rs, rows, scale=fp16_pre_factor(input_tensor.dtype, factor))
+            output_tensor.zero_()
+            unit.reduce_scatters += 1
+            return None
+
+    return OdcReduceScatter
+
+
+def _layout_error(unit: Unit, input_tensor: torch.Tensor, w: int) -> OdcUsageError:
+    return OdcUsageError(
+        f"odc_runtime.fsdp reduce-scatter for {unit.fqn!r}: FSDP passed {input_tensor.numel()} elements of "
+        f"{input_tensor.dtype} but ODC laid out {w} x {unit.rs_numel} floating-point elements at enable() time; "
+        "trainable parameters (requires_grad) or dtypes changed after enable(): disable() and enable() again"
+    )
+
+
+def _full_rows(unit: Unit, input_tensor: torch.Tensor, w: int) -> torch.Tensor | None:
+    """Without torch's unused-parameter hook: map FSDP's input, which holds only the parameters that received a
+    gradient (in order), onto the full ``(W, R)`` layout. Returns None when every parameter is present (the input
+    already has the full layout)."""
+    present = [p for p in unit.params if p.rs_offset is not None and p.used]
+    for p in unit.params:
+        p.used = False
+    sub = sum(p.padded for p in present)
+    if input_tensor.numel() != w * sub:
+        raise OdcUsageError(
+            f"odc_runtime.fsdp reduce-scatter for {unit.fqn!r}: FSDP passed {input_tensor.numel()} elements, but the "
+            f"{len(present)} parameters that received a gradient lay out {w} x {sub}; torch "
+            f"{torch.__version__} selects the reduced parameters differently than ODC expects (report this)"
+        )
+    if sub == unit.rs_numel:
+        return None
+    src = input_tensor.view(w, sub)
+    full = torch.zeros((w, unit.rs_numel), dtype=input_tensor.dtype, device=input_tensor.device)
+    col = 0
+    for p in present:
+        full[:, p.rs_offset : p.rs_offset + p.padded].copy_(src[:, col : col + p.padded])
+        col += p.padded
+    return full
+
+
+def install_unused_tracking(unit: Unit) -> None:
+    """Track which trainable parameters of ``unit`` receive a gradient (torch without the unused-params hook)."""
+    unit.track_unused = True
+    trainable = sum(p.rs_offset is not None for p in unit.params)
+
+    def after_unshard(module: nn.Module, args: tuple[object, ...]) -> None:
+        # Runs after FSDP's own pre-forward hook (registered with prepend=True), which has unsharded and waited.
+        if len(unit.hooked) == trainable:
+            return
+        for p in unit.params:
+            up = _compat.unsharded_param(p.fsdp_param)
+            if p.rs_offset is None or up is None or id(up) in unit.hooked:
+                continue
+            unit.handles.append(up.register_post_accumulate_grad_hook(_marker(p)))
+            unit.hooked.add(id(up))
+
+    unit.handles.append(unit.module.register_forward_pre_hook(after_unshard))
+
+
+def _marker(p: Param) -> Callable[[torch.Tensor], None]:
+    def mark(_: torch.Tensor) -> None:
+        p.used = True
+
+    return mark
+
+
+def remove_unused_tracking(unit: Unit) -> None:
+    """Undo :func:`install_unused_tracking`."""
+    for handle in unit.handles:
+        handle.remove()
+    unit.handles.clear()
+    unit.hooked.clear()
+    unit.track_unused = False
