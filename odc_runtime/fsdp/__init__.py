@@ -43,15 +43,15 @@ tensor serves both: its parameter buffer holds the published row and its fp32 ac
   and zeroes the accumulators.
 
 HSDP (2-D mesh ``(replicate, shard)``). FSDP's rows span the shard group, so each module's ODC buffers are sharded
-over it (``odc.shard(group=shard group)``: every rank calls it with its own shard group) and fetches and pushes
-stay inside the shard group (one node, typically). FSDP's cross-replica all-reduce after every backward is turned
-off (``set_requires_all_reduce(False)``: it would be a collective per micro-batch, which ranks with different
+over it (``odc.shard(group=shard group)``: every rank calls it with its own shard group) and fetches and pushes stay
+inside the shard group (one node, typically). FSDP's cross-replica all-reduce after every backward is turned off
+(``set_requires_all_reduce(False)``: it would be a collective per micro-batch, which ranks with different
 micro-batch counts cannot meet, and it would only see ODC's zeros). :func:`end_minibatch` instead runs, after
 ``odc.sync()``, one ``all_reduce`` (SUM) of all accumulators across the replicate group, so the slow inter-node
 links carry one collective per minibatch, then divides by the whole data-parallel size as FSDP2 HSDP does. Load
-balancing: plan LB-Mini over *all* ranks (``balance.plan(..., policy="lb_mini")`` with the world size): inside the minibatch no rank
-waits for any other, and the only cross-replica step is that one all-reduce at the end, so what must be balanced
-is each rank's total work in the minibatch, across replicas as much as within a shard group. HPZ
+balancing: plan LB-Mini over *all* ranks (``balance.plan(..., policy="lb_mini")`` with the world size): inside the
+minibatch no rank waits for any other, and the only cross-replica step is that one all-reduce at the end, so what
+must be balanced is each rank's total work in the minibatch, across replicas as much as within a shard group. HPZ
 (``reshard_after_forward=<int>``) is refused (see :func:`enable`).
 
 Scaling. FSDP2 averages over the data-parallel ranks in every backward and *sums* over the micro-batches of a
