@@ -398,8 +398,8 @@ def shard(
     transport = runtime.transport
     world, me = transport.world_size, transport.rank
 
-    def local_checks() -> tuple[str, int, tuple[int, ...], str, str, bool, tuple[int, ...]]:
-        ranks = _group_ranks("shard()", group, world, me) or tuple(range(world))
+    def local_checks() -> tuple[str, int, tuple[int, ...], str, str, bool, tuple[int, ...] | None]:
+        ranks = _group_ranks("shard()", group, world, me)  # None (all ranks) keeps the exchanged payload small
         if not isinstance(name, str) or not name:
             raise OdcUsageError(f"odc_runtime.shard(): name must be a non-empty str, got {name!r}")
         if name in runtime.live_names:
@@ -426,7 +426,7 @@ def shard(
     exchange = getattr(transport, "exchange", None) and transport
     results = gather_checked(op, local_checks, exchange=exchange, timeout=transport.timeout)  # type: ignore[arg-type]
     require_same("shard", [r[:-1] for r in results])
-    groups = [tuple(r[-1]) for r in results]
+    groups = [tuple(range(world)) if r[-1] is None else tuple(r[-1]) for r in results]
     _check_partition(groups)
     for g in groups:  # the same list on every rank, so every rank numbers the groups alike
         if len(g) < world and g not in runtime.groups:
