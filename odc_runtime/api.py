@@ -348,7 +348,7 @@ def _group_ranks(what: str, group: object, world: int, rank: int) -> tuple[int, 
 def _check_partition(groups: list[tuple[int, ...]]) -> None:
     """OdcMismatchError (on every rank: all see the same list) unless ``groups[r]``, the group rank ``r`` passed,
     contains ``r`` and every member of it passed the same group: the groups of one call partition the ranks."""
-    bad = [r for r, g in enumerate(groups) if r not in g or any(groups[m] != g for m in g)]
+    bad = [r for r, g in enumerate(groups) if r not in g or any(m >= len(groups) or groups[m] != g for m in g)]
     if bad:
         listing = "; ".join(f"rank {r}: {list(g)}" for r, g in enumerate(groups))
         raise OdcMismatchError(
@@ -426,14 +426,17 @@ def shard(
     exchange = getattr(transport, "exchange", None) and transport
     results = gather_checked(op, local_checks, exchange=exchange, timeout=transport.timeout)  # type: ignore[arg-type]
     require_same("shard", [r[:-1] for r in results])
-    groups = [tuple(range(world)) if r[-1] is None else tuple(r[-1]) for r in results]
-    _check_partition(groups)
-    for g in groups:  # the same list on every rank, so every rank numbers the groups alike
-        if len(g) < world and g not in runtime.groups:
-            runtime.groups[g] = len(runtime.groups)
-    own = groups[me]
-    # The largest shard over the groups: every rank allocates the same bytes, so offsets stay symmetric.
-    size = max(-(-tensor.numel() // len(g)) for g in groups)
+    own = tuple(range(world))
+    size = -(-tensor.numel() // world)
+    if any(r[-1] is not None for r in results):
+        groups = [own if r[-1] is None else tuple(r[-1]) for r in results]
+        _check_partition(groups)
+        for g in groups:  # the same list on every rank, so every rank numbers the groups alike
+            if len(g) < world and g not in runtime.groups:
+                runtime.groups[g] = len(runtime.groups)
+        own = groups[me]
+        # The largest shard over the groups: every rank allocates the same bytes, so offsets stay symmetric.
+        size = max(-(-tensor.numel() // len(g)) for g in groups)
     tag = f"{name}#{seq}"
     param = transport.alloc(size, tensor.dtype, tag=f"{tag}.param")
     grad = None
