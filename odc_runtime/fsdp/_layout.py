@@ -215,4 +215,12 @@ def build_unit(
             )
         unit.replicate_pg, unit.shard_pg = mesh.get_group(0), mesh.get_group(1)
         unit.rows = mesh.size(1)
+        # FSDP's row index is the mesh coordinate; ODC numbers owners by their rank in the shard group.
+        if mesh.get_local_rank(1) != dist.get_group_rank(unit.shard_pg, dist.get_rank()):
+            raise OdcUsageError(
+                f"odc_runtime.fsdp: {name!r}: this rank's coordinate along the mesh's shard dimension "
+                f"({mesh.get_local_rank(1)}) differs from its rank in the shard group "
+                f"({dist.get_group_rank(unit.shard_pg, dist.get_rank())}); build the mesh with ascending ranks "
+                "along the shard dimension (init_device_mesh does)"
+            )
     return unit
