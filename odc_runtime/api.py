@@ -1,9 +1,16 @@
 """The core API: ``init``, ``shard``, ``fetch``, ``push``, ``sync``, ``finalize``.
 
-Layout. A tensor of ``numel`` elements is split into ``world_size`` shards of ``S = ceil(numel / world_size)``
-elements; rank ``r`` owns ``[r*S, min((r+1)*S, numel))`` (the last owners may own fewer elements, or none). Every
-rank allocates ``S`` elements of symmetric memory for the parameter shard and ``S`` fp32 elements for its gradient
-accumulator, so one offset addresses the buffer on every peer; the padding is never shown to the user.
+Layout. A tensor of ``numel`` elements is split over the ranks of its group (all ranks by default) into shards of
+``S = ceil(numel / group_size)`` elements; the rank of group rank ``r`` owns ``[r*S, min((r+1)*S, numel))`` (the
+last owners may own fewer elements, or none). Every rank of the *world* allocates the same number of elements of
+symmetric memory for the parameter shard and fp32 elements for its gradient accumulator (the largest ``S`` over the
+groups of that ``shard`` call), so one offset addresses the buffer on every peer; the padding is never shown.
+
+Groups. ``shard(t, group=g)`` is still collective over the whole world (every rank calls it, each with the group it
+belongs to, e.g. its row of a device mesh); the groups of one call must partition the ranks. ``fetch``/``push``
+address the owners of the caller's group only (their group ranks mapped to global ranks for the transport), and
+``sync(group=g)`` fences only ``g``'s ranks. Allocation stays world-collective so that offsets stay symmetric
+without per-group heaps; see docs/design.md ("Process groups") for why this cannot deadlock.
 
 Every public call validates all of its arguments before it issues any remote operation, so a rejected ``push``
 changes no accumulator anywhere. Collective calls (``init``, ``shard``, ``free``, ``finalize``) run their checks
@@ -28,10 +35,12 @@ from odc_runtime import config
 from odc_runtime import transport as registry
 from odc_runtime.agree import StoreExchange, gather_checked, op_digest, require_same, shorten
 from odc_runtime.errors import (
+    OdcMismatchError,
     OdcNotInitializedError,
     OdcUsageError,
 )
 from odc_runtime.transport.base import (
+    Group,
     Piece,
     SymmetricBuffer,
     TransferPlan,
@@ -54,6 +63,8 @@ class _Runtime:
     generation: int
     shards: itertools.count  # sequence number of the next shard() call (the same on every rank)
     live_names: set[str] = field(default_factory=set)  # names of the ShardedTensors not freed yet
+    # Proper subgroups seen by shard(): global ranks (group-rank order) -> agreed index (the same on every rank)
+    groups: dict[tuple[int, ...], int] = field(default_factory=dict)
 
 
 _runtime: _Runtime | None = None
@@ -205,13 +216,16 @@ class Handle:
 
 
 class ShardedTensor:
-    """A tensor sharded across all ranks, created by :func:`shard`.
+    """A tensor sharded across the ranks of a group (all ranks by default), created by :func:`shard`.
 
     Attributes:
         local: this rank's parameter shard (1-D, writable; the optimizer updates it in place).
         grad: this rank's gradient accumulator shard (1-D, ``accum_dtype``); ``None`` for a tensor sharded with
             ``requires_grad=False`` (no accumulator is allocated; pushing into it is an error).
         shard_range: ``(start, stop)`` of the flattened full tensor owned by this rank.
+        group: the ``torch.distributed`` process group passed to :func:`shard` (``None``: all ranks).
+        group_ranks: global ranks of the owners, in group-rank order.
+        rank, world_size: this rank's rank in the group and the group's size (the world's without a group).
     """
 
     def __init__(
@@ -224,6 +238,8 @@ class ShardedTensor:
         grad: SymmetricBuffer | None,
         runtime: _Runtime,
         seq: int = 0,
+        group: object | None = None,
+        group_ranks: tuple[int, ...] | None = None,
     ) -> None:
         self.name = name
         self.seq = seq  # this tensor's shard() sequence number (the same on every rank)
@@ -231,9 +247,13 @@ class ShardedTensor:
         self.dtype = dtype
         self.accum_dtype = accum_dtype
         self.numel = math.prod(shape)
-        self.world_size = runtime.transport.world_size
-        self.rank = runtime.transport.rank
-        self.shard_size = param.numel
+        if group_ranks is None:
+            group_ranks = tuple(range(runtime.transport.world_size))
+        self.group = group
+        self.group_ranks = group_ranks
+        self.world_size = len(group_ranks)
+        self.rank = group_ranks.index(runtime.transport.rank)
+        self.shard_size = -(-self.numel // self.world_size)  # param.numel may be larger (another group's size)
         self._param = param
         self._grad = grad
         self._generation = runtime.generation
@@ -242,7 +262,7 @@ class ShardedTensor:
         self.grad = None if grad is None else grad.local[: stop - start]
 
     def owner_range(self, owner: int) -> tuple[int, int]:
-        """``(start, stop)`` of the flattened tensor owned by rank ``owner``."""
+        """``(start, stop)`` of the flattened tensor owned by group rank ``owner``."""
         start = min(owner * self.shard_size, self.numel)
         return start, min(start + self.shard_size, self.numel)
 
@@ -283,7 +303,58 @@ class ShardedTensor:
     def __repr__(self) -> str:
         return (
             f"ShardedTensor(name={self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
-            f"shard_range={self.shard_range}, world_size={self.world_size})"
+            f"shard_range={self.shard_range}, world_size={self.world_size}"
+            + ("" if self.group is None else f", group_ranks={list(self.group_ranks)}")
+            + ")"
+        )
+
+
+def _group_ranks(what: str, group: object, world: int, rank: int) -> tuple[int, ...] | None:
+    """Global ranks of ``group`` in group-rank order; ``None`` for ``None`` or a group of every rank.
+
+    Raises OdcUsageError unless ``group`` is a ``torch.distributed`` process group that this rank belongs to."""
+    if group is None:
+        return None
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise OdcUsageError(
+            f"odc_runtime.{what}: rank {rank} is not a member of the group it passed (torch.distributed.new_group "
+            "returns a placeholder to non-members); pass the group this rank belongs to (e.g. "
+            "mesh.get_group(dim)), or None for all ranks"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise OdcUsageError(
+            f"odc_runtime.{what}: group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"
+        )
+    try:
+        members = dist.get_process_group_ranks(group)
+        ranks = tuple(sorted(members, key=lambda g: dist.get_group_rank(group, g)))
+    except (RuntimeError, ValueError) as e:
+        raise OdcUsageError(
+            f"odc_runtime.{what}: cannot read the ranks of the group ({e}); pass a group made by "
+            "torch.distributed.new_group() or a DeviceMesh in this default process group"
+        ) from None
+    if rank not in ranks:
+        raise OdcUsageError(
+            f"odc_runtime.{what}: rank {rank} is not a member of the group {list(ranks)}; pass the group this rank "
+            "belongs to, or None for all ranks"
+        )
+    if any(not 0 <= r < world for r in ranks):
+        raise OdcUsageError(f"odc_runtime.{what}: group ranks {list(ranks)} are outside the world of {world} ranks")
+    if len(ranks) == world:
+        return None  # every rank: the same as no group
+    return ranks
+
+
+def _check_partition(groups: list[tuple[int, ...]]) -> None:
+    """OdcMismatchError (on every rank: all see the same list) unless ``groups[r]``, the group rank ``r`` passed,
+    contains ``r`` and every member of it passed the same group: the groups of one call partition the ranks."""
+    bad = [r for r, g in enumerate(groups) if r not in g or any(m >= len(groups) or groups[m] != g for m in g)]
+    if bad:
+        listing = "; ".join(f"rank {r}: {list(g)}" for r, g in enumerate(groups))
+        raise OdcMismatchError(
+            f"odc shard: the groups passed by the ranks do not partition them (inconsistent at rank(s) {bad}): "
+            f"{listing}. Every member of a group must pass that same group (e.g. all pass mesh.get_group(dim)), "
+            "or all pass None"
         )
 
 
@@ -293,16 +364,25 @@ def shard(
     accum_dtype: torch.dtype = torch.float32,
     name: str | None = None,
     requires_grad: bool = True,
+    group: dist.ProcessGroup | None = None,
 ) -> ShardedTensor:
-    """Collective: shard ``tensor`` over all ranks (same order, shapes and dtypes on every rank).
+    """Collective over *all* ranks: shard ``tensor`` over the ranks of ``group`` (same order, shapes and dtypes on
+    every rank).
+
+    ``group`` (a ``torch.distributed`` process group this rank belongs to; ``None`` = all ranks) picks the owners:
+    ``fetch``/``push`` of the result read from / add into the shards of ``group``'s ranks only, and
+    ``sync(group=group)`` fences just them. Every rank of the world still calls ``shard`` (allocation is symmetric
+    over the world), each with its own group; the groups of one call must partition the ranks, e.g. the shard groups
+    of a 2-D device mesh (HSDP: ``mesh.get_group("shard")``).
 
     Each rank keeps its slice of ``tensor``'s values as the initial parameter shard (ranks normally pass the same
     values). A tensor on the ``meta`` device gives zero shards without materialising the full tensor anywhere.
     ``requires_grad=False`` allocates no gradient accumulator (frozen weights, e.g. a LoRA base model).
     ``name`` must be unique among this runtime's live tensors (default ``"shard<n>"``).
 
-    Raises (on every rank together): OdcUsageError for a bad argument or a duplicate name on this rank,
-    OdcMismatchError if ranks disagree on name, shape or dtypes or another rank rejected its arguments,
+    Raises (on every rank together): OdcUsageError for a bad argument, a duplicate name or a group this rank is not
+    in, OdcMismatchError if ranks disagree on name, shape or dtypes, pass groups that do not partition the ranks,
+    or another rank rejected its arguments,
     OdcMemoryError if the symmetric heap (or the filesystem backing it) cannot hold the tensor,
     OdcTimeoutError / OdcPeerLostError if a peer does not arrive within ``ODC_TIMEOUT``.
     Not detected: with default names, two ``shard()`` calls of the same shape and dtypes issued in swapped order
@@ -315,7 +395,11 @@ def shard(
         while name in runtime.live_names:  # a user took it: deterministic, since every rank has the same names
             name += "_"
 
-    def local_checks() -> tuple[str, int, tuple[int, ...], str, str, bool]:
+    transport = runtime.transport
+    world, me = transport.world_size, transport.rank
+
+    def local_checks() -> tuple[str, int, tuple[int, ...], str, str, bool, tuple[int, ...] | None]:
+        ranks = _group_ranks("shard()", group, world, me)  # None (all ranks) keeps the exchanged payload small
         if not isinstance(name, str) or not name:
             raise OdcUsageError(f"odc_runtime.shard(): name must be a non-empty str, got {name!r}")
         if name in runtime.live_names:
@@ -335,14 +419,24 @@ def shard(
             raise OdcUsageError(f"odc_runtime.shard(): accum_dtype {accum_dtype} not supported; use torch.float32")
         # The name is compared through a digest of all of it; the readable part is for the error message only.
         identity = f"{shorten(name, 120)} [{op_digest(name).hex()[:12]}]"
-        return identity, seq, tuple(tensor.shape), str(tensor.dtype), str(accum_dtype), bool(requires_grad)
+        return identity, seq, tuple(tensor.shape), str(tensor.dtype), str(accum_dtype), bool(requires_grad), ranks
 
-    transport = runtime.transport
     op = f"shard({name}#{seq})"
     # The transport's own bounded exchange when it has one (host: its control pages), else the store.
     exchange = getattr(transport, "exchange", None) and transport
-    require_same("shard", gather_checked(op, local_checks, exchange=exchange, timeout=transport.timeout))  # type: ignore[arg-type]
-    size = -(-tensor.numel() // transport.world_size)
+    results = gather_checked(op, local_checks, exchange=exchange, timeout=transport.timeout)  # type: ignore[arg-type]
+    require_same("shard", [r[:-1] for r in results])
+    own = tuple(range(world))
+    size = -(-tensor.numel() // world)
+    if any(r[-1] is not None for r in results):
+        groups = [own if r[-1] is None else tuple(r[-1]) for r in results]
+        _check_partition(groups)
+        for g in groups:  # the same list on every rank, so every rank numbers the groups alike
+            if len(g) < world and g not in runtime.groups:
+                runtime.groups[g] = len(runtime.groups)
+        own = groups[me]
+        # The largest shard over the groups: every rank allocates the same bytes, so offsets stay symmetric.
+        size = max(-(-tensor.numel() // len(g)) for g in groups)
     tag = f"{name}#{seq}"
     param = transport.alloc(size, tensor.dtype, tag=f"{tag}.param")
     grad = None
@@ -352,7 +446,10 @@ def shard(
         except BaseException:
             transport.free(param)  # collective unless the transport failed (then local, without waiting)
             raise
-    st = ShardedTensor(name, tensor.shape, tensor.dtype, accum_dtype, param, grad, runtime, seq)
+    st = ShardedTensor(
+        name, tensor.shape, tensor.dtype, accum_dtype, param, grad, runtime, seq,
+        group=None if len(own) == world else group, group_ranks=own,
+    )
     if not tensor.is_meta:  # the symmetric buffers start zeroed
         start, stop = st.shard_range
         st.local.copy_(tensor.detach().reshape(-1)[start:stop])
@@ -422,13 +519,15 @@ _PLAN_CACHE_SIZE = 8  # plans per ShardedTensor (keys differ only by dtype and s
 
 
 def _plan_pieces(st: ShardedTensor) -> list[Piece]:
-    """One piece per owner with data, starting after this rank (ranks issuing at once hit different owners)."""
+    """One piece per owner with data, starting after this rank (ranks issuing at once hit different owners).
+
+    Owners are numbered in the tensor's group; the pieces name their global ranks, which the transport uses."""
     pieces = []
     for k in range(1, st.world_size + 1):
         owner = (st.rank + k) % st.world_size
         start, stop = st.owner_range(owner)
         if stop > start:
-            pieces.append(Piece(owner, start, stop - start))
+            pieces.append(Piece(st.group_ranks[owner], start, stop - start))
     return pieces
 
 
@@ -542,14 +641,36 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     return _issue(plan, src, value, async_op, None)  # type: ignore[return-value]
 
 
-def sync() -> None:
+def sync(group: dist.ProcessGroup | None = None) -> None:
     """Collective fence, once per minibatch.
 
     After it returns on any rank, every push issued by any rank before its ``sync()`` is in the owners'
-    ``st.grad``, and every write to ``st.local`` made before it is what any later ``fetch`` returns. On GPU this
+    ``st.grad``, and every write to ``st.local`` made before it is what any later ``fetch`` returns.
+
+    With ``group`` (a process group passed to :func:`shard` before; this rank must be a member) only that group's
+    ranks take part, and the guarantee holds for the tensors sharded over it: their pushes and writes are fenced.
+    Calls with and without a group must come in the same order on the ranks they share (a rank in a group sync
+    that a member meets in a world-wide collective raises OdcMismatchError on both, where the transport can tell).
+    Raises OdcUsageError for a group this rank is not in or that no tensor was sharded over, or a transport without
+    group fences (nvshmem for now: call ``sync()`` without a group). On GPU this
     holds in stream order (work queued after ``sync()`` on the current stream sees it) and the host does not wait
     for the barrier itself, only for the previous one. Raises OdcTimeoutError naming the missing ranks if a peer
     does not arrive within ``ODC_TIMEOUT`` seconds (on GPU: at the next ``sync()``, ``finalize()`` or any later
     call, at most ``ODC_TIMEOUT`` after the barrier that missed it).
     """
-    _require_runtime("sync").transport.barrier("sync")
+    runtime = _require_runtime("sync")
+    transport = runtime.transport
+    if group is None:
+        transport.barrier("sync")
+        return
+    ranks = _group_ranks("sync(group=...)", group, transport.world_size, transport.rank)
+    if ranks is None:
+        transport.barrier("sync")
+        return
+    index = runtime.groups.get(ranks)
+    if index is None:
+        raise OdcUsageError(
+            f"odc_runtime.sync(group=...): no tensor was sharded over the group of ranks {list(ranks)}; pass a group "
+            "given to odc_runtime.shard(group=...) (the group your tensors' pushes went to), or None for all ranks"
+        )
+    transport.group_barrier(f"sync(group={list(ranks)})", Group(index, ranks))

@@ -515,7 +515,8 @@ def scenario_eval_outside(rank: int, world: int) -> dict:
 
 
 def scenario_refusals(rank: int, world: int) -> dict[str, str]:
-    """enable() refuses clearly: before odc.init, HSDP, CPU offload, params outside FSDP, no_sync."""
+    """enable() refuses clearly: before odc.init, HSDP with one-rank shard groups, CPU offload, params outside FSDP,
+    no_sync."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
@@ -541,7 +542,7 @@ def scenario_refusals(rank: int, world: int) -> dict[str, str]:
     mesh2d = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     hsdp = make_model()
     fully_shard(hsdp, mesh=mesh2d)
-    expect("hsdp", "HSDP, 2-D meshes", lambda: ofsdp.enable(hsdp))
+    expect("hsdp", "shard group of one rank", lambda: ofsdp.enable(hsdp))  # HSDP itself: tests/test_hsdp.py
     offload = make_model()
     fully_shard(offload, offload_policy=CPUOffloadPolicy(pin_memory=False))
     expect("cpu_offload", "CPU offload", lambda: ofsdp.enable(offload))

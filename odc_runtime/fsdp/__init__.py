@@ -42,6 +42,18 @@ tensor serves both: its parameter buffer holds the published row and its fp32 ac
   into every ``sharded_param.grad`` (a DTensor, as FSDP makes it; added to an existing ``.grad`` as FSDP adds),
   and zeroes the accumulators.
 
+HSDP (2-D mesh ``(replicate, shard)``). FSDP's rows span the shard group, so each module's ODC buffers are sharded
+over it (``odc.shard(group=shard group)``: every rank calls it with its own shard group) and fetches and pushes stay
+inside the shard group (one node, typically). FSDP's cross-replica all-reduce after every backward is turned off
+(``set_requires_all_reduce(False)``: it would be a collective per micro-batch, which ranks with different
+micro-batch counts cannot meet, and it would only see ODC's zeros). :func:`end_minibatch` instead runs, after
+``odc.sync()``, one ``all_reduce`` (SUM) of all accumulators across the replicate group, so the slow inter-node
+links carry one collective per minibatch, then divides by the whole data-parallel size as FSDP2 HSDP does. Load
+balancing: plan LB-Mini over *all* ranks (``balance.plan(..., policy="lb_mini")`` with the world size): inside the
+minibatch no rank waits for any other, and the only cross-replica step is that one all-reduce at the end, so what
+must be balanced is each rank's total work in the minibatch, across replicas as much as within a shard group. HPZ
+(``reshard_after_forward=<int>``) is refused (see :func:`enable`).
+
 Scaling. FSDP2 averages over the data-parallel ranks in every backward and *sums* over the micro-batches of a
 gradient-accumulation window. The accumulator holds the plain sum over all ranks and micro-batches, so the
 default ``divide_factor`` is the world size (or the module's ``set_gradient_divide_factor`` value if one was
@@ -151,9 +163,14 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
             module in every minibatch (default: only once after ``enable``). Catches parameters modified inside
             a minibatch; costs one comparison of the local shard per module per minibatch.
 
+    HSDP (``fully_shard(mesh=<2-D mesh (replicate, shard)>)``) is supported: ODC shards each module's buffers over
+    the shard group (``odc.shard(group=...)``), turns FSDP's per-backward cross-replica all-reduce off
+    (``set_requires_all_reduce(False)``, restored by :func:`disable`) and all-reduces the accumulators across the
+    replicate group once in :func:`end_minibatch`.
+
     Returns ``model``. Raises :class:`OdcUsageError` for a torch without FSDP2's custom comm hooks (naming the
-    oldest torch that has them), for unsupported configurations (HSDP and
-    other 2-D meshes, CPU offload, ``reshard_after_forward=<int>``, FSDP all-gather extensions, mixed dtypes in a
+    oldest torch that has them), for unsupported configurations (2-D meshes other than HSDP's, HSDP with one-rank
+    shard groups, CPU offload, ``reshard_after_forward=<int>`` (HPZ), FSDP all-gather extensions, mixed dtypes in a
     module, parameters outside FSDP) and if ODC is already enabled on the model or one of its FSDP modules.
     """
     api = _compat.fsdp_api()
@@ -218,17 +235,20 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
     try:
         for unit in units:
             shared = unit.rs_numel == unit.ag_numel
+            # HSDP: one ODC tensor per shard group (every rank calls shard, each with its own shard group)
             unit.st_ag = odc.shard(
-                torch.empty((world_size, unit.ag_numel), dtype=unit.ag_dtype, device="meta"),
+                torch.empty((unit.rows, unit.ag_numel), dtype=unit.ag_dtype, device="meta"),
                 name=f"fsdp{model_id}.{unit.fqn}.params",
                 requires_grad=shared,  # with frozen parameters the gradients get their own, smaller buffer
+                group=unit.shard_pg,
             )
             if shared:
                 unit.st_rs = unit.st_ag
             elif unit.rs_numel > 0:
                 unit.st_rs = odc.shard(
-                    torch.empty((world_size, unit.rs_numel), dtype=unit.rs_dtype, device="meta"),
+                    torch.empty((unit.rows, unit.rs_numel), dtype=unit.rs_dtype, device="meta"),
                     name=f"fsdp{model_id}.{unit.fqn}.grads",
+                    group=unit.shard_pg,
                 )
     except BaseException:
         _free_buffers(units)
@@ -238,6 +258,11 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
         prev_ag, prev_rs = _compat.comms(g)
         unused = _compat.reduce_scatter_unused_params(g)
         unit.prev = {"all_gather": prev_ag, "reduce_scatter": prev_rs, "unused": unused}
+        if unit.replicate_pg is not None:
+            # HSDP: FSDP's per-backward all-reduce across replicas would be a collective per micro-batch (ranks
+            # run different counts) and would only see ODC's zeros; end_minibatch all-reduces the accumulators.
+            unit.prev["all_reduce"] = _compat.all_reduce_grads(g)
+            m.set_requires_all_reduce(False, recurse=False)
         m.set_custom_all_gather(all_gather_cls(state, unit))
         m.set_custom_reduce_scatter(reduce_scatter_cls(state, unit))
         if api.reduce_scatter_unused_params and not _FORCE_UNUSED_TRACKING:
@@ -280,6 +305,8 @@ def disable(model: nn.Module) -> nn.Module:
         m, prev = unit.module, unit.prev
         m.set_custom_all_gather(prev["all_gather"])
         m.set_custom_reduce_scatter(prev["reduce_scatter"])
+        if "all_reduce" in prev:
+            m.set_requires_all_reduce(bool(prev["all_reduce"]), recurse=False)
         if unit.track_unused:
             _hooks.remove_unused_tracking(unit)
         else:
@@ -357,10 +384,34 @@ def end_minibatch(model: nn.Module, *, divide_factor: float | None = None) -> No
     try:
         _device_sync(state)
         odc.sync()  # S2: every push of this minibatch is in its owner's accumulator
+        _all_reduce_replicas(state)
         _write_grads(state, divide_factor)
     except BaseException as e:
         state.broken = f"end_minibatch: {type(e).__name__}: {e}"
         raise
+
+
+def _all_reduce_replicas(state: _State) -> None:
+    """HSDP: sum the accumulators across the replicate dimension, one all-reduce per replicate group.
+
+    After S2 every accumulator holds the sum over its shard group's micro-batches; rank (i, r) and rank (j, r)
+    hold the same row r for replicas i and j, so a SUM over the replicate group gives the sum over every rank, which
+    ``_write_grads`` divides like FSDP2 HSDP does (by the whole data-parallel size). The accumulators of all units
+    go through one flat buffer: one collective per minibatch, on the slow inter-node links only.
+    """
+    by_group: dict[tuple[int, ...], tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
+    for unit in state.units:
+        if unit.replicate_pg is None or unit.st_rs is None or unit.st_rs.grad is None:
+            continue
+        key = tuple(dist.get_process_group_ranks(unit.replicate_pg))
+        by_group.setdefault(key, (unit.replicate_pg, []))[1].append(unit.st_rs.grad)
+    for pg, accs in by_group.values():
+        flat = torch.cat(accs)
+        dist.all_reduce(flat, group=pg)
+        offset = 0
+        for acc in accs:
+            acc.copy_(flat[offset : offset + acc.numel()])
+            offset += acc.numel()
 
 
 def _write_grads(state: _State, divide_factor: float | None) -> None:

@@ -237,6 +237,11 @@ def comms(group: FSDPParamGroup) -> tuple[AllGather, ReduceScatter]:
     return _attr(group, "_all_gather_comm", "FSDPParamGroup"), _attr(group, "_reduce_scatter_comm", "FSDPParamGroup")
 
 
+def all_reduce_grads(group: FSDPParamGroup) -> bool:
+    """The group's ``set_requires_all_reduce`` value (HSDP: all-reduce across replicas after each backward)."""
+    return bool(_attr(group, "all_reduce_grads", "FSDPParamGroup"))
+
+
 def reduce_scatter_unused_params(group: FSDPParamGroup) -> bool:
     """The group's ``set_reduce_scatter_unused_params`` value (False where torch lacks it)."""
     return bool(getattr(group, "reduce_scatter_unused_params", False))

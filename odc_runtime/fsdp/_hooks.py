@@ -45,10 +45,11 @@ class _CommBase:
         state = self._state()
         if state is None:  # pragma: no cover - the model was garbage collected
             raise OdcUsageError(f"odc_runtime.fsdp {what}: the ODC state of this model is gone")
-        if group.size() != state.world_size:
+        if group.size() != self._unit.rows:
             raise OdcUsageError(
-                f"odc_runtime.fsdp {what} for {self._unit.fqn!r}: process group of size {group.size()} but ODC "
-                f"runs on {state.world_size} ranks (reshard_after_forward=int and HSDP are not supported)"
+                f"odc_runtime.fsdp {what} for {self._unit.fqn!r}: process group of size {group.size()} but ODC laid "
+                f"out {self._unit.rows} rows (FSDP's shard group changed after enable(), or "
+                "reshard_after_forward=int, which is not supported)"
             )
         return state
 
@@ -71,7 +72,7 @@ def make_all_gather(base: type) -> type:
             if not state.in_minibatch:
                 # Outside a minibatch every rank runs this forward together (e.g. evaluation): collective.
                 return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-            w, n = state.world_size, unit.ag_numel
+            w, n = unit.rows, unit.ag_numel
             if input_tensor.numel() != n or output_tensor.numel() != w * n or input_tensor.dtype != unit.ag_dtype:
                 raise OdcUsageError(
                     f"odc_runtime.fsdp all-gather for {unit.fqn!r}: FSDP passed {input_tensor.numel()} elements of "
@@ -131,7 +132,7 @@ def make_reduce_scatter(base: type) -> type:
                     "micro-batches in `with odc_runtime.fsdp.minibatch(model):` (or begin_minibatch/end_minibatch). "
                     f"FSDP's iteration state is now undefined: {recover}"
                 )
-            w, n = state.world_size, unit.rs_numel
+            w, n = unit.rows, unit.rs_numel
             if unit.st_rs is None or input_tensor.dtype not in PARAM_DTYPES:
                 raise _layout_error(unit, input_tensor, w)
             rows = _full_rows(unit, input_tensor, w) if unit.track_unused else None
@@ -141,7 +142,7 @@ def make_reduce_scatter(base: type) -> type:
                 rows = input_tensor.view(w, n)
             # FSDP pre-divides reduce dtypes with overflow risk (fp16) before the reduce-scatter; undo it so the
             # accumulator holds plain sums. The reduce dtype is the input's (it differs across torch versions).
-            factor = _compat.gradient_divide_factor(unit.group) or float(w)
+            factor = _compat.gradient_divide_factor(unit.group) or float(state.world_size)  # HSDP: all ranks
             odc.push(unit.st_rs, rows, scale=fp16_pre_factor(input_tensor.dtype, factor))
             output_tensor.zero_()
             unit.reduce_scatters += 1

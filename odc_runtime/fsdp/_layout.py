@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import odc_runtime as odc
@@ -69,6 +70,10 @@ class Unit:
     checked: bool = False
     all_gathers: int = 0
     reduce_scatters: int = 0
+    # HSDP (2-D mesh (replicate, shard)): FSDP's rows span the shard group only; None/0 for a 1-D mesh
+    shard_pg: dist.ProcessGroup | None = None  # ODC shards this unit's buffers over it
+    replicate_pg: dist.ProcessGroup | None = None  # end_minibatch all-reduces the accumulators over it
+    rows: int = 0  # W: ranks FSDP shards over (the shard group's size under HSDP, else the world size)
 
 
 @dataclass
@@ -127,8 +132,10 @@ def build_unit(
         raise OdcUsageError(f"odc_runtime.fsdp: CPU offload (CPUOffloadPolicy) on {name!r} is not supported")
     if layout.hsdp_or_hpz:
         raise OdcUsageError(
-            f"odc_runtime.fsdp: reshard_after_forward=<int> on {name!r} is not supported (the backward all-gather "
-            "would run over a smaller group); use True or False"
+            f"odc_runtime.fsdp: reshard_after_forward=<int> (HPZ: a node-local secondary copy of the parameters) on "
+            f"{name!r} is not supported in ODC mode: the backward all-gather would read a second, smaller layout "
+            "that ODC does not publish, and fetches inside a node are one-sided already. Use "
+            "reshard_after_forward=True (or False to keep the gathered parameters), or HSDP with a 2-D mesh"
         )
     if not _compat.reduce_grads(group):
         raise OdcUsageError(
@@ -144,16 +151,25 @@ def build_unit(
     ag_dtypes: set[torch.dtype] = set()
     orig_dtypes: set[torch.dtype] = set()
     rs_dtypes: set[torch.dtype] = set()
+    from torch.distributed.tensor import Replicate
+
     ag_off = rs_off = 0
+    meshes = set()
     for fp in layout.fsdp_params:
         sp = _compat.sharded_param(fp)
         pname = names.get(id(sp), f"{name}.<unnamed>")
-        if not isinstance(sp, DTensor) or sp.device_mesh.ndim != 1 or tuple(sp.placements) != (Shard(0),):
+        placements = tuple(getattr(sp, "placements", ()))
+        flat = isinstance(sp, DTensor) and sp.device_mesh.ndim == 1 and placements == (Shard(0),)
+        hsdp = isinstance(sp, DTensor) and sp.device_mesh.ndim == 2 and placements == (Replicate(), Shard(0))
+        if not (flat or hsdp):
             raise OdcUsageError(
-                f"odc_runtime.fsdp: parameter {pname!r} is not sharded as Shard(0) over a 1-D mesh "
-                f"(placements {getattr(sp, 'placements', None)}); HSDP, 2-D meshes, tensor parallelism and "
-                "shard_placement_fn are not supported"
+                f"odc_runtime.fsdp: parameter {pname!r} is not sharded as Shard(0) over a 1-D mesh or as "
+                f"(Replicate(), Shard(0)) over a 2-D HSDP mesh (placements {placements or None}); tensor "
+                "parallelism and shard_placement_fn are not supported"
             )
+        meshes.add(sp.device_mesh)
+        if len(meshes) > 1:
+            raise OdcUsageError(f"odc_runtime.fsdp: parameters of {name!r} live on different device meshes")
         if sp.device_mesh.size() != world_size:
             raise OdcUsageError(
                 f"odc_runtime.fsdp: {pname!r} is sharded over {sp.device_mesh.size()} ranks but ODC runs on "
@@ -162,7 +178,8 @@ def build_unit(
         if hasattr(sp.to_local(), "fsdp_pre_all_gather"):
             raise OdcUsageError(f"odc_runtime.fsdp: {pname!r} uses FSDP all-gather extensions; not supported")
         rows = sp.shape[0] if sp.ndim > 0 else 1
-        padded = -(-rows // world_size) * (math.prod(sp.shape[1:]) if sp.ndim > 1 else 1)
+        width = sp.device_mesh.size(sp.device_mesh.ndim - 1)  # FSDP shards dim 0 over the last mesh dimension
+        padded = -(-rows // width) * (math.prod(sp.shape[1:]) if sp.ndim > 1 else 1)
         orig = sp.dtype
         param_dtype, reduce_dtype = effective_dtypes(_compat.mp_policy(fp), orig)
         ag_dtypes.add(param_dtype or orig)
@@ -187,4 +204,23 @@ def build_unit(
     rs_dtype = next(iter(rs_dtypes)) if rs_dtypes else None
     if rs_dtype is not None and rs_dtype not in PARAM_DTYPES:
         raise OdcUsageError(f"odc_runtime.fsdp: reduce dtype {rs_dtype} of {name!r} is not supported by ODC")
-    return Unit(module, group, name, params, ag_off, ag_dtype, rs_off, rs_dtype, layout.device)
+    unit = Unit(module, group, name, params, ag_off, ag_dtype, rs_off, rs_dtype, layout.device, rows=world_size)
+    mesh = next(iter(meshes), None)
+    if mesh is not None and mesh.ndim == 2:
+        if mesh.size(1) < 2:
+            raise OdcUsageError(
+                f"odc_runtime.fsdp: {name!r} is sharded over a shard group of one rank (2-D mesh of shape "
+                f"{tuple(mesh.shape)}): FSDP2 does no reduce-scatter there, so ODC mode has nothing to replace; "
+                "train it with plain FSDP2, or give the mesh's shard dimension at least 2 ranks"
+            )
+        unit.replicate_pg, unit.shard_pg = mesh.get_group(0), mesh.get_group(1)
+        unit.rows = mesh.size(1)
+        # FSDP's row index is the mesh coordinate; ODC numbers owners by their rank in the shard group.
+        if mesh.get_local_rank(1) != dist.get_group_rank(unit.shard_pg, dist.get_rank()):
+            raise OdcUsageError(
+                f"odc_runtime.fsdp: {name!r}: this rank's coordinate along the mesh's shard dimension "
+                f"({mesh.get_local_rank(1)}) differs from its rank in the shard group "
+                f"({dist.get_group_rank(unit.shard_pg, dist.get_rank())}); build the mesh with ascending ranks "
+                "along the shard dimension (init_device_mesh does)"
+            )
+    return unit

@@ -17,6 +17,7 @@ from odc_runtime.errors import OdcUsageError
 from odc_runtime.transport.base import (
     AccumulateRequest,
     GetRequest,
+    Group,
     Piece,
     SymmetricBuffer,
     TransferPlan,
@@ -27,6 +28,7 @@ from odc_runtime.transport.base import (
 __all__ = [
     "AccumulateRequest",
     "GetRequest",
+    "Group",
     "Piece",
     "SymmetricBuffer",
     "TransferPlan",

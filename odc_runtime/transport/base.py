@@ -24,6 +24,10 @@ Semantics every transport provides:
 * :meth:`Transport.plan` returns a :class:`TransferPlan`: the validated, reusable form of one get or accumulate
   pattern (which peer receives which slice of a flat tensor), so that the core API's steady-state calls skip
   validation and request building. Transports may subclass it to precompute their own state (peer pointers).
+* :meth:`Transport.group_barrier` is :meth:`Transport.barrier` among the ranks of a :class:`Group` only (the other
+  ranks do not take part). Allocation stays collective over *all* ranks (offsets are symmetric across the whole
+  world); only fences are scoped. A transport without group fences raises
+  :class:`~odc_runtime.errors.OdcUsageError` (the default).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from odc_runtime.errors import OdcUsageError
 
 
 class Work(abc.ABC):
@@ -67,6 +73,19 @@ class SymmetricBuffer:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Group:
+    """A set of ranks that a fence is scoped to.
+
+    ``index`` is agreed by every rank of the world (the core API numbers groups in the order ``shard`` first saw
+    them, from the same exchanged data on every rank), so a transport can use it to address per-group state in
+    symmetric memory. ``ranks`` are global ranks in group-rank order.
+    """
+
+    index: int
+    ranks: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -195,6 +214,15 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def barrier(self, op: str = "barrier") -> None:
         """Collective fence (implies quiet everywhere). ``op`` names the caller in timeout errors."""
+
+    def group_barrier(self, op: str, group: Group) -> None:
+        """Collective over ``group.ranks`` only: :meth:`barrier`'s guarantees among those ranks (implies quiet on
+        each of them; accumulates a member issued before it are visible in the owners' regions, writes a member
+        made to its own regions before it are what later gets return). This rank must be a member."""
+        raise OdcUsageError(
+            f"odc {op}: the {self.name} transport has no group-scoped fence; call odc_runtime.sync() without a "
+            "group (all ranks fence together)"
+        )
 
     @abc.abstractmethod
     def finalize(self) -> None:

@@ -2,11 +2,12 @@
 
 Layout. Each rank creates one segment ``odc-<job>-r<rank>-p<pid>-s<start>-n<pidns>.heap`` (mode 0600; ``start`` is
 the process's start time, so a later process that reuses the pid is not mistaken for the creator; ``pidns`` its pid
-namespace, so segments of another container sharing the directory are never judged by pid): a control page
-followed by its symmetric heap. Every rank maps every segment, so a *get* is a ``memcpy`` from a peer's mapping
-and an *accumulate* is an ``add_`` into it. Once all ranks have mapped all segments (end of ``create``) each rank
-unlinks its own file: the memory lives exactly as long as the mappings, so a crash cannot leave segments behind
-except during ``create`` itself; those stale files (their process is gone) are removed by the next ``create``.
+namespace, so segments of another container sharing the directory are never judged by pid): two control pages
+(world rounds, group fences) followed by its symmetric heap. Every rank maps every segment, so a *get* is a
+``memcpy`` from a peer's mapping and an *accumulate* is an ``add_`` into it. Once all ranks have mapped all
+segments (end of ``create``) each rank unlinks its own file: the memory lives exactly as long as the mappings, so a
+crash cannot leave segments behind except during ``create`` itself; those stale files (their process is gone) are
+removed by the next ``create``.
 
 Memory is reserved before it is touched. The segment file is sparse; every allocation first reserves its bytes
 with ``posix_fallocate`` and raises :class:`~odc_runtime.errors.OdcMemoryError` (on every rank, through the
@@ -32,6 +33,15 @@ rank. Page stores and loads happen under an ``fcntl`` lock of the control page: 
 that order memory, so every data write a rank made before its barrier (its own parameters, its completed
 accumulates) is visible to a peer that has seen its epoch. Cannot deadlock: a rank waits only for peers' epochs to
 reach its own, never while holding a lock, and gives up at ``ODC_TIMEOUT``.
+
+Group fences (``group_barrier``, for ``sync(group=...)``). The second control page holds one int64 per group index
+(this rank's last fence number in that group) and a marker (the group this rank waits in, that fence's number, a
+bitmap of its ranks). A fence: quiet, bump and publish the group's number with the marker set (one locked store),
+poll the members' numbers for that group until each reached ours, clear the marker. The world epoch is untouched,
+so groups fence at their own pace. Two ranks waiting for each other in different collectives (one in a group fence,
+the other in a world round or another group's fence, each needing the other first) see it from the peer's world
+epoch or marker and raise :class:`~odc_runtime.errors.OdcMismatchError` instead of timing out. Ordering and
+deadlock argument: docs/design.md, "Process groups".
 
 Dead peers. While it waits, a rank checks every half second whether the processes it waits for still exist (pid +
 start time from their control pages); a dead one raises :class:`~odc_runtime.errors.OdcPeerLostError` at once,
@@ -84,6 +94,7 @@ from odc_runtime.errors import (
 from odc_runtime.transport.base import (
     AccumulateRequest,
     GetRequest,
+    Group,
     SymmetricBuffer,
     Transport,
     Work,
@@ -92,18 +103,30 @@ from odc_runtime.transport.heap import HeapAllocator, human_bytes
 
 log = logging.getLogger(__name__)
 
-CONTROL_BYTES = 4096  # control page at the start of every segment (layout below)
+_PAGE = 4096
+CONTROL_BYTES = 2 * _PAGE  # control pages at the start of every segment: world rounds, then group fences
 _NAME_BYTES = 64  # operation name kept for messages only; the digest is what is compared
 # epoch, pid, start time, digest + name of the op at `epoch`, digest + name of the op at `epoch - 1`,
 # payload lengths of slot 0 and slot 1
 _HEADER = struct.Struct(f"<qqq16s{_NAME_BYTES}s16s{_NAME_BYTES}sII")
 _SLOT_OFFSET = 256
-_SLOT_BYTES = (CONTROL_BYTES - _SLOT_OFFSET) // 2
+_SLOT_BYTES = (_PAGE - _SLOT_OFFSET) // 2
+# Second page: group fences. A marker (index + 1 of the group this rank waits in, 0 if none; that fence's number;
+# a bitmap of the group's ranks, for ranks below _MARKER_RANKS), then one int64 per group: its last fence number.
+_MARKER = struct.Struct("<qq64s")
+_MARKER_RANKS = 64 * 8
+_GROUP_SLOTS_OFFSET = _PAGE + 128
+MAX_GROUPS = (CONTROL_BYTES - _GROUP_SLOTS_OFFSET) // 8
+_EPOCH = struct.Struct("<q")
 _TOO_BIG = b"\0odc-payload-too-big"
 _LIVENESS_PERIOD_S = 0.5
 _SEGMENT_RE = re.compile(
     r"^odc-(?P<job>[0-9a-f]+)-r(?P<rank>\d+)-p(?P<pid>\d+)(?:-s(?P<start>\d+))?(?:-n(?P<ns>\d+))?\.heap$"
 )
+
+
+class _CrossedError(OdcMismatchError):
+    """Two ranks wait for each other in different collectives (a group fence and another one)."""
 
 
 def _ns_id(namespace: str) -> int:
@@ -238,6 +261,7 @@ class HostTransport(Transport):
         self._last_digest = b"\0" * 16
         self._last_name = b""
         self._slot_lengths = [0, 0]
+        self._group_epochs: dict[int, int] = {}  # group index -> number of this rank's last fence in it
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
         self._own_path: str | None = None
@@ -487,7 +511,7 @@ class HostTransport(Transport):
     def _read_control(self, peer: int) -> tuple[int, int, int, bytes, bytes, bytes, bytes, bytes]:
         """``(epoch, pid, start, digest@epoch, name@epoch, digest@epoch-1, name@epoch-1, control page)``."""
         seg = self._seg(peer)
-        with self._locked(peer, 0, CONTROL_BYTES, exclusive=False, op="barrier"):
+        with self._locked(peer, 0, _PAGE, exclusive=False, op="barrier"):
             raw = bytes(seg.map[: _HEADER.size])
             lengths = _HEADER.unpack_from(raw)[-2:]
             if any(lengths):  # copy the payload slots only when there is a payload (not for plain barriers)
@@ -511,7 +535,7 @@ class HostTransport(Transport):
             *self._slot_lengths,
         )
         start = _SLOT_OFFSET + slot * _SLOT_BYTES
-        with self._locked(self.rank, 0, CONTROL_BYTES, exclusive=True, op="barrier"):
+        with self._locked(self.rank, 0, _PAGE, exclusive=True, op="barrier"):
             seg.map[start : start + len(payload)] = payload
             seg.map[: _HEADER.size] = header
 
@@ -581,18 +605,130 @@ class HostTransport(Transport):
                     dead = [p for p in waiting if not self._peer_alive(p)]
                     if dead:
                         raise OdcPeerLostError(self._describe_missing(op, waiting, lost=dead, waited=now - start))
+                    for p in waiting:
+                        self._check_not_waiting_for_us(op, p)
                 if now > deadline:
                     raise OdcTimeoutError(self._describe_missing(op, waiting, lost=[], waited=now - start))
                 spins += 1
                 # Spin briefly (barriers usually complete within microseconds), then back off to 1 ms.
                 time.sleep(0 if spins < 50 else min(1e-3, 1e-5 * spins))
-        except OdcTimeoutError as e:  # includes OdcPeerLostError: the ranks' rounds are no longer aligned
+        except (OdcTimeoutError, _CrossedError) as e:  # timeouts include OdcPeerLostError
+            # The ranks' rounds are no longer aligned: every later collective raises at once.
             self.failure = e
             raise
         if _TOO_BIG in payloads:
             big = [r for r, p in enumerate(payloads) if p == _TOO_BIG]
             raise OdcUsageError(f"odc {shorten(op)}: the arguments of rank(s) {big} are too large to compare")
         return payloads
+
+    # -- group fences -------------------------------------------------------------------------------
+    def _read_marker(self, peer: int) -> tuple[int, int, bytes]:
+        """``(group index or -1, fence number, member bitmap)`` of the group fence ``peer`` waits in."""
+        seg = self._seg(peer)
+        with self._locked(peer, _PAGE, _MARKER.size, exclusive=False, op="group barrier"):
+            plus1, epoch, bitmap = _MARKER.unpack_from(seg.map, _PAGE)
+        return plus1 - 1, epoch, bitmap
+
+    def _read_group_epoch(self, peer: int, index: int) -> int:
+        seg = self._seg(peer)
+        at = _GROUP_SLOTS_OFFSET + 8 * index
+        with self._locked(peer, at, 8, exclusive=False, op="group barrier"):
+            return _EPOCH.unpack_from(seg.map, at)[0]
+
+    def _write_group(self, group: Group, epoch: int, waiting: bool) -> None:
+        """Publish ``epoch`` as this rank's last fence in ``group``, with the marker set (``waiting``) or
+        cleared. One exclusive lock over both: a peer sees the marker and the number change together."""
+        seg = self._seg(self.rank)
+        bitmap = bytearray(64)
+        for r in group.ranks:
+            if r < _MARKER_RANKS:
+                bitmap[r // 8] |= 1 << (r % 8)
+        at = _GROUP_SLOTS_OFFSET + 8 * group.index
+        with self._locked(self.rank, _PAGE, CONTROL_BYTES - _PAGE, exclusive=True, op="group barrier"):
+            _EPOCH.pack_into(seg.map, at, epoch)
+            _MARKER.pack_into(seg.map, _PAGE, group.index + 1 if waiting else 0, epoch, bytes(bitmap))
+
+    def _check_not_waiting_for_us(self, op: str, peer: int) -> None:
+        """Raise (crossed collectives) if ``peer``, which we wait for, waits in a group fence for *us*.
+
+        ``peer`` is in fence #k of group g, g contains this rank and this rank's last fence in g is below k: the
+        peer cannot leave before we enter g's fence #k, and we are in another collective that waits for it, so
+        neither can move. Both sides see it (each checks the rank it waits for) and raise."""
+        index, epoch, bitmap = self._read_marker(peer)
+        if index < 0 or self.rank >= _MARKER_RANKS or not bitmap[self.rank // 8] >> (self.rank % 8) & 1:
+            return
+        if self._group_epochs.get(index, 0) < epoch:
+            raise _CrossedError(
+                f"odc collective mismatch: rank {self.rank} is in {shorten(op)!r} but rank {peer} waits for it in "
+                f"group fence #{epoch} (sync(group=...), group index {index}) that rank {self.rank} has not reached; "
+                "ranks must call sync(group=...) and the collectives they share with other ranks in the same order"
+            )
+
+    def group_barrier(self, op: str, group: Group) -> None:
+        """Fence among ``group.ranks`` only (see the module docstring, "Group fences")."""
+        if self.failure is not None:
+            raise type(self.failure)(
+                f"odc {shorten(op)}: the runtime is unusable since an earlier collective failed ({self.failure}); "
+                "call odc_runtime.finalize() and restart the job"
+            )
+        if not 0 <= group.index < MAX_GROUPS:
+            raise OdcUsageError(
+                f"odc {shorten(op)}: the host transport fences at most {MAX_GROUPS} distinct groups (this is group "
+                f"#{group.index}); shard over fewer distinct groups"
+            )
+        if self.rank not in group.ranks:
+            raise OdcUsageError(f"odc {shorten(op)}: rank {self.rank} is not in the group {list(group.ranks)}")
+        failed: BaseException | None = None
+        try:
+            self.quiet()
+        except OdcTimeoutError:
+            raise
+        except BaseException as e:  # every operation completed, one failed: still meet the peers, then report it
+            failed = e
+        epoch = self._group_epochs.get(group.index, 0) + 1
+        self._group_epochs[group.index] = epoch
+        self._write_group(group, epoch, waiting=True)
+        waiting = [p for p in group.ranks if p != self.rank]
+        start = time.monotonic()
+        deadline = start + self.timeout
+        next_liveness = start + _LIVENESS_PERIOD_S
+        spins = 0
+        try:
+            while waiting:
+                waiting = [p for p in waiting if self._read_group_epoch(p, group.index) < epoch]
+                if not waiting:
+                    break
+                now = time.monotonic()
+                if now >= next_liveness:
+                    next_liveness = now + _LIVENESS_PERIOD_S
+                    dead = [p for p in waiting if not self._peer_alive(p)]
+                    if dead:
+                        raise OdcPeerLostError(self._describe_missing(op, waiting, lost=dead, waited=now - start))
+                    for p in waiting:
+                        peer_epoch, *_, peer_name, _, _, _ = self._read_control(p)
+                        if peer_epoch > self._epoch:  # it waits in a world collective that needs us first
+                            raise _CrossedError(
+                                f"odc collective mismatch: rank {self.rank} is in {shorten(op)!r} but rank {p} is "
+                                f"in the collective {peer_name.decode(errors='replace')!r} (barrier #{peer_epoch}) "
+                                f"that rank {self.rank} has not reached; ranks must call sync(group=...) and the "
+                                "collectives they share with other ranks in the same order"
+                            )
+                        self._check_not_waiting_for_us(op, p)
+                if now > deadline:
+                    raise OdcTimeoutError(
+                        self._describe_missing(op, waiting, lost=[], waited=now - start)
+                        + f" (group fence #{epoch} of ranks {list(group.ranks)})"
+                    )
+                spins += 1
+                time.sleep(0 if spins < 50 else min(1e-3, 1e-5 * spins))
+        except (OdcTimeoutError, _CrossedError) as e:
+            # The marker stays set: a peer that waits for us in another collective still sees why (it raises the
+            # same mismatch instead of timing out), and this transport refuses every later collective anyway.
+            self.failure = e
+            raise
+        self._write_group(group, epoch, waiting=False)
+        if failed is not None:
+            raise failed
 
     def _peer_alive(self, peer: int) -> bool:
         if not self._visible[peer]:

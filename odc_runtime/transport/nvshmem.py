@@ -69,6 +69,7 @@ from odc_runtime.errors import (
 from odc_runtime.transport.base import (
     AccumulateRequest,
     GetRequest,
+    Group,
     Piece,
     SymmetricBuffer,
     TransferPlan,
@@ -703,6 +704,19 @@ class NvshmemTransport(Transport):
         entry = _Pending(ev, time.monotonic() + self.timeout, op, self._epoch)
         self._last_barrier = entry
         self._watchdog.add(entry)
+
+    def group_barrier(self, op: str, group: Group) -> None:
+        """Not supported yet: raises OdcUsageError (groups still work for ``shard``/``fetch``/``push``).
+
+        The barrier kernel (``csrc/odc_nvshmem.cu``) keeps one epoch counter per peer for the whole world; a fence
+        among a subset needs per-group counters in symmetric memory and a kernel that waits on the members only,
+        which has not been built and run on a GPU. Falling back to the world barrier would be correct only when
+        every group fences at the same point, and would otherwise hang until ``ODC_TIMEOUT``, so it is refused.
+        """
+        raise OdcUsageError(
+            f"nvshmem {op}: group-scoped sync is not supported by the nvshmem transport yet; call odc_runtime.sync() "
+            "without a group (every rank fences; in HSDP every shard group syncs at the end of the minibatch anyway)"
+        )
 
     def finalize(self) -> None:
         """Wait (bounded) for outstanding barriers, then drop all state. Raises their timeout, if any.
