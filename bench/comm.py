@@ -10,9 +10,9 @@ For every size N (bytes of the *full* fp32 tensor; binary units, 1M = 2^20 bytes
 ========== =========================================================================================
 copy        ``dst.copy_(src)`` of N bytes on every rank, no communication: the ceiling
 add         ``dst.add_(src)`` of N bytes on every rank, no communication (what a push does, in total)
-all_gather  collective ``all_gather_into_tensor`` (gloo / NCCL): every rank receives the full N-byte tensor
+all_gather  torch.distributed tensor all-gather (gloo / NCCL): every rank receives the full N-byte tensor
 fetch       ``odc.fetch(st, out=...)``: every rank reads the full N-byte tensor from its owners
-red_scatter collective ``reduce_scatter_tensor`` (SUM): every rank sends an N-byte gradient, keeps its shard
+red_scatter torch.distributed tensor reduce-scatter (SUM): every rank sends an N-byte gradient, keeps its shard
 push        ``odc.push(st, grad)``: every rank adds its N-byte gradient into the owners' accumulators
 sync        ``odc.sync()`` alone (the once-per-minibatch fence that makes pushes visible)
 sync_busy   GPU: ``odc.sync()`` issued while ~1.5 ms of matmuls are queued; time from after the queued work
@@ -199,6 +199,7 @@ def make_ops(
     import torch.distributed as dist
 
     import odc_runtime as odc
+    from odc_runtime.fsdp._compat import all_gather_tensor, reduce_scatter_tensor
 
     numel = nbytes // 4
     shard_numel = -(-numel // world)
@@ -220,8 +221,8 @@ def make_ops(
         "sync": Op(odc.sync),
     }
     if collectives:
-        ops["all_gather"] = Op(lambda: dist.all_gather_into_tensor(gathered, shard))
-        ops["red_scatter"] = Op(lambda: dist.reduce_scatter_tensor(grad_shard, grad_full))
+        ops["all_gather"] = Op(lambda: all_gather_tensor(gathered, shard))
+        ops["red_scatter"] = Op(lambda: reduce_scatter_tensor(grad_shard, grad_full))
     if device.type == "cuda":
         a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
         b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
@@ -262,10 +263,10 @@ def make_ops(
         st.zero_grad()
         odc.sync()
         if collectives:
-            dist.all_gather_into_tensor(gathered, shard)
+            all_gather_tensor(gathered, shard)
             if not torch.equal(gathered, shard.repeat(world)):
                 raise SystemExit(f"comm.py: all_gather returned wrong values at {human(nbytes)}")
-            dist.reduce_scatter_tensor(grad_shard, grad_full)
+            reduce_scatter_tensor(grad_shard, grad_full)
             mine = grad_full[rank * shard_numel : (rank + 1) * shard_numel] * world
             if not torch.allclose(grad_shard, mine, rtol=1e-5, atol=1e-4):
                 raise SystemExit(f"comm.py: reduce_scatter returned wrong values at {human(nbytes)}")
@@ -386,9 +387,11 @@ def report(args: argparse.Namespace, results: list[dict], world: int, collective
     ]
     print(flush=True)
     _common.print_table(list(LEGEND), rows, LEGEND, title=title)
+    from odc_runtime.fsdp._compat import all_gather_tensor, reduce_scatter_tensor
+
     notes = [
-        f"all_gather = torch.distributed.all_gather_into_tensor ({collective}); red_scatter = "
-        f"reduce_scatter_tensor ({collective}, SUM).",
+        f"all_gather = torch.distributed.{all_gather_tensor.__name__} ({collective}); red_scatter = "
+        f"{reduce_scatter_tensor.__name__} ({collective}, SUM).",
         "push is timed until it returns; its sync (made untimed after every repeat) is the 'sync' row; sync_busy "
         "is a sync issued behind ~1.5 ms of queued matmuls.",
         "Every size was verified before timing (fetch values, push sums, collective results).",

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from schedule import Schedule, Task
 
+from odc_runtime.fsdp._compat import all_gather_tensor, reduce_scatter_tensor
+
 LR = 1e-3
 
 
@@ -92,10 +94,10 @@ class CollectiveComm:
         self.zeros = torch.zeros(world * shard_numel, device=device)
 
     def gather(self, layer: int, slot: int) -> Handle:
-        return dist.all_gather_into_tensor(self.gathered_bufs[slot], self.shards[layer], async_op=True)
+        return all_gather_tensor(self.gathered_bufs[slot], self.shards[layer], async_op=True)
 
     def scatter(self, layer: int, empty: bool) -> Handle:
-        work = dist.reduce_scatter_tensor(self.grad_out[layer], self.zeros if empty else self.ones, async_op=True)
+        work = reduce_scatter_tensor(self.grad_out[layer], self.zeros if empty else self.ones, async_op=True)
         return _Then(work, lambda: self.grad_acc[layer].add_(self.grad_out[layer]))
 
     def set_shard(self, layer: int, value: float) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from odc_runtime.errors import OdcUsageError
@@ -91,6 +92,16 @@ CAPABILITIES: dict[str, Capability] = {
         False,
     ),
 }
+
+
+# The tensor collectives: torch 2.13+ names them all_gather_single / reduce_scatter_single and warns (FutureWarning)
+# on every call of the old names, which are all that 2.9-2.12 have. Same signatures: take what this torch offers.
+all_gather_tensor: Callable[..., dist.Work | None] = (
+    getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+)
+reduce_scatter_tensor: Callable[..., dist.Work | None] = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
 
 
 def torch_version() -> tuple[int, int]:

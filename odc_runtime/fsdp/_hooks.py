@@ -71,7 +71,7 @@ def make_all_gather(base: type) -> type:
             unit = self._unit
             if not state.in_minibatch:
                 # Outside a minibatch every rank runs this forward together (e.g. evaluation): collective.
-                return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+                return _compat.all_gather_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
             w, n = unit.rows, unit.ag_numel
             if input_tensor.numel() != n or output_tensor.numel() != w * n or input_tensor.dtype != unit.ag_dtype:
                 raise OdcUsageError(
