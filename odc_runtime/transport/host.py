@@ -572,50 +572,26 @@ class HostTransport(Transport):
         self._last_digest, self._last_name = digest, name
         payloads: list[bytes] = [b""] * self.world_size
         payloads[self.rank] = payload
-        waiting = [p for p in range(self.world_size) if p != self.rank]
-        start = time.monotonic()
-        deadline = start + self.timeout
-        next_liveness = start + _LIVENESS_PERIOD_S
-        spins = 0
-        try:
-            while waiting:
-                still = []
-                for p in waiting:
-                    epoch, _, _, peer_digest, peer_name, prev_digest, prev_name, raw = self._read_control(p)
-                    if epoch < self._epoch:
-                        still.append(p)
-                        continue
-                    # A peer is at most one round ahead (it cannot pass the next one without us), so what it did
-                    # at our epoch is its current or its previous round.
-                    theirs, their_name = (peer_digest, peer_name) if epoch == self._epoch else (prev_digest, prev_name)
-                    if theirs != digest:
-                        raise OdcMismatchError(
-                            f"odc collective mismatch at barrier #{self._epoch}: rank {self.rank} is in "
-                            f"{shorten(op)!r} but rank {p} is in {their_name.decode(errors='replace')!r}"
-                            f"{'…' if len(their_name) == _NAME_BYTES else ''}; every rank must call the same "
-                            "collectives (shard, free, sync, finalize) in the same order"
-                        )
-                    payloads[p] = self._payload(raw, self._epoch)
-                waiting = still
-                if not waiting:
-                    break
-                now = time.monotonic()
-                if now >= next_liveness:
-                    next_liveness = now + _LIVENESS_PERIOD_S
-                    dead = [p for p in waiting if not self._peer_alive(p)]
-                    if dead:
-                        raise OdcPeerLostError(self._describe_missing(op, waiting, lost=dead, waited=now - start))
-                    for p in waiting:
-                        self._check_not_waiting_for_us(op, p)
-                if now > deadline:
-                    raise OdcTimeoutError(self._describe_missing(op, waiting, lost=[], waited=now - start))
-                spins += 1
-                # Spin briefly (barriers usually complete within microseconds), then back off to 1 ms.
-                time.sleep(0 if spins < 50 else min(1e-3, 1e-5 * spins))
-        except (OdcTimeoutError, _CrossedError) as e:  # timeouts include OdcPeerLostError
-            # The ranks' rounds are no longer aligned: every later collective raises at once.
-            self.failure = e
-            raise
+
+        def arrived(p: int) -> bool:
+            epoch, _, _, peer_digest, peer_name, prev_digest, prev_name, raw = self._read_control(p)
+            if epoch < self._epoch:
+                return False
+            # A peer is at most one round ahead (it cannot pass the next one without us), so what it did at our
+            # epoch is its current or its previous round.
+            theirs, their_name = (peer_digest, peer_name) if epoch == self._epoch else (prev_digest, prev_name)
+            if theirs != digest:
+                raise OdcMismatchError(
+                    f"odc collective mismatch at barrier #{self._epoch}: rank {self.rank} is in "
+                    f"{shorten(op)!r} but rank {p} is in {their_name.decode(errors='replace')!r}"
+                    f"{'…' if len(their_name) == _NAME_BYTES else ''}; every rank must call the same "
+                    "collectives (shard, free, sync, finalize) in the same order"
+                )
+            payloads[p] = self._payload(raw, self._epoch)
+            return True
+
+        peers = [p for p in range(self.world_size) if p != self.rank]
+        self._wait_for_peers(op, peers, arrived, lambda p: self._check_not_waiting_for_us(op, p))
         if _TOO_BIG in payloads:
             big = [r for r, p in enumerate(payloads) if p == _TOO_BIG]
             raise OdcUsageError(f"odc {shorten(op)}: the arguments of rank(s) {big} are too large to compare")
@@ -688,16 +664,52 @@ class HostTransport(Transport):
         epoch = self._group_epochs.get(group.index, 0) + 1
         self._group_epochs[group.index] = epoch
         self._write_group(group, epoch, waiting=True)
-        waiting = [p for p in group.ranks if p != self.rank]
+        def watch(p: int) -> None:
+            peer_epoch, *_, peer_name, _, _, _ = self._read_control(p)
+            if peer_epoch > self._epoch:  # it waits in a world collective that needs us first
+                raise _CrossedError(
+                    f"odc collective mismatch: rank {self.rank} is in {shorten(op)!r} but rank {p} is "
+                    f"in the collective {peer_name.decode(errors='replace')!r} (barrier #{peer_epoch}) "
+                    f"that rank {self.rank} has not reached; ranks must call sync(group=...) and the "
+                    "collectives they share with other ranks in the same order"
+                )
+            self._check_not_waiting_for_us(op, p)
+
+        # On a timeout or a crossed collective the marker stays set: a peer that waits for us in another
+        # collective still sees why (it raises the same mismatch instead of timing out).
+        self._wait_for_peers(
+            op,
+            [p for p in group.ranks if p != self.rank],
+            lambda p: self._read_group_epoch(p, group.index) >= epoch,
+            watch,
+            what=f" (group fence #{epoch} of ranks {list(group.ranks)})",
+        )
+        self._write_group(group, epoch, waiting=False)
+        if failed is not None:
+            raise failed
+
+    def _wait_for_peers(
+        self,
+        op: str,
+        waiting: list[int],
+        arrived: Callable[[int], bool],
+        watch: Callable[[int], None],
+        what: str = "",
+    ) -> None:
+        """Poll until ``arrived(p)`` for every rank ``p`` in ``waiting`` (spinning briefly, then backing off to
+        1 ms). Every liveness period a dead waited-for rank raises OdcPeerLostError and ``watch(p)`` may raise a
+        crossed-collective error; past ``timeout`` OdcTimeoutError names the missing ranks (``what`` is appended).
+        Either marks this transport failed: the ranks' rounds are no longer aligned, so every later collective
+        raises at once."""
         start = time.monotonic()
         deadline = start + self.timeout
         next_liveness = start + _LIVENESS_PERIOD_S
         spins = 0
         try:
-            while waiting:
-                waiting = [p for p in waiting if self._read_group_epoch(p, group.index) < epoch]
+            while True:
+                waiting = [p for p in waiting if not arrived(p)]
                 if not waiting:
-                    break
+                    return
                 now = time.monotonic()
                 if now >= next_liveness:
                     next_liveness = now + _LIVENESS_PERIOD_S
@@ -705,30 +717,15 @@ class HostTransport(Transport):
                     if dead:
                         raise OdcPeerLostError(self._describe_missing(op, waiting, lost=dead, waited=now - start))
                     for p in waiting:
-                        peer_epoch, *_, peer_name, _, _, _ = self._read_control(p)
-                        if peer_epoch > self._epoch:  # it waits in a world collective that needs us first
-                            raise _CrossedError(
-                                f"odc collective mismatch: rank {self.rank} is in {shorten(op)!r} but rank {p} is "
-                                f"in the collective {peer_name.decode(errors='replace')!r} (barrier #{peer_epoch}) "
-                                f"that rank {self.rank} has not reached; ranks must call sync(group=...) and the "
-                                "collectives they share with other ranks in the same order"
-                            )
-                        self._check_not_waiting_for_us(op, p)
+                        watch(p)
                 if now > deadline:
-                    raise OdcTimeoutError(
-                        self._describe_missing(op, waiting, lost=[], waited=now - start)
-                        + f" (group fence #{epoch} of ranks {list(group.ranks)})"
-                    )
+                    raise OdcTimeoutError(self._describe_missing(op, waiting, lost=[], waited=now - start) + what)
                 spins += 1
+                # Spin briefly (barriers usually complete within microseconds), then back off to 1 ms.
                 time.sleep(0 if spins < 50 else min(1e-3, 1e-5 * spins))
-        except (OdcTimeoutError, _CrossedError) as e:
-            # The marker stays set: a peer that waits for us in another collective still sees why (it raises the
-            # same mismatch instead of timing out), and this transport refuses every later collective anyway.
+        except (OdcTimeoutError, _CrossedError) as e:  # timeouts include OdcPeerLostError
             self.failure = e
             raise
-        self._write_group(group, epoch, waiting=False)
-        if failed is not None:
-            raise failed
 
     def _peer_alive(self, peer: int) -> bool:
         if not self._visible[peer]:
