@@ -159,7 +159,7 @@ def parse_args() -> argparse.Namespace:
         "--nproc",
         type=int,
         default=None,
-        help="ranks to spawn when not launched by torchrun (default: 4 on CPU, one per GPU)",
+        help="ranks to spawn when not launched by torchrun (default on CPU: R*S with --mesh, else 4; one per GPU)",
     )
     args = p.parse_args()
     args.mesh_shape = None
@@ -242,7 +242,7 @@ def train(args: argparse.Namespace) -> None:
             for samples in batches:
                 if samples:
                     loss, _ = micro_batch_loss(model, samples, device)
-                    weight = world / global_targets  # FSDP averages over ranks: undo it, then / global tokens
+                    weight = world / global_targets  # FSDP (HSDP too) averages over all ranks: undo it, / global tokens
                 else:  # padding micro-batch: take part in the collectives, contribute nothing
                     loss, _ = micro_batch_loss(model, [torch.zeros(2, dtype=torch.long)], device)
                     weight = 0.0
