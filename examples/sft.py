@@ -17,6 +17,11 @@ global number of target tokens, so the loss curves agree (up to float summation 
     python examples/sft.py --comm odc --steps 10            # spawns --nproc ranks itself (default 4 on CPU)
     torchrun --nproc-per-node 4 examples/sft.py --comm collective --steps 10
     torchrun --nproc-per-node 4 examples/sft.py --comm odc --steps 10
+    python examples/sft.py --comm odc --mesh 2x2           # HSDP: 2 replicas x 2-rank shard groups
+
+``--mesh RxS`` trains with HSDP: a 2-D device mesh ``(replicate, shard)`` of R replicas of S-rank shard groups
+(``R * S`` must be the number of ranks; without ``--mesh`` the mesh is 1-D over all ranks). The planning and the
+loss normalisation do not change: the plan spans all ``R * S`` ranks (LB-Mini over every rank in ODC mode).
 
 CPU ranks use gloo and ODC's ``host`` backend; with CUDA the same command uses nccl, one GPU per rank, and ODC's
 default GPU backend (``nvshmem``). Logs one line per step (rank 0): loss, tokens/s, the number of non-empty
@@ -29,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import re
 import socket
 import time
 
@@ -141,15 +147,27 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
+    p.add_argument(
+        "--mesh",
+        default=None,
+        metavar="RxS",
+        help="HSDP: a 2-D (replicate, shard) mesh of R replicas x S shard ranks, e.g. 2x2 (default: 1-D)",
+    )
     p.add_argument("--odc-backend", default=None, help="host | nvshmem (default: automatic)")
     p.add_argument("--json", default=None, help="write per-step records to this file (rank 0)")
     p.add_argument(
         "--nproc",
         type=int,
         default=None,
-        help="ranks to spawn when not launched by torchrun (default: 4 on CPU, one per GPU)",
+        help="ranks to spawn when not launched by torchrun (default on CPU: R*S with --mesh, else 4; one per GPU)",
     )
     args = p.parse_args()
+    args.mesh_shape = None
+    if args.mesh is not None:
+        m = re.fullmatch(r"(\d+)x(\d+)", args.mesh)
+        if m is None or int(m[1]) < 1 or int(m[2]) < 2:
+            p.error(f"--mesh must be RxS with R >= 1 replicas and S >= 2 shard ranks (e.g. 2x2), got {args.mesh!r}")
+        args.mesh_shape = (int(m[1]), int(m[2]))
     if args.policy is None:
         args.policy = "lb_mini" if args.comm == "odc" else "lb_micro"
     return args
@@ -171,7 +189,12 @@ def train(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = DecoderLM(args.vocab, args.dim, args.heads, args.ffn, args.layers, args.max_len).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    mesh = init_device_mesh(device.type, (world,))
+    if args.mesh_shape is None:
+        mesh = init_device_mesh(device.type, (world,))
+    else:  # HSDP: shard inside each replica, replicate across them
+        if args.mesh_shape[0] * args.mesh_shape[1] != world:
+            raise SystemExit(f"--mesh {args.mesh} needs {args.mesh_shape[0] * args.mesh_shape[1]} ranks, got {world}")
+        mesh = init_device_mesh(device.type, args.mesh_shape, mesh_dim_names=("replicate", "shard"))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp or MixedPrecisionPolicy())
@@ -183,7 +206,8 @@ def train(args: argparse.Namespace) -> None:
 
     if rank == 0:
         print(
-            f"comm={args.comm} policy={args.policy} world={world} device={device.type} params={n_params} "
+            f"comm={args.comm} policy={args.policy} world={world} mesh={args.mesh or world} device={device.type} "
+            f"params={n_params} "
             f"preset={args.preset} scale={args.scale:g} samples/step={args.samples} max_tokens={args.max_tokens}",
             flush=True,
         )
@@ -218,7 +242,7 @@ def train(args: argparse.Namespace) -> None:
             for samples in batches:
                 if samples:
                     loss, _ = micro_batch_loss(model, samples, device)
-                    weight = world / global_targets  # FSDP averages over ranks: undo it, then / global tokens
+                    weight = world / global_targets  # FSDP (HSDP too) averages over all ranks: undo it, / global tokens
                 else:  # padding micro-batch: take part in the collectives, contribute nothing
                     loss, _ = micro_batch_loss(model, [torch.zeros(2, dtype=torch.long)], device)
                     weight = 0.0
@@ -283,9 +307,13 @@ def main() -> None:
     if "RANK" in os.environ:  # launched by torchrun (or another launcher that sets the rank environment)
         train(args)
         return
-    nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 4)
+    default = args.mesh_shape[0] * args.mesh_shape[1] if args.mesh_shape else 4
+    nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else default)
     if nproc < 1:
         raise SystemExit(f"--nproc must be at least 1, got {nproc}")
+    if args.mesh_shape and nproc != args.mesh_shape[0] * args.mesh_shape[1]:
+        need = args.mesh_shape[0] * args.mesh_shape[1]
+        raise SystemExit(f"--mesh {args.mesh} needs {need} ranks, got --nproc {nproc}")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
