@@ -17,6 +17,12 @@ optimizer step on ``st.local``, ``zero_grad``, ``odc.sync()``. Each rank checks 
 exactly the number of non-empty micro-batches of all ranks (every micro-batch contributes a gradient of ones),
 so the data really moved.
 
+HSDP (``replica_group`` given): parameters are sharded within the rank's *shard group* only (gathers, scatters,
+``odc.shard(..., group=)`` and ``odc.sync(group=)`` stay inside it), and before the check and the optimizer step
+each gradient shard is summed across the *replicate group* (the ranks holding the same shard in the other
+replicas) with one real ``all_reduce`` per layer, in both modes; the expected sum is then again the non-empty
+micro-batches of all ranks.
+
 Time accounting per rank: *busy* = time in compute; *comm* = time blocked waiting for communication (includes
 waiting for slower ranks inside a collective); *sync* = end-of-minibatch work and fences. Each minibatch
 starts after a ``dist.barrier``; its wall time runs from the first rank's start to the last rank's end.
@@ -60,6 +66,8 @@ class Comm(Protocol):
     """What :func:`run_minibatch` needs of a communication mode (:class:`CollectiveComm`, :class:`OdcComm`)."""
 
     name: str
+    group_rank: int  # this rank's rank in its shard group (the whole world without HSDP)
+    group_size: int
 
     def gather(self, layer: int, slot: int) -> Handle: ...
     def scatter(self, layer: int, empty: bool) -> Handle: ...
@@ -80,12 +88,24 @@ class _Then:
         self.then()
 
 
+def _replica_all_reduce(grads: list[torch.Tensor], replica_group: dist.ProcessGroup | None) -> None:
+    """HSDP: sum each gradient shard across the replicas (no-op without a replicate group)."""
+    if replica_group is None:
+        return
+    for g in grads:
+        dist.all_reduce(g, group=replica_group)
+
+
 class CollectiveComm:
-    """FSDP-style: parameters sharded per layer, all-gather / reduce-scatter through torch.distributed."""
+    """FSDP-style: parameters sharded per layer, all-gather / reduce-scatter through torch.distributed (within
+    ``group``, the shard group; ``None``: all ranks), gradients all-reduced across ``replica_group`` (HSDP)."""
 
     name = "collective"
 
-    def __init__(self, num_layers: int, shard_numel: int, world: int, device: torch.device) -> None:
+    def __init__(self, num_layers: int, shard_numel: int, world: int, device: torch.device, *,
+                 group: dist.ProcessGroup | None = None, replica_group: dist.ProcessGroup | None = None) -> None:
+        self.group, self.replica_group = group, replica_group
+        self.group_rank, self.group_size = dist.get_rank(group), world
         self.shards = [torch.zeros(shard_numel, device=device) for _ in range(num_layers)]
         self.grad_acc = [torch.zeros(shard_numel, device=device) for _ in range(num_layers)]
         self.grad_out = [torch.empty(shard_numel, device=device) for _ in range(num_layers)]
@@ -94,10 +114,11 @@ class CollectiveComm:
         self.zeros = torch.zeros(world * shard_numel, device=device)
 
     def gather(self, layer: int, slot: int) -> Handle:
-        return all_gather_tensor(self.gathered_bufs[slot], self.shards[layer], async_op=True)
+        return all_gather_tensor(self.gathered_bufs[slot], self.shards[layer], group=self.group, async_op=True)
 
     def scatter(self, layer: int, empty: bool) -> Handle:
-        work = reduce_scatter_tensor(self.grad_out[layer], self.zeros if empty else self.ones, async_op=True)
+        work = reduce_scatter_tensor(self.grad_out[layer], self.zeros if empty else self.ones, group=self.group,
+                                     async_op=True)
         return _Then(work, lambda: self.grad_acc[layer].add_(self.grad_out[layer]))
 
     def set_shard(self, layer: int, value: float) -> None:
@@ -110,6 +131,7 @@ class CollectiveComm:
         return self.gathered_bufs[slot]
 
     def end_minibatch(self, expected: int) -> bool:
+        _replica_all_reduce(self.grad_acc, self.replica_group)
         ok = all(bool((g == expected).all()) for g in self.grad_acc)
         for p, g in zip(self.shards, self.grad_acc, strict=True):
             p.add_(g, alpha=-LR)
@@ -118,16 +140,21 @@ class CollectiveComm:
 
 
 class OdcComm:
-    """ODC: parameters in symmetric memory per layer, one-sided fetch / push, one sync per minibatch."""
+    """ODC: parameters in symmetric memory per layer, one-sided fetch / push, one sync per minibatch (all within
+    ``group``, the shard group; ``None``: all ranks), gradients all-reduced across ``replica_group`` (HSDP)."""
 
     name = "odc"
 
-    def __init__(self, num_layers: int, shard_numel: int, world: int, device: torch.device) -> None:
+    def __init__(self, num_layers: int, shard_numel: int, world: int, device: torch.device, *,
+                 group: dist.ProcessGroup | None = None, replica_group: dist.ProcessGroup | None = None) -> None:
         import odc_runtime as odc
 
         self.odc = odc
+        self.group, self.replica_group = group, replica_group
         numel = world * shard_numel
-        self.sts = [odc.shard(torch.zeros(numel, device=device), name=f"layer{i}") for i in range(num_layers)]
+        self.sts = [odc.shard(torch.zeros(numel, device=device), name=f"layer{i}", group=group)
+                    for i in range(num_layers)]
+        self.group_rank, self.group_size = self.sts[0].rank, self.sts[0].world_size
         self.out = [torch.empty(numel, device=device) for _ in range(2)]
         self.ones = torch.ones(numel, device=device)
         self.zeros = torch.zeros(numel, device=device)
@@ -142,18 +169,20 @@ class OdcComm:
         self.sts[layer].local.fill_(value)
 
     def publish(self) -> None:
-        self.odc.sync()  # writes to st.local before a sync are what later fetches return
+        self.odc.sync(group=self.group)  # writes to st.local before a sync are what later fetches return
 
     def gathered(self, slot: int) -> torch.Tensor:
         return self.out[slot]
 
     def end_minibatch(self, expected: int) -> bool:
-        self.odc.sync()  # every rank's pushes have landed in the owners' accumulators
+        self.odc.sync(group=self.group)  # every rank's pushes have landed in the owners' accumulators
+        # HSDP: no member of the shard group pushes again before the sync below, so st.grad is stable here.
+        _replica_all_reduce([st.grad for st in self.sts], self.replica_group)
         ok = all(bool((st.grad == expected).all()) for st in self.sts)
         for st in self.sts:
             st.local.add_(st.grad, alpha=-LR)
             st.zero_grad()
-        self.odc.sync()  # updated parameters visible, accumulators zeroed, before anyone fetches or pushes
+        self.odc.sync(group=self.group)  # updated parameters visible, accumulators zeroed, before any fetch or push
         return ok
 
     def free(self) -> None:
@@ -236,10 +265,11 @@ def expected_grad(schedule: Schedule, k: int) -> int:
     return sum(1 for mbs in schedule.minibatches[k].ranks for mb in mbs if not mb.empty)
 
 
-def check_gather(comm: Comm, num_layers: int, world: int) -> None:
-    """Every layer's gather returns every owner's shard: owner r's shard of layer l is set to ``r·L + l + 1``,
-    gathered, compared, and reset to zero. Raises ``RuntimeError`` naming the layer otherwise."""
-    rank = dist.get_rank()
+def check_gather(comm: Comm, num_layers: int) -> None:
+    """Every layer's gather returns every owner's shard: owner r's (rank in the shard group) shard of layer l is
+    set to ``r·L + l + 1``, gathered, compared, and reset to zero. Raises ``RuntimeError`` naming the layer
+    otherwise."""
+    rank, world = comm.group_rank, comm.group_size
     for layer in range(num_layers):
         comm.set_shard(layer, rank * num_layers + layer + 1)
     comm.publish()
@@ -263,7 +293,7 @@ def warm_up(comm: Comm, num_layers: int, world: int) -> None:
     configuration is timed unless its communication moved the right data."""
     from schedule import Task as T
 
-    check_gather(comm, num_layers, world)
+    check_gather(comm, num_layers)
     tasks = [T(0, layer, "fwd", 0.0, False, False) for layer in range(num_layers)]
     tasks += [T(0, layer, "bwd", 0.0, True, False) for layer in reversed(range(num_layers))]
     rec = run_minibatch(comm, tasks, expected_grad=world, time_scale=0.0, record=False)

@@ -5,6 +5,7 @@ communication and modelled (slept) compute: no model is trained.
     python bench/imbalance.py                     # fuller run
     torchrun --nproc-per-node 4 bench/imbalance.py --quick
     python bench/imbalance.py --preset swe_agentic --model 1.5b --json out.json --plot out.png
+    python bench/imbalance.py --quick --hsdp 2x2     # HSDP: 2 replicas × shard groups of 2 ranks
 
 For each configuration of the grid {collective, odc} × {local_sort, lb_micro, lb_mini} (lb_mini only with odc:
 its ranks run different numbers of micro-batches, which collectives cannot do) the same minibatches are
@@ -15,6 +16,12 @@ really gathers its parameters and scatters its gradient between the processes (g
 micro-batch's cost on the chosen GPU (``CostModel.from_model_config`` of ``--model`` at ``--mfu`` of the
 ``--gpu``'s bf16 peak), times ``--time-scale``, spent in ``time.sleep`` (``--compute busy`` for a busy-wait).
 Configurations run interleaved minibatch by minibatch, so a slow phase of a shared machine hits all alike.
+
+``--hsdp RxS`` (R replicas × S-rank shard groups, R·S ranks): parameters and gradients are sharded within each
+shard group (gloo all-gather / reduce-scatter on the shard group, or ``odc.shard(..., group=)`` with fetch / push
+inside it and one ``odc.sync(group=)`` per minibatch), and each minibatch ends with a real gloo ``all_reduce`` of
+every rank's gradient shards across its replicate group, in both modes. The planner still balances over all R·S
+ranks (the all-reduce waits for the slowest replica), and the gradient check runs after the all-reduce.
 
 Reported per configuration: throughput (real tokens / wall seconds, at the scaled compute), device
 utilisation (time in compute / (ranks × wall)), idle seconds per rank (wall − compute), speedup over
@@ -43,6 +50,17 @@ QUICK = {"minibatches": 6, "minibatch_size": 32, "time_scale": None, "layers": 4
 FULL = {"minibatches": 12, "minibatch_size": 64, "time_scale": 0.03, "layers": 8, "budget_s": None}
 
 
+def parse_hsdp(text: str) -> tuple[int, int]:
+    """``RxS`` → (replicas, shard size), both at least 1 (argparse ``type``)."""
+    try:
+        r, s = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--hsdp expects RxS (replicas x shard size, e.g. 2x2): {text!r}") from None
+    if r < 1 or s < 1:
+        raise argparse.ArgumentTypeError(f"--hsdp {text!r}: replicas and shard size must be at least 1")
+    return r, s
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
@@ -68,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {FULL['layers']}; --layers 0 = the model's layer count)")
     p.add_argument("--layer-mb", type=float, default=1.0, help="MiB of fp32 parameters per executed layer")
     p.add_argument("--compute", choices=("sleep", "busy"), default="sleep")
+    p.add_argument("--hsdp", type=parse_hsdp, default=None, metavar="RxS",
+                   help="HSDP: R replicas × S-rank shard groups (R*S = ranks); shard within a group, all-reduce "
+                        "the gradient shards across replicas once per minibatch (default: shard over every rank)")
     p.add_argument("--comms", default=",".join(COMMS), type=_common.comma_list(COMMS),
                    help="communication modes to compare")
     p.add_argument("--policies", default=",".join(POLICIES), type=_common.comma_list(POLICIES),
@@ -97,9 +118,10 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 def make_schedules(args: argparse.Namespace, batches: list[list[int]], world: int) -> Schedules:
     spec = MODELS[args.model]
     cost = spec.cost_model(GPU_PEAK_FLOPS[args.gpu] * args.mfu)
+    replicas = args.hsdp[0] if args.hsdp else 1
     return {
         (comm, policy): build_schedule(batches, world, comm=comm, policy=policy, cost=cost,
-                                       max_tokens=args.max_tokens, num_layers=args.layers)
+                                       max_tokens=args.max_tokens, num_layers=args.layers, replicas=replicas)
         for comm, policy in grid(args.comms, args.policies)
     }
 
@@ -128,6 +150,30 @@ def pick_timeline_minibatch(schedules: Schedules) -> int:
 # --------------------------------------------------------------------------------------------------- worker
 
 
+def hsdp_groups(hsdp: tuple[int, int] | None, rank: int, world: int) -> tuple[object, object, int]:
+    """(shard group, replicate group, shard size) of this rank; (None, None, world) without HSDP.
+
+    Shard group g is ranks ``g·S .. g·S+S-1``, replicate group i is ranks ``i, S+i, ...`` (a (replicate, shard)
+    mesh). Every rank creates every group in the same order, as ``torch.distributed.new_group`` requires."""
+    import torch.distributed as dist
+
+    if hsdp is None:
+        return None, None, world
+    r, s = hsdp
+    if r * s != world:
+        raise SystemExit(f"--hsdp {r}x{s} needs {r * s} ranks, running {world} (set --nproc {r * s})")
+    shard = replica = None
+    for g in range(r):
+        grp = dist.new_group(list(range(g * s, (g + 1) * s)))
+        if rank // s == g:
+            shard = grp
+    for i in range(s):
+        grp = dist.new_group(list(range(i, world, s)))
+        if rank % s == i:
+            replica = grp
+    return shard, replica, s
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from executor import CollectiveComm, OdcComm, expected_grad, run_minibatch, warm_up
@@ -145,13 +191,15 @@ def worker(args: argparse.Namespace) -> None:
     if args.budget_s is not None:
         args.time_scale = fit_time_scale(schedules, args.budget_s)  # same on every rank: a pure function
     timeline_k = args.timeline_minibatch if args.timeline_minibatch is not None else pick_timeline_minibatch(schedules)
-    shard_numel = -(-int(args.layer_mb * 2**20 / 4) // world)
+    shard_group, replica_group, shard_size = hsdp_groups(args.hsdp, rank, world)
+    groups = {"group": shard_group, "replica_group": replica_group}
+    shard_numel = -(-int(args.layer_mb * 2**20 / 4) // shard_size)
     comms = {}
     if any(c == "collective" for c, _ in schedules):
-        comms["collective"] = CollectiveComm(args.layers, shard_numel, world, device)
+        comms["collective"] = CollectiveComm(args.layers, shard_numel, shard_size, device, **groups)
     if any(c == "odc" for c, _ in schedules):
         odc.init("host")
-        comms["odc"] = OdcComm(args.layers, shard_numel, world, device)
+        comms["odc"] = OdcComm(args.layers, shard_numel, shard_size, device, **groups)
     for comm in comms.values():
         warm_up(comm, args.layers, world)
     records: dict = {key: [] for key in schedules}
@@ -219,7 +267,8 @@ def summarize(schedules: Schedules, gathered: list[dict], world: int, time_scale
 
 LEGEND = {
     "comm": "collective = gloo all-gather / reduce-scatter per layer in lockstep; odc = odc.fetch / odc.push, "
-            "one odc.sync per minibatch",
+            "one odc.sync per minibatch (--hsdp: both within the shard group, plus one gloo all-reduce of the "
+            "gradient shards across replicas per minibatch)",
     "policy": "balancing policy (odc_runtime.balance.POLICY_REGISTRY); every configuration plans the same samples",
     "tokens/s": "real tokens / wall seconds at the scaled compute",
     "util": "device utilisation: modelled compute time / (ranks × wall)",
@@ -231,7 +280,8 @@ LEGEND = {
     "sim speedup": "the same ratio predicted by bench/simulate.py from the schedule's compute alone (no "
                    "communication): the part of the speedup due to balancing",
     "sim util": "utilisation the same simulation predicts",
-    "grads": "ok: every rank's gradient shard held exactly the expected sum after every minibatch",
+    "grads": "ok: every rank's gradient shard held exactly the expected sum after every minibatch (--hsdp: after "
+             "the cross-replica all-reduce)",
 }
 
 
@@ -240,8 +290,9 @@ def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict],
     runs = summarize(schedules, gathered, world, args.time_scale)
     spec = MODELS[args.model]
     n_mb = len(next(iter(schedules.values())).minibatches)
+    hsdp = f" as HSDP {args.hsdp[0]}×{args.hsdp[1]} (replicas × shard group)" if args.hsdp else ""
     print(
-        f"\n{world} ranks (gloo collectives vs ODC host transport), {n_mb} minibatches × {args.minibatch_size} "
+        f"\n{world} ranks{hsdp} (gloo collectives vs ODC host transport), {n_mb} minibatches × {args.minibatch_size} "
         f"samples from {source}; compute modelled for {spec.name} on {args.gpu.upper()} at MFU {args.mfu:g}, "
         f"×{args.time_scale:g} time scale, {args.compute}; {args.layers} layers × {args.layer_mb:g} MiB; "
         f"max {args.max_tokens} tokens per micro-batch"

@@ -13,6 +13,13 @@ Modes:
     Ranks run only their own non-empty micro-batches (counts differ, zero allowed); the only barrier is the
     ``sync`` once per minibatch.
 
+HSDP (``replicas`` R > 1, ``world_size`` = R × S): ranks ``g·S .. g·S+S-1`` form shard group ``g`` (the rows
+of a (replicate, shard) device mesh); parameters are sharded within a shard group, so the per-layer traffic
+(and, with collectives, the lockstep) stays inside it, and each minibatch ends with one all-reduce of every
+rank's gradient shard across its replicate group (the ranks ``i, S+i, 2S+i, ...``). The planner still balances
+over all R × S ranks: the all-reduce is a barrier across the replicas, so LB-Mini/LB-Micro over every rank is
+what evens out the minibatch's end.
+
 Per micro-batch, the program of one rank is FSDP's: forward layers ``0..L-1`` (gather the layer's parameters,
 compute), then backward layers ``L-1..0`` (gather, compute, scatter the layer's gradient). The micro-batch's
 cost (the sum of its sequences' costs, :class:`odc_runtime.balance.CostModel`, seconds on the modelled GPU)
@@ -141,10 +148,21 @@ class Schedule:
     world_size: int
     num_layers: int
     minibatches: tuple[Minibatch, ...]
+    replicas: int = 1  # HSDP: replicate groups; 1 = parameters sharded over every rank
 
     @property
     def tokens(self) -> int:
         return sum(mb.tokens for mb in self.minibatches)
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks a layer's parameters are sharded over (the shard group's size)."""
+        return self.world_size // self.replicas
+
+    def shard_groups(self) -> list[list[int]]:
+        """Global ranks of each shard group (contiguous blocks of :attr:`shard_size`)."""
+        s = self.shard_size
+        return [list(range(g * s, (g + 1) * s)) for g in range(self.replicas)]
 
     def program(self, minibatch: int, rank: int) -> list[Task]:
         """The tasks rank ``rank`` runs in minibatch ``minibatch``, in order."""
@@ -159,7 +177,7 @@ class Schedule:
 
     def digest(self) -> str:
         """Hash of the schedule (ranks check they all built the same one)."""
-        blob = json.dumps([self.comm, self.policy, self.world_size, self.num_layers,
+        blob = json.dumps([self.comm, self.policy, self.world_size, self.replicas, self.num_layers,
                            [[[list(m.samples) for m in mbs] for mbs in mb.ranks] for mb in self.minibatches]])
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -173,8 +191,10 @@ def build_schedule(
     cost: CostModel,
     max_tokens: int,
     num_layers: int,
+    replicas: int = 1,
 ) -> Schedule:
-    """Plan every minibatch with ``policy`` and lay it out for ``comm`` (see the module docstring).
+    """Plan every minibatch with ``policy`` over all ``world_size`` ranks and lay it out for ``comm`` (see the
+    module docstring); ``replicas`` > 1 is HSDP with shard groups of ``world_size // replicas`` ranks.
 
     Samples longer than ``max_tokens`` get a micro-batch of their own (``allow_oversized``). The result is
     checked (:func:`check_schedule`) before it is returned, so no benchmark times a wrong schedule.
@@ -183,6 +203,8 @@ def build_schedule(
         raise ValueError(f"unknown comm {comm!r}; choose from {COMMS}")
     if not valid(comm, policy):
         raise ValueError(f"policy {policy!r} gives ranks different micro-batch counts: collectives cannot run it")
+    if replicas < 1 or world_size % replicas:
+        raise ValueError(f"HSDP needs world_size ({world_size}) = replicas ({replicas}) × shard size")
     minibatches = []
     offset = 0
     for lengths in minibatch_lengths:
@@ -205,7 +227,7 @@ def build_schedule(
             ranks = [r + [MicroBatch((), 0, 0.0)] * (depth - len(r)) for r in ranks]
         minibatches.append(Minibatch(tuple(tuple(r) for r in ranks)))
         offset += len(lengths)
-    schedule = Schedule(comm, policy, world_size, num_layers, tuple(minibatches))
+    schedule = Schedule(comm, policy, world_size, num_layers, tuple(minibatches), replicas)
     check_schedule(schedule, minibatch_lengths, max_tokens=max_tokens)
     return schedule
 

@@ -14,6 +14,12 @@ Small and deterministic. Per task (one layer of one micro-batch, :meth:`schedule
 same program shape; padded micro-batches compute nothing but communicate). ``odc``: every rank runs its own
 program at its own pace; the minibatch ends at the slowest rank's total, plus one sync. Both pay the same
 ``sync_s`` per minibatch (optimizer step / fence), so a perfectly balanced plan takes the same time in both.
+HSDP (``schedule.replicas`` R > 1, shard groups of S = W/R ranks): the per-layer transfers run within a shard
+group (``(S-1)/S`` of the bytes), collectives are in lockstep within each shard group only, and every minibatch
+adds one all-reduce of a rank's gradient shards across the R replicas (:func:`allreduce_seconds`: ring,
+``latency + 2·(R-1)/R · (L · layer_bytes / S) / bandwidth`` over ``replica_link``, InfiniBand by default, not
+overlapped with compute). Assumed: replicas sit on different nodes, each rank's all-reduce crosses its own NIC
+concurrently with the other shard positions' (no contention), one latency per all-reduce, gradients in bf16.
 Not modelled: contention between ranks for the network, stragglers, kernel efficiency changing with length.
 """
 
@@ -70,6 +76,15 @@ def comm_seconds(link: Link, nbytes: float, world: int, *, odc: bool) -> float:
     return link.latency_s + nbytes * (world - 1) / world / (bw * 1e9)
 
 
+def allreduce_seconds(link: Link, nbytes: float, replicas: int) -> float:
+    """HSDP's end-of-minibatch all-reduce of ``nbytes`` (one rank's gradient shards) across ``replicas`` ranks:
+    α–β model of a ring all-reduce (reduce-scatter + all-gather, ``2·(R-1)/R`` of the bytes per rank) with one
+    ``latency_s`` per all-reduce, at the link's collective bandwidth."""
+    if nbytes <= 0 or replicas <= 1:
+        return 0.0
+    return link.latency_s + 2.0 * nbytes * (replicas - 1) / replicas / (link.collective_GBps * 1e9)
+
+
 def simulate(
     schedule: Schedule,
     *,
@@ -78,12 +93,17 @@ def simulate(
     overlap: bool = True,
     sync_s: float = 0.0,
     time_scale: float = 1.0,
+    replica_link: Link | None = None,
 ) -> SimResult:
-    """Predicted wall time of ``schedule`` (compute scaled by ``time_scale``; communication is not)."""
+    """Predicted wall time of ``schedule`` (compute scaled by ``time_scale``; communication is not).
+
+    ``replica_link`` carries HSDP's cross-replica all-reduce (default: ``link``)."""
     w = schedule.world_size
     odc = schedule.comm == "odc"
-    gather = comm_seconds(link, layer_bytes, w, odc=odc)
+    gather = comm_seconds(link, layer_bytes, schedule.shard_size, odc=odc)
     scatter = gather
+    shard_bytes = layer_bytes * schedule.num_layers / schedule.shard_size
+    allreduce = allreduce_seconds(replica_link or link, shard_bytes, schedule.replicas)
 
     def task_time(compute: float, comm: float) -> float:
         return max(compute, comm) if overlap else compute + comm
@@ -105,10 +125,13 @@ def simulate(
             if any(len(p) != depth for p in programs):
                 raise ValueError("collective schedule with unequal programs: it must be padded")
             t_mb = 0.0
-            for j in range(depth):
-                comm = gather + (scatter if programs[0][j].scatter else 0.0)
-                t_mb += task_time(max(p[j].compute_s for p in programs) * time_scale, comm)
-        times.append(t_mb + sync_s)
+            for ranks in schedule.shard_groups():  # lockstep within a shard group; groups run side by side
+                t_group = 0.0
+                for j in range(depth):
+                    comm = gather + (scatter if programs[0][j].scatter else 0.0)
+                    t_group += task_time(max(programs[r][j].compute_s for r in ranks) * time_scale, comm)
+                t_mb = max(t_mb, t_group)
+        times.append(t_mb + allreduce + sync_s)
     return SimResult(sum(times), schedule.tokens, busy, times)
 
 
@@ -128,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minibatches", type=int, default=50)
     p.add_argument("--max-tokens", type=int, default=65536, help="token cap of a micro-batch")
     p.add_argument("--no-overlap", action="store_true", help="communication not overlapped with compute")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="HSDP: replicas R (shard groups of world/R ranks; their gradient all-reduce crosses "
+                        "--replica-link once per minibatch); 1 = shard over every rank")
+    p.add_argument("--replica-link", default="ib", choices=sorted(LINKS), help="link of the HSDP all-reduce")
     _common.add_output_args(p, "simulate")
     return p
 
@@ -156,13 +183,16 @@ def main(argv: list[str] | None = None) -> None:
         base = None
         for comm, policy in grid(policies=POLICIES):
             sched = build_schedule(batches, args.world, comm=comm, policy=policy, cost=cost,
-                                   max_tokens=args.max_tokens, num_layers=spec.num_layers)
-            res = simulate(sched, layer_bytes=layer_bytes, link=link, overlap=not args.no_overlap)
+                                   max_tokens=args.max_tokens, num_layers=spec.num_layers, replicas=args.replicas)
+            res = simulate(sched, layer_bytes=layer_bytes, link=link, overlap=not args.no_overlap,
+                           replica_link=LINKS[args.replica_link])
             base = base or res.time_s
             rows.append({"link": link_name, "comm": comm, "policy": policy, "time_s": res.time_s,
                          "s_per_minibatch": res.time_s / len(batches), "tokens_per_s": res.tokens_per_s,
                          "utilization": res.utilization, "speedup": base / res.time_s})
-    print(f"\nSimulated: {args.world} × {args.gpu.upper()} at MFU {args.mfu:g}, {spec.name} "
+    hsdp = f" (HSDP {args.replicas}×{args.world // args.replicas}, all-reduce over {args.replica_link})" \
+        if args.replicas > 1 else ""
+    print(f"\nSimulated: {args.world} × {args.gpu.upper()}{hsdp} at MFU {args.mfu:g}, {spec.name} "
           f"({layer_bytes / 2**20:.0f} MiB bf16 per layer), {len(batches)} minibatches × {mbs} samples from "
           f"{source}, max {args.max_tokens} tokens per micro-batch, overlap={not args.no_overlap}")
     _common.print_table(
