@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -89,6 +90,38 @@ def test_simulator_odc_never_slower_on_same_plan(link, policy, overlap):
     assert odc.tokens == coll.tokens
 
 
+def test_hsdp_allreduce_term_hand_computed():
+    """HSDP's end-of-minibatch all-reduce: latency + 2·(R-1)/R · (L · layer_bytes / S) / bandwidth per minibatch."""
+    link = simulate.Link("test", 10.0, 10.0, 1e-3)
+    # 4 replicas, 1 GB: 1 ms + 2 · 3/4 · 1e9 B / 10e9 B/s = 0.151 s; one replica or no bytes: nothing to reduce
+    assert simulate.allreduce_seconds(link, 1e9, 4) == pytest.approx(0.151, rel=1e-12)
+    assert simulate.allreduce_seconds(link, 1e9, 1) == 0.0
+    assert simulate.allreduce_seconds(link, 0.0, 4) == 0.0
+    # In the simulator: 4 ranks as 2 replicas × 2, 3 layers of 1e8 B, intra-group links free, so the difference to
+    # the compute-only run is the all-reduce of a rank's 3·1e8/2 = 1.5e8 B: 1 ms + 2 · 1/2 · 1.5e8 / 1e10 = 16 ms.
+    batches = _batches(2)
+    s = sch.build_schedule(batches, 4, comm="odc", policy="lb_mini", cost=COST, max_tokens=65536, num_layers=3,
+                           replicas=2)
+    assert s.shard_size == 2 and s.shard_groups() == [[0, 1], [2, 3]]
+    base = simulate.simulate(s, layer_bytes=0, link=simulate.LINKS["none"])
+    hsdp = simulate.simulate(s, layer_bytes=1e8, link=simulate.LINKS["none"], replica_link=link)
+    assert [h - b for h, b in zip(hsdp.minibatch_s, base.minibatch_s, strict=True)] == pytest.approx([0.016] * 2)
+
+
+def test_hsdp_collective_lockstep_only_within_shard_groups():
+    """Collectives under HSDP wait for the slowest rank of their shard group per layer, not of the world: compute
+    alone never takes longer than the 1-D schedule of the same plan, and a bad world size is refused."""
+    batches = _batches(3)
+    flat = simulate.simulate(_build("collective", "local_sort", batches), layer_bytes=0, link=simulate.LINKS["none"])
+    hsdp = simulate.simulate(
+        sch.build_schedule(batches, 4, comm="collective", policy="local_sort", cost=COST, max_tokens=65536,
+                           num_layers=3, replicas=2), layer_bytes=0, link=simulate.LINKS["none"])
+    assert all(h <= f * (1 + 1e-12) for h, f in zip(hsdp.minibatch_s, flat.minibatch_s, strict=True))
+    with pytest.raises(ValueError, match="replicas"):
+        sch.build_schedule(batches, 4, comm="odc", policy="lb_mini", cost=COST, max_tokens=65536, num_layers=3,
+                           replicas=3)
+
+
 @pytest.mark.parametrize("link", ["none", "nvlink"])
 def test_simulator_equal_when_perfectly_balanced(link):
     batches = [[4096] * 8, [2048] * 8]  # every rank: two equal micro-batches (max_tokens = one sample)
@@ -131,6 +164,28 @@ def test_imbalance_end_to_end_two_ranks(tmp_path):
     assert data["config"]["world_size"] == 2 and "machine" in data
     if plot_arg != "none":
         assert plot.stat().st_size > 0
+
+
+def test_imbalance_hsdp_2x2_four_ranks(tmp_path):
+    """--hsdp 2x2: shard groups of 2, the cross-replica all-reduce, exact gradients in every configuration."""
+    out = tmp_path / "imb.json"
+    proc = _run([str(BENCH / "imbalance.py"), "--nproc", "4", "--hsdp", "2x2", "--minibatches", "2",
+                 "--minibatch-size", "8", "--time-scale", "0.002", "--layers", "2", "--layer-mb", "0.0625",
+                 "--json", str(out), "--plot", "none"], tmp_path, timeout=180)
+    assert "HSDP 2×2" in proc.stdout
+    data = json.loads(out.read_text())
+    assert {(r["comm"], r["policy"]) for r in data["runs"]} == set(sch.grid())
+    assert all(r["grad_check_ok"] and len(r["idle_s_per_rank"]) == 4 for r in data["runs"])
+    assert data["config"]["hsdp"] == [2, 2] and data["config"]["world_size"] == 4
+
+
+def test_hsdp_argument_parsing():
+    import imbalance
+
+    assert imbalance.parse_hsdp("2x4") == (2, 4)
+    for bad in ("2", "0x4", "axb"):
+        with pytest.raises(argparse.ArgumentTypeError, match="hsdp"):
+            imbalance.parse_hsdp(bad)
 
 
 def test_comm_end_to_end_two_ranks(tmp_path):
