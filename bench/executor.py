@@ -265,11 +265,11 @@ def expected_grad(schedule: Schedule, k: int) -> int:
     return sum(1 for mbs in schedule.minibatches[k].ranks for mb in mbs if not mb.empty)
 
 
-def check_gather(comm: Comm, num_layers: int) -> None:
+def check_gather(comm: Comm, num_layers: int, world: int | None = None) -> None:
     """Every layer's gather returns every owner's shard: owner r's (rank in the shard group) shard of layer l is
     set to ``r·L + l + 1``, gathered, compared, and reset to zero. Raises ``RuntimeError`` naming the layer
-    otherwise."""
-    rank, world = comm.group_rank, comm.group_size
+    otherwise. ``world``: the owners per layer (default and normally ``comm.group_size``, the shard group's)."""
+    rank, world = comm.group_rank, comm.group_size if world is None else world
     for layer in range(num_layers):
         comm.set_shard(layer, rank * num_layers + layer + 1)
     comm.publish()
