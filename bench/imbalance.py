@@ -329,7 +329,11 @@ def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict],
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = resolve(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = resolve(parser.parse_args(argv))
+    if args.hsdp and not _common.under_torchrun() and args.hsdp[0] * args.hsdp[1] != args.nproc:
+        parser.error(f"--hsdp {args.hsdp[0]}x{args.hsdp[1]} needs --nproc {args.hsdp[0] * args.hsdp[1]}, "
+                     f"got {args.nproc}")
     launch(worker, args.nproc, args)
 
 
