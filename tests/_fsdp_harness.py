@@ -592,3 +592,26 @@ def run_suite(rank: int, world: int, plan: list[tuple[str, str, tuple]]) -> dict
         except Exception:
             results[key] = {"__error__": traceback.format_exc()}
     return results
+
+
+# -- assertions shared by test_fsdp.py and test_hsdp.py (they run in the pytest process) --------------------------
+def results(suite: list[dict], key: str) -> list[Any]:
+    """Every rank's result of scenario ``key``; fails the test with the rank's traceback if it raised."""
+    import pytest
+
+    out = []
+    for rank, res in enumerate(suite):
+        if isinstance(res[key], dict) and "__error__" in res[key]:
+            pytest.fail(f"rank {rank} failed in scenario {key!r}:\n{res[key]['__error__']}")
+        out.append(res[key])
+    return out
+
+
+def check_vs_reference(results: list[dict], tol: float) -> None:
+    """Parameters within ``tol`` of the single-process reference after every step, and the same losses."""
+    import pytest
+
+    for r, res in enumerate(results):
+        assert max(res["diff"]) < tol, f"rank {r}: param diffs per step {res['diff']}"
+        for a, b in zip(res["loss"], res["ref_loss"], strict=True):
+            assert a == pytest.approx(b, rel=1e-4, abs=1e-5)

@@ -70,31 +70,15 @@ def suite2():
     return h.run(h.run_suite, 2, PLAN2, timeout=SUITE_TIMEOUT - 20)
 
 
-def _results(suite, key):
-    out = []
-    for rank, res in enumerate(suite):
-        if "__error__" in res[key]:
-            pytest.fail(f"rank {rank} failed in scenario {key!r}:\n{res[key]['__error__']}")
-        out.append(res[key])
-    return out
-
-
-def _check_vs_reference(results, tol):
-    for r, res in enumerate(results):
-        assert max(res["diff"]) < tol, f"rank {r}: param diffs per step {res['diff']}"
-        for a, b in zip(res["loss"], res["ref_loss"], strict=True):
-            assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
-
-
 @pytest.mark.timeout(SUITE_TIMEOUT)
 def test_unequal_microbatches_match_single_process_reference(suite3):
-    _check_vs_reference(_results(suite3, "unequal"), FP32_TOL)
+    h.check_vs_reference(h.results(suite3, "unequal"), FP32_TOL)
 
 
 @pytest.mark.timeout(SUITE_TIMEOUT)
 def test_zero_microbatch_rank_and_clip_grad_norm(suite3):
-    results = _results(suite3, "zero_clip")
-    _check_vs_reference(results, FP32_TOL)
+    results = h.results(suite3, "zero_clip")
+    h.check_vs_reference(results, FP32_TOL)
     for res in results:
         assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5)
         assert all(n > 0.5 for n in res["ref_norm"])  # clipping was active
@@ -102,13 +86,13 @@ def test_zero_microbatch_rank_and_clip_grad_norm(suite3):
 
 @pytest.mark.timeout(SUITE_TIMEOUT)
 def test_frozen_parameters(suite3):
-    _check_vs_reference(_results(suite3, "frozen"), FP32_TOL)
+    h.check_vs_reference(h.results(suite3, "frozen"), FP32_TOL)
 
 
 @pytest.mark.timeout(SUITE_TIMEOUT)
 def test_unused_parameters_keep_the_reduce_scatter_layout(suite3):
-    results = _results(suite3, "unused")
-    _check_vs_reference(results, FP32_TOL)
+    results = h.results(suite3, "unused")
+    h.check_vs_reference(results, FP32_TOL)
     assert sum(res["partial"] for res in results) > 0  # some backward really left parameters without a gradient
     for res in results:  # torch's own hook where it exists (>= 2.13), ODC's tracking before
         assert res["tracking"] is not res["has_hook"]
@@ -116,8 +100,8 @@ def test_unused_parameters_keep_the_reduce_scatter_layout(suite3):
 
 @pytest.mark.timeout(SUITE_TIMEOUT)
 def test_unused_parameters_with_odc_tracking(suite2):
-    results = _results(suite2, "unused_tracked")
-    _check_vs_reference(results, FP32_TOL)
+    results = h.results(suite2, "unused_tracked")
+    h.check_vs_reference(results, FP32_TOL)
     assert sum(res["partial"] for res in results) > 0
     assert all(res["tracking"] for res in results)
 
@@ -125,7 +109,7 @@ def test_unused_parameters_with_odc_tracking(suite2):
 @pytest.mark.timeout(SUITE_TIMEOUT)
 def test_private_fsdp_surface_of_this_torch(suite2):
     """Fails loudly when a torch release changes an FSDP2 internal that odc_runtime.fsdp._compat reads."""
-    for res in _results(suite2, "compat"):
+    for res in h.results(suite2, "compat"):
         assert res["problems"] == [], f"torch {res['torch']}: {res['problems']}"
         for name, (detected, by_table) in res["table"].items():
             assert detected == by_table, (
@@ -167,7 +151,7 @@ def test_torch_without_custom_comm_hooks_is_refused_by_name(monkeypatch):
 
 @pytest.mark.timeout(SUITE_TIMEOUT)
 def test_state_dict_round_trip(suite3):
-    for res in _results(suite3, "state_dict"):
+    for res in h.results(suite3, "state_dict"):
         assert res["moved"] > 1e-3  # training changed the parameters
         assert res["after_load"] == 0.0  # load_state_dict restored them
         assert res["again"] < FP32_TOL  # ... and the next minibatch used the loaded (republished) parameters
@@ -176,21 +160,21 @@ def test_state_dict_round_trip(suite3):
 
 @pytest.mark.timeout(SUITE_TIMEOUT)
 def test_bf16_mixed_precision_matches_bf16_reference(suite2):
-    _check_vs_reference(_results(suite2, "bf16_ref"), BF16_TOL)
+    h.check_vs_reference(h.results(suite2, "bf16_ref"), BF16_TOL)
 
 
 @pytest.mark.timeout(SUITE_TIMEOUT)
 @pytest.mark.parametrize("key", ["fsdp_fp32", "fsdp_no_raf", "fsdp_bf16", "fsdp_fp16"])
 def test_equal_counts_match_stock_fsdp_step_by_step(suite2, key):
     tol = {"fsdp_bf16": BF16_TOL, "fsdp_fp16": FP16_TOL}.get(key, FP32_TOL)
-    for res in _results(suite2, key):
+    for res in h.results(suite2, key):
         assert max(res["grad_diff"]) < tol, res
         assert max(res["diff"]) < tol, res
 
 
 @pytest.mark.timeout(SUITE_TIMEOUT)
 def test_disable_returns_to_plain_fsdp(suite2):
-    for res in _results(suite2, "disable"):
+    for res in h.results(suite2, "disable"):
         assert res["restored"]
         assert res["diff"] < FP32_TOL
         assert not res["enabled"]
@@ -199,14 +183,14 @@ def test_disable_returns_to_plain_fsdp(suite2):
 
 @pytest.mark.timeout(SUITE_TIMEOUT)
 def test_eval_forward_outside_minibatch_and_empty_minibatch(suite2):
-    for res in _results(suite2, "eval"):
+    for res in h.results(suite2, "eval"):
         assert res["eval"] < 1e-5
         assert res["zero_grads"]
 
 
 @pytest.mark.timeout(SUITE_TIMEOUT)
 def test_misuse_raises_clear_errors(suite2):
-    for msgs in _results(suite2, "misuse"):
+    for msgs in h.results(suite2, "misuse"):
         assert "call odc_runtime.fsdp.enable(model)" in msgs["without_enable"]
         assert "no FSDP module found" in msgs["not_fsdp"]
         assert "called twice" in msgs["enable_twice"]
@@ -223,6 +207,6 @@ def test_misuse_raises_clear_errors(suite2):
 
 @pytest.mark.timeout(SUITE_TIMEOUT)
 def test_enable_refuses_without_odc_init_and_unsupported_configs(suite2):
-    for msgs in _results(suite2, "refusals"):
+    for msgs in h.results(suite2, "refusals"):
         for key, msg in msgs.items():
             assert msg.startswith("OK"), f"{key}: {msg}"

@@ -93,25 +93,9 @@ def suite4():
     return h.run(_rank_suite, 4, PLAN, timeout=TIMEOUT - 20)
 
 
-def _results(suite, key):
-    out = []
-    for rank, res in enumerate(suite):
-        if isinstance(res[key], dict) and "__error__" in res[key]:
-            pytest.fail(f"rank {rank} failed in scenario {key!r}:\n{res[key]['__error__']}")
-        out.append(res[key])
-    return out
-
-
-def _check_vs_reference(results, tol):
-    for r, res in enumerate(results):
-        assert max(res["diff"]) < tol, f"rank {r}: param diffs per step {res['diff']}"
-        for a, b in zip(res["loss"], res["ref_loss"], strict=True):
-            assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
-
-
 @pytest.mark.timeout(TIMEOUT)
 def test_hsdp_buffers_live_in_the_shard_groups(suite4):
-    for rank, res in enumerate(_results(suite4, "layout")):
+    for rank, res in enumerate(h.results(suite4, "layout")):
         mine = (0, 1) if rank < 2 else (2, 3)
         assert res["group_ranks"] == [list(mine)] or res["group_ranks"] == [mine], res
         assert res["rows"] == [2] and res["all_reduce_off"] and res["all_reduce_restored"], res
@@ -119,30 +103,30 @@ def test_hsdp_buffers_live_in_the_shard_groups(suite4):
 
 @pytest.mark.timeout(TIMEOUT)
 def test_hsdp_unequal_microbatches_match_single_process_reference(suite4):
-    _check_vs_reference(_results(suite4, "unequal"), FP32_TOL)
+    h.check_vs_reference(h.results(suite4, "unequal"), FP32_TOL)
 
 
 @pytest.mark.timeout(TIMEOUT)
 def test_hsdp_zero_microbatch_ranks_and_clipping(suite4):
-    results = _results(suite4, "zero_clip")
-    _check_vs_reference(results, FP32_TOL)
+    results = h.results(suite4, "zero_clip")
+    h.check_vs_reference(results, FP32_TOL)
     for res in results:
         assert res["norm"] == pytest.approx(res["ref_norm"], rel=1e-5)
 
 
 @pytest.mark.timeout(TIMEOUT)
 def test_hsdp_bf16_mixed_precision_matches_bf16_reference(suite4):
-    _check_vs_reference(_results(suite4, "bf16_ref"), BF16_TOL)
+    h.check_vs_reference(h.results(suite4, "bf16_ref"), BF16_TOL)
 
 
 @pytest.mark.timeout(TIMEOUT)
 def test_hsdp_equal_counts_match_stock_fsdp2_hsdp(suite4):
-    for res in _results(suite4, "fsdp_fp32"):
+    for res in h.results(suite4, "fsdp_fp32"):
         assert max(res["grad_diff"]) < FP32_TOL, res
         assert max(res["diff"]) < FP32_TOL, res
 
 
 @pytest.mark.timeout(TIMEOUT)
 def test_hpz_is_refused_clearly(suite4):
-    for msg in _results(suite4, "hpz"):
+    for msg in h.results(suite4, "hpz"):
         assert "reshard_after_forward=<int>" in msg and "HPZ" in msg and "reshard_after_forward=True" in msg, msg

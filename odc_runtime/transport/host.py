@@ -539,7 +539,9 @@ class HostTransport(Transport):
             seg.map[start : start + len(payload)] = payload
             seg.map[: _HEADER.size] = header
 
-    def barrier(self, op: str = "barrier") -> None:
+    def _quiet_then_meet(self, meet: Callable[[], None]) -> None:
+        """``quiet()``, then ``meet()`` the peers even if one of this rank's operations failed (so they do not wait
+        out the timeout for it), then report that failure. A quiet that timed out is raised at once."""
         failed: BaseException | None = None
         try:
             self.quiet()
@@ -547,9 +549,12 @@ class HostTransport(Transport):
             raise
         except BaseException as e:  # every operation completed, one failed: still meet the peers, then report it
             failed = e
-        self.exchange(op, b"")
+        meet()
         if failed is not None:
             raise failed
+
+    def barrier(self, op: str = "barrier") -> None:
+        self._quiet_then_meet(lambda: self.exchange(op, b""))
 
     def exchange(self, op: str, payload: bytes) -> list[bytes]:
         """Collective: one barrier round that also carries ``payload`` (at most about 1.9 KB) from every rank.
@@ -654,39 +659,34 @@ class HostTransport(Transport):
             )
         if self.rank not in group.ranks:
             raise OdcUsageError(f"odc {shorten(op)}: rank {self.rank} is not in the group {list(group.ranks)}")
-        failed: BaseException | None = None
-        try:
-            self.quiet()
-        except OdcTimeoutError:
-            raise
-        except BaseException as e:  # every operation completed, one failed: still meet the peers, then report it
-            failed = e
+        self._quiet_then_meet(lambda: self._group_fence(op, group))
+
+    def _group_fence(self, op: str, group: Group) -> None:
         epoch = self._group_epochs.get(group.index, 0) + 1
         self._group_epochs[group.index] = epoch
         self._write_group(group, epoch, waiting=True)
-        def watch(p: int) -> None:
-            peer_epoch, *_, peer_name, _, _, _ = self._read_control(p)
-            if peer_epoch > self._epoch:  # it waits in a world collective that needs us first
-                raise _CrossedError(
-                    f"odc collective mismatch: rank {self.rank} is in {shorten(op)!r} but rank {p} is "
-                    f"in the collective {peer_name.decode(errors='replace')!r} (barrier #{peer_epoch}) "
-                    f"that rank {self.rank} has not reached; ranks must call sync(group=...) and the "
-                    "collectives they share with other ranks in the same order"
-                )
-            self._check_not_waiting_for_us(op, p)
-
         # On a timeout or a crossed collective the marker stays set: a peer that waits for us in another
         # collective still sees why (it raises the same mismatch instead of timing out).
         self._wait_for_peers(
             op,
             [p for p in group.ranks if p != self.rank],
             lambda p: self._read_group_epoch(p, group.index) >= epoch,
-            watch,
+            lambda p: self._check_not_crossed(op, p),
             what=f" (group fence #{epoch} of ranks {list(group.ranks)})",
         )
         self._write_group(group, epoch, waiting=False)
-        if failed is not None:
-            raise failed
+
+    def _check_not_crossed(self, op: str, peer: int) -> None:
+        """Raise if ``peer``, whom this group fence waits for, waits itself in a collective that needs us first."""
+        peer_epoch, *_, peer_name, _, _, _ = self._read_control(peer)
+        if peer_epoch > self._epoch:  # it waits in a world collective that needs us first
+            raise _CrossedError(
+                f"odc collective mismatch: rank {self.rank} is in {shorten(op)!r} but rank {peer} is "
+                f"in the collective {peer_name.decode(errors='replace')!r} (barrier #{peer_epoch}) "
+                f"that rank {self.rank} has not reached; ranks must call sync(group=...) and the "
+                "collectives they share with other ranks in the same order"
+            )
+        self._check_not_waiting_for_us(op, peer)
 
     def _wait_for_peers(
         self,
