@@ -24,6 +24,16 @@ Semantics every transport provides:
 * :meth:`Transport.plan` returns a :class:`TransferPlan`: the validated, reusable form of one get or accumulate
   pattern (which peer receives which slice of a flat tensor), so that the core API's steady-state calls skip
   validation and request building. Transports may subclass it to precompute their own state (peer pointers).
+* ``offset`` (in :class:`GetRequest`, :class:`AccumulateRequest`, :class:`Piece`, :class:`PutRequest`) is an
+  element offset into the peer's region; ``offset + numel`` never exceeds the buffer's ``numel`` (the caller
+  checks).
+* :meth:`Transport.put_signal` writes a local tensor into a peer's region and then adds 1 to a word of the peer's
+  ``int64`` *signal* buffer; a rank that sees the word reach a count sees the data of every put counted in it.
+  :meth:`Transport.wait_signal` waits for a local signal word to reach a count (on GPU: the current stream waits,
+  the host does not; a wait that misses ``timeout`` is released and raised at the next call). Signal words only
+  grow, so a waiter compares against a running count and never resets them.
+* :meth:`Transport.node_size` is how many consecutive ranks share a node (a fast, atomics-capable domain: one
+  machine for ``host``, one NVLink domain for ``nvshmem``); the core API may declare a smaller *virtual* node.
 * :meth:`Transport.group_barrier` is :meth:`Transport.barrier` among the ranks of a :class:`Group` only (the other
   ranks do not take part). Allocation stays collective over *all* ranks (offsets are symmetric across the whole
   world); only fences are scoped. A transport without group fences raises
@@ -90,28 +100,43 @@ class Group:
 
 @dataclass(frozen=True)
 class GetRequest:
-    """Copy ``dst.numel()`` elements from the start of ``peer``'s region of the buffer into ``dst``."""
+    """Copy ``dst.numel()`` elements from ``peer``'s region of the buffer, starting at element ``offset``, into
+    ``dst``."""
 
     peer: int
     dst: torch.Tensor
+    offset: int = 0
 
 
 @dataclass(frozen=True)
 class AccumulateRequest:
-    """Add ``src * scale`` into ``peer``'s region of the buffer at ``[0, src.numel())``."""
+    """Add ``src * scale`` into ``peer``'s region of the buffer at ``[offset, offset + src.numel())``."""
 
     peer: int
     src: torch.Tensor
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class PutRequest:
+    """Write ``src`` (the buffer's dtype) into ``peer``'s region at ``[offset, offset + src.numel())``, then add 1
+    to word ``signal_index`` of ``peer``'s signal buffer once the data is delivered."""
+
+    peer: int
+    src: torch.Tensor
+    offset: int
+    signal_index: int
 
 
 @dataclass(frozen=True)
 class Piece:
     """One peer's part of a planned transfer: elements ``[start, start + numel)`` of the flat local tensor
-    go to (accumulate) or come from (get) the first ``numel`` elements of ``peer``'s region."""
+    go to (accumulate) or come from (get) elements ``[offset, offset + numel)`` of ``peer``'s region."""
 
     peer: int
     start: int
     numel: int
+    offset: int = 0
 
 
 class TransferPlan:
@@ -140,9 +165,9 @@ class TransferPlan:
         flattened elements the pieces index (no view is made on the fast path; this generic plan flattens it)."""
         flat = tensor.detach().reshape(-1)
         if self.kind == "get":
-            gets = [GetRequest(p.peer, flat[p.start : p.start + p.numel]) for p in self.pieces]
+            gets = [GetRequest(p.peer, flat[p.start : p.start + p.numel], p.offset) for p in self.pieces]
             return self.transport.get(self.buf, gets, async_op=async_op)
-        adds = [AccumulateRequest(p.peer, flat[p.start : p.start + p.numel]) for p in self.pieces]
+        adds = [AccumulateRequest(p.peer, flat[p.start : p.start + p.numel], p.offset) for p in self.pieces]
         return self.transport.accumulate(self.buf, adds, scale, async_op=async_op)
 
 
@@ -214,6 +239,36 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def barrier(self, op: str = "barrier") -> None:
         """Collective fence (implies quiet everywhere). ``op`` names the caller in timeout errors."""
+
+    # -- signalled puts (the hierarchical push across nodes, odc_runtime.hierarchy) --------------------------
+    def put_signal(self, buf: SymmetricBuffer, requests: Sequence[PutRequest], signal: SymmetricBuffer) -> None:
+        """For every request: write ``src`` into ``peer``'s region of ``buf`` at ``offset``, then add 1 to
+        ``peer``'s ``signal[signal_index]`` (an ``int64`` buffer from :meth:`alloc`) after the data is delivered.
+
+        Issued in order (GPU: on the current stream; ``src`` may be reused after it in stream order). Completion
+        at the peer is what the signal says; :meth:`quiet` / :meth:`barrier` complete them too. A transport
+        without signalled puts raises :class:`~odc_runtime.errors.OdcUsageError` (the default).
+        """
+        raise OdcUsageError(
+            f"odc: the {self.name} transport has no put-with-signal, so it cannot run the hierarchical (multi-node) "
+            "protocol; set ODC_NODE_SIZE to the world size (one node)"
+        )
+
+    def wait_signal(self, signal: SymmetricBuffer, index: int, value: int, op: str, peers: Sequence[int]) -> None:
+        """Wait until this rank's ``signal[index] >= value`` (GPU: the current stream waits; the host does not).
+
+        ``peers`` are the ranks whose puts count into the word, named in the OdcTimeoutError / OdcPeerLostError
+        raised when the count is not reached within ``timeout`` (on GPU: at the next call into the transport,
+        after the stream's wait was released so that nothing stays blocked).
+        """
+        raise OdcUsageError(f"odc {op}: the {self.name} transport has no signal waits")
+
+    def node_size(self) -> int:
+        """How many consecutive ranks share a node (ranks ``r`` and ``q`` share one iff ``r // n == q // n``).
+
+        Same on every rank. The default, one node of every rank, is right for a transport whose ranks all share
+        one machine."""
+        return self.world_size
 
     def group_barrier(self, op: str, group: Group) -> None:
         """Collective over ``group.ranks`` only: :meth:`barrier`'s guarantees among those ranks (implies quiet on
