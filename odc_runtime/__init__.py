@@ -38,8 +38,8 @@ __version__ = "0.1.0"
 # The core API imports torch; it is loaded on first use so that torch-free modules such as
 # ``odc_runtime.balance`` can be used in a data loader without importing torch.
 _API_NAMES = frozenset(
-    {"Handle", "ShardedTensor", "backend", "fetch", "finalize", "init", "is_initialized", "push", "rank", "shard",
-     "sync", "world_size"}
+    {"Handle", "ShardedTensor", "backend", "fetch", "finalize", "init", "is_initialized", "node_size", "push", "rank",
+     "shard", "sync", "world_size"}
 )
 
 
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
         finalize,
         init,
         is_initialized,
+        node_size,
         push,
         rank,
         shard,
@@ -84,6 +85,7 @@ __all__ = [
     "finalize",
     "init",
     "is_initialized",
+    "node_size",
     "push",
     "rank",
     "shard",

@@ -39,6 +39,7 @@ from odc_runtime.errors import (
     OdcNotInitializedError,
     OdcUsageError,
 )
+from odc_runtime.hierarchy import Hierarchy, supports_signals
 from odc_runtime.transport.base import (
     Group,
     Piece,
@@ -65,6 +66,7 @@ class _Runtime:
     live_names: set[str] = field(default_factory=set)  # names of the ShardedTensors not freed yet
     # Proper subgroups seen by shard(): global ranks (group-rank order) -> agreed index (the same on every rank)
     groups: dict[tuple[int, ...], int] = field(default_factory=dict)
+    hierarchy: Hierarchy | None = None  # nodes smaller than the world: routes world-sharded tensors' transfers
 
 
 _runtime: _Runtime | None = None
@@ -106,7 +108,11 @@ def _select_backend(backend: str | None) -> str:
 
 
 def init(
-    backend: str | None = None, *, timeout: float | None = None, heap_size: int | str | None = None
+    backend: str | None = None,
+    *,
+    timeout: float | None = None,
+    heap_size: int | str | None = None,
+    node_size: int | None = None,
 ) -> None:
     """Start the runtime (collective; call after ``torch.distributed.init_process_group``).
 
@@ -119,6 +125,11 @@ def init(
             300); it also bounds every collective step of ``init`` itself.
         heap_size: symmetric memory per rank in bytes or as ``"4G"``; host default ``ODC_HEAP_SIZE`` or 1 GiB;
             nvshmem default ``NVSHMEM_SYMMETRIC_SIZE``.
+        node_size: ranks per node (blocks of consecutive ranks; must divide the world size): pushes to and
+            fetches from owners on other nodes go through the hierarchical protocol (``odc_runtime.hierarchy``).
+            Default ``ODC_NODE_SIZE``, else the transport's real node (host: all ranks; nvshmem: the ranks one
+            GPU reaches by NVLink). A smaller value declares virtual nodes (to exercise the multi-node path on
+            one machine).
 
     Raises (on every rank together): OdcUsageError for a bad argument or setting on this rank, OdcMismatchError
     when another rank rejected its arguments or ranks chose different backends, OdcTimeoutError /
@@ -136,18 +147,39 @@ def init(
     except OdcUsageError:
         exchange_timeout = config.DEFAULT_TIMEOUT_S
 
-    def local_checks() -> tuple[str, float]:
+    def local_checks() -> tuple[str, float, int | None]:
         if heap_size is not None:
             config.parse_size(heap_size, what="heap_size")
-        return _select_backend(backend), config.resolve_timeout(timeout)
+        nodes = config.node_size(node_size, dist.get_world_size())
+        return _select_backend(backend), config.resolve_timeout(timeout), nodes
 
     results = gather_checked("init", local_checks, exchange=StoreExchange(exchange_timeout))
-    # Only the backend must match here; the transports compare the resolved heap sizes themselves.
-    require_same("init", [backend_name for backend_name, _ in results])
-    name, resolved_timeout = results[dist.get_rank()]
+    # Only the backend and node size must match here; the transports compare the resolved heap sizes themselves.
+    require_same("init", [r[0] for r in results])
+    require_same(
+        "init", [r[2] for r in results],
+        rule="needs the same node size (init(node_size=...) / ODC_NODE_SIZE) on every rank",
+    )
+    name, resolved_timeout, requested_nodes = results[dist.get_rank()]
     transport = registry.get(name).create(timeout=resolved_timeout, heap_size=heap_size)
-    _runtime = _Runtime(transport=transport, generation=next(_generations), shards=itertools.count())
-    log.info("odc_runtime initialised: backend=%s rank=%d world=%d", name, transport.rank, transport.world_size)
+    try:
+        nodes = requested_nodes or transport.node_size()
+        if nodes < transport.world_size and not supports_signals(transport):
+            raise OdcUsageError(
+                f"odc_runtime.init(): node size {nodes} < world {transport.world_size} needs put-with-signal, which "
+                f"the {name} transport does not have; set ODC_NODE_SIZE={transport.world_size} (one node)"
+            )
+    except BaseException:
+        transport.finalize()  # deterministic on every rank (agreed inputs), so every rank gets here together
+        raise
+    hierarchy = Hierarchy(transport, nodes) if nodes < transport.world_size else None
+    _runtime = _Runtime(
+        transport=transport, generation=next(_generations), shards=itertools.count(), hierarchy=hierarchy
+    )
+    log.info(
+        "odc_runtime initialised: backend=%s rank=%d world=%d node_size=%d", name, transport.rank,
+        transport.world_size, nodes,
+    )
 
 
 def is_initialized() -> bool:
@@ -184,6 +216,13 @@ def finalize() -> None:
 def backend() -> str:
     """Name of the active transport (``"host"`` or ``"nvshmem"``)."""
     return _require_runtime("backend", read_only=True).transport.name
+
+
+def node_size() -> int:
+    """Ranks per node of the runtime (ranks ``r`` and ``q`` share a node iff ``r // n == q // n``)."""
+    runtime = _require_runtime("node_size", read_only=True)
+    hierarchy = runtime.hierarchy
+    return runtime.transport.world_size if hierarchy is None else hierarchy.node_size
 
 
 def world_size() -> int:
@@ -285,6 +324,8 @@ class ShardedTensor:
         freeing in different orders raises OdcMismatchError on every rank and frees nothing.
         """
         runtime = self._check_alive("free")
+        if runtime.hierarchy is not None:
+            runtime.hierarchy.remove(self.seq)
         if self._grad is not None:
             runtime.transport.free(self._grad)
         runtime.transport.free(self._param)
@@ -454,6 +495,15 @@ def shard(
         start, stop = st.shard_range
         st.local.copy_(tensor.detach().reshape(-1)[start:stop])
     transport.barrier(op)  # initial values are in place before anyone fetches them
+    if runtime.hierarchy is not None and len(own) == world:
+        try:
+            runtime.hierarchy.add(seq, size, param, grad, tag)  # fills the mirrors from the initial values
+        except BaseException:
+            for buf in (grad, param):
+                if buf is not None:
+                    transport.free(buf)
+            raise
+        transport.barrier(op)  # mirrors filled before any node-mate reads them
     runtime.live_names.add(name)
     return st
 
@@ -531,6 +581,16 @@ def _plan_pieces(st: ShardedTensor) -> list[Piece]:
     return pieces
 
 
+def _make_plan(runtime: _Runtime, st: ShardedTensor, kind: str) -> TransferPlan:
+    """The transfer plan of ``st`` for ``kind``: routed through the node hierarchy for its tensors."""
+    hierarchy = runtime.hierarchy
+    if hierarchy is not None and hierarchy.has(st.seq):
+        return hierarchy.plan(st.seq, kind, _plan_pieces(st))
+    buf = st._param if kind == "get" else st._grad
+    assert buf is not None
+    return runtime.transport.plan(buf, kind, _plan_pieces(st))
+
+
 def _tensor_key(op: str, t: torch.Tensor, stream_key: object) -> tuple:
     if t.layout is not torch.strided or t.is_nested:
         # No plan is ever stored for these (the slow path refuses them); some have no shape or is_contiguous().
@@ -606,7 +666,7 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
         if out.requires_grad:
             raise OdcUsageError("odc_runtime.fetch(out=...): out must not require grad (pass a detached tensor)")
         key = _tensor_key("fetch", out, transport.stream_key())
-    plan = transport.plan(st._param, "get", _plan_pieces(st))
+    plan = _make_plan(runtime, st, "get")
     _store_plan(st, key, plan)
     return _issue(plan, out, 1.0, async_op, out)  # type: ignore[return-value]
 
@@ -635,13 +695,13 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     _check_tensor("push(grad)", grad, st, transport.device, PARAM_DTYPES)
     value = _scale_value(scale)
     key = _tensor_key("push", grad, transport.stream_key())
-    plan = transport.plan(st._grad, "accumulate", _plan_pieces(st))
+    plan = _make_plan(runtime, st, "accumulate")
     _store_plan(st, key, plan)
     src = grad if grad.is_contiguous() else grad.detach().reshape(-1)
     return _issue(plan, src, value, async_op, None)  # type: ignore[return-value]
 
 
-def sync(group: dist.ProcessGroup | None = None) -> None:
+def sync(group: dist.ProcessGroup | None = None, *, gradients: bool = True, parameters: bool = True) -> None:
     """Collective fence, once per minibatch.
 
     After it returns on any rank, every push issued by any rank before its ``sync()`` is in the owners'
@@ -657,15 +717,28 @@ def sync(group: dist.ProcessGroup | None = None) -> None:
     for the barrier itself, only for the previous one. Raises OdcTimeoutError naming the missing ranks if a peer
     does not arrive within ``ODC_TIMEOUT`` seconds (on GPU: at the next ``sync()``, ``finalize()`` or any later
     call, at most ``ODC_TIMEOUT`` after the barrier that missed it).
+
+    With nodes smaller than the world (``init(node_size=...)``), tensors sharded over all ranks go through the
+    hierarchical protocol, and a world ``sync`` does two more things for them: it delivers the pushes staged for
+    owners on other nodes (``gradients``) and refreshes the node-local copies of other nodes' shards that
+    ``fetch`` reads (``parameters``). Each flag may be ``False`` when the caller knows there is nothing to move,
+    to save the bytes: ``gradients=False`` leaves staged pushes where they are (nothing is lost; they arrive at
+    the next ``sync`` with ``gradients=True``), ``parameters=False`` promises that no ``st.local`` of such a
+    tensor was written since the last ``sync`` with ``parameters=True`` (else fetches from other nodes keep
+    returning the older values). Both flags must be the same on every rank; without nodes they change nothing.
     """
     runtime = _require_runtime("sync")
     transport = runtime.transport
-    if group is None:
-        transport.barrier("sync")
-        return
-    ranks = _group_ranks("sync(group=...)", group, transport.world_size, transport.rank)
+    if not isinstance(gradients, bool) or not isinstance(parameters, bool):
+        raise OdcUsageError(
+            f"odc_runtime.sync(): gradients and parameters must be bools, got {gradients!r} and {parameters!r}"
+        )
+    ranks = None if group is None else _group_ranks("sync(group=...)", group, transport.world_size, transport.rank)
     if ranks is None:
-        transport.barrier("sync")
+        if runtime.hierarchy is None:
+            transport.barrier("sync")
+        else:
+            runtime.hierarchy.sync("sync", gradients=gradients, parameters=parameters)
         return
     index = runtime.groups.get(ranks)
     if index is None:

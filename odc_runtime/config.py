@@ -9,6 +9,7 @@ but empty is an error too (it is never taken as "unset", nor as the current dire
 | ``ODC_HEAP_SIZE`` | host transport: symmetric heap bytes per rank (``512M``, ``4G``, ...) | ``1G`` |
 | ``ODC_SHM_DIR`` | host transport: directory of the shared-memory segments | ``/dev/shm`` |
 | ``ODC_HOST_CHUNK_BYTES`` | host transport: bytes of an accumulate held under one lock | ``4M`` |
+| ``ODC_NODE_SIZE`` | ranks per node (consecutive; divides the world) for the hierarchical protocol | transport's node |
 | ``ODC_REQUIRE_EXTENSION`` | tests: ``1`` turns "extension not built" skips into failures | ``0`` |
 
 The nvshmem transport's ``ODC_NVSHMEM_*`` settings are parsed below as well (their own block); the build settings
@@ -131,6 +132,27 @@ def backend_name(arg: str | None) -> str | None:
             raise OdcUsageError(f"backend must be a transport name (str) or None, got {arg!r}")
         return arg.strip()
     return env("ODC_BACKEND")
+
+
+def node_size(arg: int | None, world_size: int) -> int | None:
+    """Ranks per node: ``init(node_size=...)``, else ``ODC_NODE_SIZE``, else ``None`` (ask the transport).
+
+    Raises OdcUsageError unless it is a positive integer that divides ``world_size``."""
+    if arg is not None:
+        if isinstance(arg, bool) or not isinstance(arg, int) or arg < 1:
+            raise OdcUsageError(f"node_size must be a positive int or None, got {arg!r}")
+        value, what = arg, f"node_size={arg}"
+    elif env("ODC_NODE_SIZE") is not None:
+        value = env_int("ODC_NODE_SIZE", 1)
+        what = f"ODC_NODE_SIZE={value}"
+    else:
+        return None
+    if world_size % value:
+        raise OdcUsageError(
+            f"{what} does not divide the world of {world_size} ranks; nodes are blocks of consecutive ranks of one "
+            "size (e.g. 8 GPUs per node), so pick a divisor of the world size"
+        )
+    return value
 
 
 def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:

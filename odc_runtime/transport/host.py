@@ -95,6 +95,7 @@ from odc_runtime.transport.base import (
     AccumulateRequest,
     GetRequest,
     Group,
+    PutRequest,
     SymmetricBuffer,
     Transport,
     Work,
@@ -424,8 +425,10 @@ class HostTransport(Transport):
         return None
 
     def _get_now(self, buf: SymmetricBuffer, requests: Sequence[GetRequest]) -> None:
+        base: int = buf.handle  # type: ignore[assignment]
+        itemsize = buf.dtype.itemsize
         for req in requests:
-            src = self._seg(req.peer).view(buf.handle, req.dst.numel(), buf.dtype)  # type: ignore[arg-type]
+            src = self._seg(req.peer).view(base + req.offset * itemsize, req.dst.numel(), buf.dtype)
             req.dst.view(-1).copy_(src)
 
     def _accumulate_now(self, buf: SymmetricBuffer, requests: Sequence[AccumulateRequest], scale: float) -> None:
@@ -435,16 +438,60 @@ class HostTransport(Transport):
         for req in requests:
             seg = self._seg(req.peer)
             src = req.src.view(-1)
+            first = base + req.offset * itemsize
             with self._peer_locks[req.peer]:
                 for lo in range(0, src.numel(), chunk):
                     n = min(chunk, src.numel() - lo)
-                    start = CONTROL_BYTES + base + lo * itemsize
+                    start = CONTROL_BYTES + first + lo * itemsize
                     with self._locked(req.peer, start, n * itemsize, exclusive=True, op="push"):
-                        dst = seg.view(base + lo * itemsize, n, buf.dtype)
+                        dst = seg.view(first + lo * itemsize, n, buf.dtype)
                         if scale == 1.0:
                             dst.add_(src[lo : lo + n])
                         else:
                             dst.add_(src[lo : lo + n], alpha=scale)
+
+    # -- signalled puts ---------------------------------------------------------------------------------
+    # Ordering: the data is copied into the peer's segment before the signal word is incremented under an
+    # exclusive byte-range lock on that word, and the waiter reads the word under a shared lock on it, then
+    # reads the data. The lock system calls order both sides' memory accesses (the same argument as the
+    # accumulate path's locks), so a waiter that sees the count sees every counted put's data. Several senders
+    # into one word are exact because each increment is a read-modify-write under the exclusive lock.
+    def _signal_word(self, signal: SymmetricBuffer, peer: int, index: int) -> tuple[torch.Tensor, int]:
+        if signal.dtype != torch.int64 or not 0 <= index < signal.numel:
+            raise OdcUsageError(
+                f"host signal: word {index} of a {signal.dtype} buffer of {signal.numel}; signals are int64 words"
+            )
+        offset = signal.handle + index * 8  # type: ignore[operator]
+        return self._seg(peer).view(offset, 1, torch.int64), CONTROL_BYTES + offset
+
+    def put_signal(self, buf: SymmetricBuffer, requests: Sequence[PutRequest], signal: SymmetricBuffer) -> None:
+        self.quiet()  # asynchronous operations issued before come first, as on a stream
+        base: int = buf.handle  # type: ignore[assignment]
+        itemsize = buf.dtype.itemsize
+        for req in requests:  # validate everything before writing anything
+            if req.src.dtype != buf.dtype or req.offset < 0 or req.offset + req.src.numel() > buf.numel:
+                raise OdcUsageError(
+                    f"host put_signal: {req.src.numel()} {req.src.dtype} elements at offset {req.offset} do not fit "
+                    f"buffer {buf.tag!r} ({buf.numel} {buf.dtype})"
+                )
+            self._signal_word(signal, req.peer, req.signal_index)
+        for req in requests:
+            self._seg(req.peer).view(base + req.offset * itemsize, req.src.numel(), buf.dtype).copy_(req.src.view(-1))
+            word, start = self._signal_word(signal, req.peer, req.signal_index)
+            with self._locked(req.peer, start, 8, exclusive=True, op="put_signal"):
+                word += 1
+
+    def wait_signal(self, signal: SymmetricBuffer, index: int, value: int, op: str, peers: Sequence[int]) -> None:
+        word, start = self._signal_word(signal, self.rank, index)
+
+        def reached(_: int) -> bool:
+            with self._locked(self.rank, start, 8, exclusive=False, op=op):
+                return int(word.item()) >= value
+
+        self._wait_for_peers(
+            op, list(peers) or [self.rank], reached, lambda _: None,
+            what=f" (their puts did not arrive: signal word {index} stayed below {value})",
+        )
 
     def _run_async(self, fn: Callable[[], None], what: str) -> Work:
         """Run ``fn`` on the worker thread (FIFO: asynchronous operations complete in issue order)."""

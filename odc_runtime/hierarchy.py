@@ -1,0 +1,266 @@
+"""Hierarchical push and fetch across nodes, written once above the transports.
+
+Ranks form nodes of ``n`` consecutive ranks (``odc.init(node_size=...)`` / ``ODC_NODE_SIZE``, default the
+transport's real node); with ``M = world / n`` nodes, rank ``r`` is on node ``r // n`` at local index ``r % n``.
+Inside a node a transport has fast exact accumulates (NVLink atomics, shared memory); across nodes it has only
+puts and gets. For a tensor sharded over all ranks (``S`` elements per owner) this module routes the core API's
+transfers so that each byte crosses the network once per node and minibatch, not once per rank and micro-batch:
+
+* **push** to an owner on the caller's node: accumulate into the owner's accumulator (as without nodes). Push to
+  an owner ``o`` on another node ``d``: accumulate into the *staging* buffer of the caller's node-mate with ``o``'s
+  local index (the *proxy*), row ``row(d)``: the node pre-reduces everything it sends to ``o``.
+* **sync** (``gradients=True``), after a world barrier: every proxy sends each staging row with one
+  put-with-signal into its row of the owner's *inbox* (signal word = source node), waits until every other
+  node's put for each tensor arrived in its own inbox, folds the ``M-1`` slots into its accumulator with
+  :func:`odc_runtime.kernels.accumulate_slots_` (cast, sum of the slots and add in one pass; Triton on GPU),
+  zeroes staging and inbox, and meets the others at a second world barrier.
+* **fetch** from an owner on the caller's node reads the owner's shard; from an owner on another node it reads the
+  proxy's *mirror* row, which the proxy refreshes at every ``sync`` with ``parameters=True`` (a get of each
+  remote owner's shard, after the first barrier, so it sees every write made before the sync).
+
+Memory, per rank and hierarchical tensor: ``(M-1)·S`` fp32 staging + ``(M-1)·S`` fp32 inbox + ``(M-1)·S``
+parameter-dtype mirror, plus one ``int64`` signal word per node for the runtime. There is no slot reuse: the
+bound is ``M-1`` slots of each kind.
+
+Ordering (why sync is exact and cannot deadlock; docs/design.md has the long form):
+
+1. A push issued before ``sync`` is complete at barrier 1 (barriers imply quiet), so the staging rows and the
+   same-node accumulators hold every pre-sync push before any proxy reads a staging row.
+2. A put-with-signal's signal is visible only after its data; the owner waits for the count of puts it expects
+   (a running count per source node: words never reset), and only the owner reads its inbox, so a network write
+   is never read by a GPU other than its target (``GPU_DIRECT_RDMA_WRITES_ORDERING = OWNER`` suffices).
+3. No put into an inbox row can overtake the fold of the previous sync: the sender puts after barrier 1 of the
+   next sync, which the owner reaches only after folding and zeroing.
+4. No push lands in a staging row while its proxy sends it: pushers return from ``sync`` only after barrier 2,
+   which the proxy reaches after its puts (stream order) and its zeroing.
+5. Mirror gets run between the barriers: after barrier 1 (the owners' writes are fenced), before barrier 2
+   (owners write their shards again only after it, and node-mates read the mirror only after it).
+6. No deadlock: every rank runs the same sequence (barrier, puts, waits, barrier) with the same counts, because
+   the list of hierarchical tensors changes only in collective calls and the flags of ``sync`` are the same on
+   every rank; the puts never wait for anything, and every wait has the runtime's deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from odc_runtime import kernels
+from odc_runtime.errors import OdcUsageError
+from odc_runtime.transport.base import (
+    GetRequest,
+    Piece,
+    PutRequest,
+    SymmetricBuffer,
+    TransferPlan,
+    Transport,
+    Work,
+)
+
+log = logging.getLogger("odc_runtime")
+
+
+def supports_signals(transport: Transport) -> bool:
+    """Whether ``transport`` implements put-with-signal (needed when nodes are smaller than the world)."""
+    return type(transport).put_signal is not Transport.put_signal
+
+
+@dataclass(eq=False)
+class _Buffers:
+    """The hierarchical buffers of one tensor (rows of ``shard`` elements, one per other node)."""
+
+    shard: int
+    param: SymmetricBuffer
+    grad: SymmetricBuffer | None
+    mirror: SymmetricBuffer
+    stage: SymmetricBuffer | None
+    inbox: SymmetricBuffer | None
+
+
+class _AllWork(Work):
+    """Completion of several transfers issued together."""
+
+    def __init__(self, works: Sequence[Work]) -> None:
+        self._works = list(works)
+
+    def wait(self, timeout: float | None = None) -> None:
+        for w in self._works:
+            w.wait(timeout)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+
+class SplitPlan(TransferPlan):
+    """A fetch or push whose pieces go to two buffers: the owners' (same node) and the proxies' (other nodes)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: Sequence[TransferPlan], buf: SymmetricBuffer, kind: str, stream_key: object) -> None:
+        pieces = [p for part in parts for p in part.pieces]
+        super().__init__(parts[0].transport, buf, kind, pieces, stream_key)
+        self.parts = tuple(parts)
+
+    def run(self, tensor: torch.Tensor, scale: float = 1.0, *, async_op: bool = False) -> Work | None:
+        works = [part.run(tensor, scale, async_op=async_op) for part in self.parts]
+        if not async_op:
+            return None
+        return _AllWork([w for w in works if w is not None])
+
+
+class Hierarchy:
+    """The node layout and the hierarchical tensors of one runtime (see the module docstring)."""
+
+    def __init__(self, transport: Transport, node_size: int) -> None:
+        world = transport.world_size
+        if node_size < 1 or world % node_size:
+            raise OdcUsageError(f"odc: node size {node_size} does not divide the world of {world} ranks")
+        self.transport = transport
+        self.node_size = node_size
+        self.nodes = world // node_size
+        self.node = transport.rank // node_size
+        self.local_index = transport.rank % node_size
+        self._signal: SymmetricBuffer | None = None
+        self._arrived = [0] * self.nodes  # running count of puts expected from each node (signal words only grow)
+        self._tensors: dict[int, _Buffers] = {}  # by the ShardedTensor's shard sequence number, in shard order
+
+    @property
+    def active(self) -> bool:
+        """Whether there is more than one node (else every transfer is direct)."""
+        return self.nodes > 1
+
+    # -- layout -----------------------------------------------------------------------------------------------
+    def same_node(self, rank: int) -> bool:
+        return rank // self.node_size == self.node
+
+    def row(self, node: int, of_node: int | None = None) -> int:
+        """Row of ``node`` in the staging/inbox/mirror buffers of a rank on ``of_node`` (default: this node);
+        rows number the other nodes in order."""
+        of_node = self.node if of_node is None else of_node
+        return node if node < of_node else node - 1
+
+    def proxy(self, owner: int) -> int:
+        """This node's rank with ``owner``'s local index: it pre-reduces and mirrors ``owner`` for the node."""
+        return self.node * self.node_size + owner % self.node_size
+
+    # -- tensors ---------------------------------------------------------------------------------------------
+    def add(self, seq: int, shard: int, param: SymmetricBuffer, grad: SymmetricBuffer | None, tag: str) -> None:
+        """Collective (from ``shard()``): allocate the tensor's hierarchical buffers and fill its mirror."""
+        t = self.transport
+        rows = (self.nodes - 1) * shard
+        allocated: list[SymmetricBuffer] = []
+        try:
+            if self._signal is None:
+                self._signal = t.alloc(self.nodes, torch.int64, tag="odc.node_signals")
+            mirror = t.alloc(rows, param.dtype, tag=f"{tag}.mirror")
+            allocated.append(mirror)
+            stage = inbox = None
+            if grad is not None:
+                stage = t.alloc(rows, torch.float32, tag=f"{tag}.stage")
+                allocated.append(stage)
+                inbox = t.alloc(rows, torch.float32, tag=f"{tag}.inbox")
+                allocated.append(inbox)
+        except BaseException:
+            for buf in reversed(allocated):
+                t.free(buf)
+            raise
+        bufs = _Buffers(shard, param, grad, mirror, stage, inbox)
+        self._tensors[seq] = bufs
+        self._refresh([bufs])
+
+    def remove(self, seq: int) -> None:
+        """Collective (from ``ShardedTensor.free``): release the tensor's hierarchical buffers."""
+        bufs = self._tensors.pop(seq, None)
+        if bufs is None:
+            return
+        for buf in (bufs.inbox, bufs.stage, bufs.mirror):
+            if buf is not None:
+                self.transport.free(buf)
+
+    def has(self, seq: int) -> bool:
+        return seq in self._tensors
+
+    # -- per-call routing ------------------------------------------------------------------------------------
+    def plan(self, seq: int, kind: str, pieces: Sequence[Piece]) -> TransferPlan:
+        """The core API's plan for a hierarchical tensor: same-node pieces to the owners' buffer, the others to
+        the proxies' mirror (get) or staging (accumulate) rows."""
+        bufs = self._tensors[seq]
+        direct, routed = [], []
+        for p in pieces:
+            if self.same_node(p.peer):
+                direct.append(p)
+            else:
+                row = self.row(p.peer // self.node_size)
+                routed.append(Piece(self.proxy(p.peer), p.start, p.numel, row * bufs.shard))
+        own = bufs.param if kind == "get" else bufs.grad
+        other = bufs.mirror if kind == "get" else bufs.stage
+        assert own is not None and other is not None
+        t = self.transport
+        parts = []
+        if direct:
+            parts.append(t.plan(own, kind, direct))
+        if routed:
+            parts.append(t.plan(other, kind, routed))
+        if len(parts) == 1:
+            return parts[0]
+        return SplitPlan(parts, own, kind, t.stream_key())
+
+    # -- sync ------------------------------------------------------------------------------------------------
+    def sync(self, op: str, *, gradients: bool, parameters: bool) -> None:
+        """Barrier 1, then flush staged pushes (``gradients``) and refresh mirrors (``parameters``), barrier 2."""
+        t = self.transport
+        t.barrier(op)
+        if not self._tensors or not (gradients or parameters):
+            return
+        if gradients:
+            self._flush([b for b in self._tensors.values() if b.stage is not None], op)
+        if parameters:
+            self._refresh(list(self._tensors.values()))
+        t.barrier(op)
+
+    def _remote_owners(self) -> list[tuple[int, int]]:
+        """``(row, owner)`` for the owner with this rank's local index on every other node."""
+        return [
+            (self.row(d), d * self.node_size + self.local_index) for d in range(self.nodes) if d != self.node
+        ]
+
+    def _flush(self, tensors: list[_Buffers], op: str) -> None:
+        if not tensors:
+            return
+        t = self.transport
+        assert self._signal is not None
+        owners = self._remote_owners()
+        for bufs in tensors:
+            assert bufs.stage is not None and bufs.inbox is not None
+            n = bufs.shard
+            t.put_signal(
+                bufs.inbox,
+                [
+                    PutRequest(o, bufs.stage.local[r * n : (r + 1) * n], self.row(self.node, o // self.node_size) * n,
+                               self.node)
+                    for r, o in owners
+                ],
+                self._signal,
+            )
+        for d in range(self.nodes):  # every other node's proxy with this rank's local index sends one per tensor
+            if d == self.node:
+                continue
+            self._arrived[d] += len(tensors)
+            sender = d * self.node_size + self.local_index
+            t.wait_signal(self._signal, d, self._arrived[d], f"{op}: staged pushes from node {d}", [sender])
+        for bufs in tensors:
+            assert bufs.grad is not None and bufs.inbox is not None and bufs.stage is not None
+            slots = bufs.inbox.local.view(self.nodes - 1, bufs.shard)
+            kernels.accumulate_slots_(bufs.grad.local[: bufs.shard], slots)
+            bufs.inbox.local.zero_()
+            bufs.stage.local.zero_()
+
+    def _refresh(self, tensors: list[_Buffers]) -> None:
+        t = self.transport
+        owners = self._remote_owners()
+        for bufs in tensors:
+            n = bufs.shard
+            t.get(bufs.param, [GetRequest(o, bufs.mirror.local[r * n : (r + 1) * n]) for r, o in owners])
