@@ -19,8 +19,9 @@ import torch
 from _dist import run_ranks
 
 import odc_runtime as odc
+from odc_runtime import hierarchy
 from odc_runtime import transport as registry
-from odc_runtime.transport.base import AccumulateRequest, GetRequest
+from odc_runtime.transport.base import AccumulateRequest, GetRequest, PutRequest
 
 WORLD = 3  # odd, so uneven shards appear; 3 ranks fit one machine's CPUs and any host with 3+ GPUs
 
@@ -87,6 +88,43 @@ def _rank_contract(rank: int, world: int, name: str) -> dict[str, object]:
             if (src_rank + r) % world == rank:
                 extra[: n // 2] += src_rank + 1
     assert torch.equal(buf.local, expected + extra), "lost or misplaced accumulate"
+
+    # element offsets into the peer's region: get a window, accumulate into a window
+    k = 10
+    window = torch.empty(k, dtype=torch.float32, device=device)
+    buf.local.zero_()
+    t.barrier("contract.zeroed_for_offsets")
+    t.accumulate(buf, [AccumulateRequest(peer, torch.full((k,), float(rank + 1), device=device), offset=k * rank)
+                       for peer in range(world)], 1.0)
+    t.barrier("contract.offset_accumulated")
+    want = torch.zeros(n, device=device)
+    for src_rank in range(world):
+        want[k * src_rank : k * (src_rank + 1)] = src_rank + 1
+    assert torch.equal(buf.local, want), "accumulate with an offset landed in the wrong place"
+    peer = (rank + 1) % world
+    t.get(buf, [GetRequest(peer, window, offset=k * peer)])
+    t.quiet()
+    assert torch.equal(window, torch.full((k,), float(peer + 1), device=device)), "get with an offset"
+    t.barrier("contract.offsets_done")
+
+    # put-with-signal: every rank writes its own row of every peer's region and counts it in word `rank`;
+    # signal words only grow, so the second round waits for 2
+    if hierarchy.supports_signals(t):
+        signal = t.alloc(world, torch.int64, tag="contract.signal")
+        for rnd in (1, 2):
+            row = torch.full((k,), float(100 * rnd + rank), device=device)
+            t.put_signal(buf, [PutRequest(peer, row, k * rank, rank) for peer in range(world)], signal)
+            for src_rank in range(world):
+                t.wait_signal(signal, src_rank, rnd, "contract.wait_signal", [src_rank])
+                assert torch.equal(
+                    buf.local[k * src_rank : k * (src_rank + 1)], torch.full((k,), float(100 * rnd + src_rank),
+                                                                             device=device)
+                ), (rnd, src_rank)
+            t.barrier(f"contract.signal_round{rnd}")  # nobody overwrites a row before its owner read it
+        assert signal.local.tolist() == [2] * world
+        t.free(signal)
+        buf.local.zero_()
+        t.barrier("contract.signals_done")
 
     # heap exhaustion: OdcMemoryError on every rank, nothing allocated
     used = t.heap_used()
