@@ -239,6 +239,21 @@ def scenario_vs_reference(rank: int, world: int, steps: int, counts: list[int], 
     return out
 
 
+def scenario_nodes(rank: int, world: int, node_size: int, steps: int, counts: list[int], opts: dict) -> dict:
+    """``scenario_vs_reference`` with ODC re-initialised on virtual nodes of ``node_size`` ranks (the hierarchical
+    push and fetch of odc_runtime.hierarchy under FSDP2), then back to one node."""
+    import odc_runtime as odc
+
+    odc.finalize()
+    odc.init("host", timeout=60, node_size=node_size)
+    try:
+        assert odc.node_size() == node_size
+        return scenario_vs_reference(rank, world, steps, counts, opts)
+    finally:
+        odc.finalize()
+        odc.init("host", timeout=60)
+
+
 def scenario_compat(rank: int, world: int) -> dict:
     """The private FSDP2 surface ODC reads (odc_runtime.fsdp._compat) on this torch, and the capability table."""
     import torch

@@ -43,6 +43,8 @@ PLAN3 = [
     ("frozen", "scenario_vs_reference", (2, [2, 0, 1], {"frozen": ["pos.weight", "blocks.1.up.bias"]})),
     # layers used by some micro-batches only: FSDP leaves their gradients out of the reduce-scatter input
     ("unused", "scenario_vs_reference", (2, [2, 1, 3], {"branch": True})),
+    # every rank its own virtual node: every fetch and push of another rank's shard takes the hierarchical path
+    ("nodes", "scenario_nodes", (1, 3, [2, 0, 1], {})),
 ]
 PLAN2 = [
     ("bf16_ref", "scenario_vs_reference", (3, [1, 3], {"bf16": True, "reshard_after_forward": False})),
@@ -73,6 +75,11 @@ def suite2():
 @pytest.mark.timeout(SUITE_TIMEOUT)
 def test_unequal_microbatches_match_single_process_reference(suite3):
     h.check_vs_reference(h.results(suite3, "unequal"), FP32_TOL)
+
+
+@pytest.mark.timeout(SUITE_TIMEOUT)
+def test_hierarchical_mode_matches_single_process_reference(suite3):
+    h.check_vs_reference(h.results(suite3, "nodes"), FP32_TOL)
 
 
 @pytest.mark.timeout(SUITE_TIMEOUT)

@@ -354,7 +354,9 @@ def begin_minibatch(model: nn.Module) -> None:
                     local = p.sharded_param.to_local().reshape(-1)
                     row[p.ag_offset : p.ag_offset + local.numel()].copy_(local)
         _device_sync(state)
-        odc.sync()  # S1: every row is published before anyone fetches; every accumulator was zeroed before it
+        # S1: every row is published before anyone fetches; every accumulator was zeroed before it. Nothing was
+        # pushed since S2, so across nodes only the parameters move (gradients=False).
+        odc.sync(gradients=False)
     except BaseException as e:
         state.broken = f"begin_minibatch: {type(e).__name__}: {e}"
         raise
@@ -383,7 +385,9 @@ def end_minibatch(model: nn.Module, *, divide_factor: float | None = None) -> No
     state.in_minibatch = False
     try:
         _device_sync(state)
-        odc.sync()  # S2: every push of this minibatch is in its owner's accumulator
+        # S2: every push of this minibatch is in its owner's accumulator. The parameters were published before S1
+        # and do not change inside the minibatch, so across nodes only the gradients move (parameters=False).
+        odc.sync(parameters=False)
         _all_reduce_replicas(state)
         _write_grads(state, divide_factor)
     except BaseException as e:
