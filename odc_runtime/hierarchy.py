@@ -212,7 +212,9 @@ class Hierarchy:
     def sync(self, op: str, *, gradients: bool, parameters: bool) -> None:
         """Barrier 1, then flush staged pushes (``gradients``) and refresh mirrors (``parameters``), barrier 2."""
         t = self.transport
-        t.barrier(op)
+        # The flags are part of the barrier's name: a transport that compares names (host) turns ranks passing
+        # different flags into OdcMismatchError on every rank instead of a signal wait that runs into the timeout.
+        t.barrier(f"{op}(gradients={gradients}, parameters={parameters})")
         if not self._tensors or not (gradients or parameters):
             return
         if gradients:

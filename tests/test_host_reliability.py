@@ -326,3 +326,35 @@ def test_stale_segment_whose_pid_was_reused_is_removed(tmp_path) -> None:
     elsewhere.write_bytes(b"\0" * 16)
     assert remove_stale_segments(str(tmp_path)) == [str(reused)]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, elsewhere.name])
+
+
+# -- hierarchical protocol: a sender that dies between barrier 1 and its put; ranks passing different flags -------
+def _rank_killed_before_put(rank: int, world: int) -> None:
+    odc.init("host", heap_size="4M", node_size=1)  # every rank its own node: every owner is across nodes
+    w = odc.shard(torch.zeros(10), name="w")
+    odc.push(w, torch.ones(10))
+    if rank == 1:
+        transport = odc.api._require_runtime("test").transport
+
+        def die(*args: object, **kwargs: object) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        transport.put_signal = die  # passes barrier 1, then dies instead of sending its staged rows
+    with pytest.raises(odc.OdcPeerLostError, match=r"staged pushes from node 1.*rank\(s\) \[1\].*DEAD"):
+        odc.sync()
+    odc.finalize()
+
+
+def test_sender_killed_during_sync_flush_is_named() -> None:
+    run_ranks(_rank_killed_before_put, 2, env={"ODC_TIMEOUT": "600"}, expect_exit={1}, timeout=60)
+
+
+def _rank_different_sync_flags(rank: int, world: int) -> None:
+    odc.init("host", heap_size="4M", node_size=1)
+    odc.shard(torch.zeros(10), name="w")
+    with pytest.raises(odc.OdcMismatchError, match="gradients=False"):
+        odc.sync(gradients=rank == 0)
+
+
+def test_different_sync_flags_on_ranks_are_a_mismatch_on_every_rank() -> None:
+    run_ranks(_rank_different_sync_flags, 2, env={"ODC_TIMEOUT": "600"}, timeout=60)
