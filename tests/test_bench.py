@@ -195,12 +195,65 @@ def test_comm_end_to_end_two_ranks(tmp_path):
           "--json", str(out), "--plot", "none"], tmp_path)
     data = json.loads(out.read_text())
     ops = {r["op"] for r in data["results"]}
-    assert {"copy", "fetch", "push", "all_gather", "red_scatter"} <= ops
+    assert {"copy", "fetch", "push", "all_gather", "red_scatter", "sync", "sync_flush"} <= ops
     assert all(r["time_s"] > 0 for r in data["results"])
     assert data["config"]["backend"] == "host" and data["config"]["sizes"] == [64 << 10]
+    assert data["config"]["node_size_arg"] is None
     lines = proc.stdout.splitlines()
     for column, meaning in __import__("comm").LEGEND.items():  # every column is explained under the table
         assert any(line.startswith(f"  {column} ") and line.endswith(meaning) for line in lines), column
+
+
+def test_comm_hierarchical_four_ranks_two_virtual_nodes(tmp_path):
+    """--node-size 2 on 4 ranks: 2 virtual nodes, so every cross-node path (staging on the node-mate, the flush
+    at sync, the owners' fold, the mirror) runs; comm.py verifies fetch and push exactly before timing."""
+    out = tmp_path / "comm.json"
+    proc = _run([str(BENCH / "comm.py"), "--nproc", "4", "--node-size", "2", "--sizes", "64K", "--repeats", "2",
+                 "--warmup", "1", "--ops", "copy,add,fetch,push,sync,sync_flush", "--json", str(out),
+                 "--plot", "none"], tmp_path, timeout=180)
+    assert "hierarchical ODC, nodes of 2 ranks (2 nodes)" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["config"]["node_size_arg"] == 2 and data["config"]["node_size"] == 2
+    assert data["config"]["world_size"] == 4
+    got = {r["op"]: r for r in data["results"]}
+    assert set(got) == {"copy", "add", "fetch", "push", "sync", "sync_flush"}
+    assert all(r["time_s"] > 0 for r in got.values())
+    assert got["fetch"]["algbw_GBps"] > 0 and got["push"]["algbw_GBps"] > 0
+
+
+def test_comm_verification_catches_wrong_results():
+    """comm.py's pre-timing checks pass on the real transport and stop the run on a wrong push sum or a stale
+    fetch (one rank, host transport)."""
+    import comm
+    import torch
+    import torch.distributed as dist
+
+    import odc_runtime as odc
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    odc.init("host")
+    real_push, real_fetch = odc.push, odc.fetch
+    try:
+        full = torch.randn(1001)
+        out = torch.empty(1001)
+        st = odc.shard(full, name="verify")
+        comm.verify_fetch(st, full, out, 4004)
+        comm.verify_push(st, 4004, 1, torch.device("cpu"))
+        one_off = torch.zeros(1001)
+        one_off[7] = 1.0
+        odc.push = lambda st, grad, **kw: real_push(st, grad + one_off, **kw)
+        with pytest.raises(SystemExit, match=r"push \+ sync left wrong sums .* the first at 7"):
+            comm.verify_push(st, 4004, 1, torch.device("cpu"))
+        odc.push = real_push
+        st.zero_grad()
+        stale = full.clone()  # a fetch that never sees the owners' writes (a mirror not refreshed at sync)
+        odc.fetch = lambda st, out=None, **kw: out.copy_(stale)
+        with pytest.raises(SystemExit, match=r"fetch returned wrong values .*after the owners' write 1"):
+            comm.verify_fetch(st, full, out, 4004)
+    finally:
+        odc.push, odc.fetch = real_push, real_fetch
+        odc.finalize()
+        dist.destroy_process_group()
 
 
 def test_comm_arguments():
@@ -218,6 +271,10 @@ def test_comm_arguments():
             p.parse_args(bad)
     with pytest.raises(SystemExit):  # several ranks per GPU only for a GPU transport
         comm.main(["--backend", "host", "--pes-per-gpu", "2"])
+    assert p.parse_args(["--node-size", "2"]).node_size == 2 and p.parse_args([]).node_size is None
+    for bad in (["--node-size", "3"], ["--node-size", "0"]):  # must divide the 4 ranks: refused before spawning
+        with pytest.raises(SystemExit):
+            comm.main(["--backend", "host", "--nproc", "4", *bad])
 
 
 def _has_matplotlib() -> bool:
