@@ -482,6 +482,8 @@ def main(argv: list[str] | None = None) -> None:
     config = {"cluster": asdict(c), "micro_batches": args.micro_batches, "gathers": args.gathers,
               "param_bytes": 2, "grad_bytes": 4, "designs": list(DESIGNS), "built": BUILT,
               "syncs_per_minibatch": SYNCS_PER_MINIBATCH, "hier_barriers_per_sync": HIER_BARRIERS_PER_SYNC,
+              "ratios": "ratio_to_nccl: to the best collective (the faster of nccl_ring and nccl_tree); "
+                        "ratio_to_ring: to nccl_ring", "target": TARGET,
               "model": __doc__}
     payload = {"rows": rows, "config": config, "summary": sensitivity["summary"],
                "target_met": sensitivity.get("target_met")}
