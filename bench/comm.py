@@ -302,7 +302,7 @@ def _integers(numel: int, seed: int, device: torch.device) -> torch.Tensor:
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(-8, 9, (numel,), generator=gen).to(device=device, dtype=torch.float32)
+    return torch.randint(-8, 9, (numel,), generator=gen, dtype=torch.int8).to(device=device, dtype=torch.float32)
 
 
 def _first_difference(got: torch.Tensor, want: torch.Tensor, st: ShardedTensor) -> str:
@@ -346,9 +346,11 @@ def verify_push(st: ShardedTensor, nbytes: int, world: int, device: torch.device
     base = _integers(st.numel, nbytes + 7, device)
     st.zero_grad()
     odc.sync()
-    odc.push(st, base * (rank + 1))
-    odc.push(st, base * (world - rank) + 1)
+    grads = (base * (rank + 1), base * (world - rank) + 1)  # kept alive until the sync (GPU pushes are queued)
+    for grad in grads:
+        odc.push(st, grad)
     odc.sync()
+    del grads
     lo, hi = st.shard_range
     want = base[lo:hi] * (world * (world + 1)) + world
     got = st.grad[: hi - lo]
