@@ -4,6 +4,7 @@
     python bench/comm.py --sizes 1M,64M --nproc 2
     torchrun --nproc-per-node 8 bench/comm.py --backend nvshmem   # GPUs: nvshmem transport vs NCCL
     python bench/comm.py --backend nvshmem --pes-per-gpu 4         # one GPU, 4 PEs (start MPS first, below)
+    python bench/comm.py --nproc 4 --node-size 2                   # hierarchical mode: 2 virtual nodes of 2
 
 For every size N (bytes of the *full* fp32 tensor; binary units, 1M = 2^20 bytes) all ranks run at once:
 
@@ -15,6 +16,9 @@ fetch       ``odc.fetch(st, out=...)``: every rank reads the full N-byte tensor 
 red_scatter torch.distributed tensor reduce-scatter (SUM): every rank sends an N-byte gradient, keeps its shard
 push        ``odc.push(st, grad)``: every rank adds its N-byte gradient into the owners' accumulators
 sync        ``odc.sync()`` alone (the once-per-minibatch fence that makes pushes visible)
+sync_flush  ``odc.sync()`` right after an (untimed) push of the full tensor: with ``--node-size`` the flush of
+            the staging rows (one put-with-signal per (source node, owner)), the owners' fold and the mirror
+            refresh; without it a fence after a push
 sync_busy   GPU: ``odc.sync()`` issued while ~1.5 ms of matmuls are queued; time from after the queued work
             to the end of the sync on the GPU timeline (a sync that drains the GPU shows up here)
 mm          GPU: a bf16 matmul alone (the "model compute" of the interference rows)
@@ -22,11 +26,20 @@ mm+fetch    GPU: the same matmul on a side stream while fetch runs on the curren
 mm+push     GPU: the same with push; /local of these rows = slowdown of the matmul (1.0 = no interference)
 ========== =========================================================================================
 
-Before timing, every size is verified once: fetch returns the full tensor, push + sync leaves W times the
-pushed values in every owner's accumulator (all ranks push the same tensor), and the collectives return what
-they should. ``host µs`` is the host time of one call (perf_counter around the Python call, not waiting for the
+Before timing, every size is verified once, exactly (integer-valued fp32, so every order of summation gives
+the same bits): fetch returns the owners' values, also after the owners overwrote their shards twice (each
+followed by a sync); two rounds of rank-dependent pushes + sync leave exactly the reference sum in every owner's
+accumulator; the collectives return what they should. A wrong result stops the run (exit status 1) before
+anything is timed. ``host µs`` is the host time of one call (perf_counter around the Python call, not waiting for the
 GPU): the per-call cost a training loop pays to keep the GPU fed. ``/local`` compares with the no-communication
 bound of the same bytes: fetch and all_gather with ``copy``, push and red_scatter with ``add``.
+
+Hierarchical mode (``--node-size N``, issue 14): passed to ``odc.init(node_size=N)``, so the ranks form
+virtual nodes of ``N`` consecutive ranks. Pushes into other-node owners then accumulate on the node-mate with
+the owner's local index and cross "nodes" once, at ``sync()``; fetches of other-node owners read that
+node-mate's mirror. With the host transport ``--nproc 4 --node-size 2`` exercises every cross-node path on one
+machine; with nvshmem, 4 PEs on one GPU under MPS (``--pes-per-gpu 4 --node-size 2``) the same. ``push`` is
+then the node-local part only; the cross-node part is in ``sync_flush``. ODC only: the collectives ignore it.
 
 Several PEs on one GPU (``--pes-per-gpu K``): the ranks share GPUs round-robin and torch.distributed uses gloo
 (NCCL refuses two ranks on one GPU), so the collective rows are skipped. For concurrent kernels start CUDA MPS
@@ -47,6 +60,7 @@ the owners see them after the next ``sync``, timed separately).
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import sys
@@ -67,14 +81,14 @@ if TYPE_CHECKING:
 
     from odc_runtime.api import ShardedTensor
 
-OPS = ("copy", "add", "all_gather", "fetch", "red_scatter", "push", "sync", "sync_busy", "mm", "mm+fetch",
-       "mm+push")
+OPS = ("copy", "add", "all_gather", "fetch", "red_scatter", "push", "sync", "sync_flush", "sync_busy", "mm",
+       "mm+fetch", "mm+push")
 GPU_ONLY_OPS = ("sync_busy", "mm", "mm+fetch", "mm+push")
 COLLECTIVE_OPS = ("all_gather", "red_scatter")
 BUS_FACTOR_OPS = ("all_gather", "fetch", "red_scatter", "push")
 LOCAL_BOUND = {"fetch": "copy", "all_gather": "copy", "push": "add", "red_scatter": "add", "mm+fetch": "mm",
                "mm+push": "mm"}
-NO_BANDWIDTH_OPS = ("sync", "sync_busy", "mm", "mm+fetch", "mm+push")
+NO_BANDWIDTH_OPS = ("sync", "sync_flush", "sync_busy", "mm", "mm+fetch", "mm+push")
 # Default sizes by the transport's device type (GPUs get one more, larger size).
 DEFAULT_SIZES = {"cpu": "1M,4M,16M,64M,256M", "cuda": "1M,4M,16M,64M,256M,1G"}
 # Heap settings of the transports; when the user set one, the benchmark does not override it with heap_size=.
@@ -83,7 +97,7 @@ HEAP_ENV_VARS = ("ODC_HEAP_SIZE", "NVSHMEM_SYMMETRIC_SIZE")
 LEGEND = {
     "size": "bytes of the full fp32 tensor (binary units: 1M = 2^20 B)",
     "op": "operation (see --help: copy/add are the no-communication bounds, all_gather/red_scatter the "
-          "collectives, fetch/push/sync ODC)",
+          "collectives, fetch/push/sync ODC, sync_flush a sync after a push)",
     "ms": "milliseconds of one call: slowest rank per repeat, median over repeats (GPU: CUDA events, host time "
           "included)",
     "host µs": "microseconds of the Python call alone on rank 0 (median; on GPU: not waiting for the GPU)",
@@ -126,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"subset of {','.join(OPS)} (default: all; on CPU without {','.join(GPU_ONLY_OPS)})")
     p.add_argument("--pes-per-gpu", type=int, default=1,
                    help="GPU transports: ranks per GPU (NVSHMEM PEs sharing a GPU; use CUDA MPS, see above)")
+    p.add_argument("--node-size", type=int, default=None, metavar="N",
+                   help="ODC hierarchical mode: virtual nodes of N consecutive ranks (odc.init(node_size=N); "
+                        "default: the transport's own node size); must divide the number of ranks")
     _common.add_output_args(p, "comm")
     return p
 
@@ -219,6 +236,8 @@ def make_ops(
         # untimed sync after every push: all pushes have landed before the next repeat starts
         "push": Op(lambda: odc.push(st, full), after=odc.sync),
         "sync": Op(odc.sync),
+        # the push is untimed (before the start); the timed sync flushes what it staged (hierarchical mode)
+        "sync_flush": Op(odc.sync, before=lambda: push_then_wait(st, full)),
     }
     if collectives:
         ops["all_gather"] = Op(lambda: all_gather_tensor(gathered, shard))
@@ -249,29 +268,103 @@ def make_ops(
 
     def verify() -> None:
         """Check every operation's result once before timing (a fast wrong result is not a result)."""
-        rank = dist.get_rank()
-        got = odc.fetch(st, out=out)
-        if not torch.equal(got, full):
-            raise SystemExit(f"comm.py: fetch returned wrong values at {human(nbytes)} on rank {rank}")
-        st.zero_grad()
-        odc.sync()
-        odc.push(st, full)
-        odc.sync()
-        lo, hi = st.shard_range
-        if not torch.allclose(st.grad[: hi - lo], full[lo:hi] * world, rtol=1e-5, atol=1e-5):
-            raise SystemExit(f"comm.py: push + sync left wrong sums at {human(nbytes)} on rank {rank}")
-        st.zero_grad()
-        odc.sync()
+        verify_fetch(st, full, out, nbytes)
+        verify_push(st, nbytes, world, device)
         if collectives:
             all_gather_tensor(gathered, shard)
             if not torch.equal(gathered, shard.repeat(world)):
                 raise SystemExit(f"comm.py: all_gather returned wrong values at {human(nbytes)}")
             reduce_scatter_tensor(grad_shard, grad_full)
+            rank = dist.get_rank()
             mine = grad_full[rank * shard_numel : (rank + 1) * shard_numel] * world
             if not torch.allclose(grad_shard, mine, rtol=1e-5, atol=1e-4):
                 raise SystemExit(f"comm.py: reduce_scatter returned wrong values at {human(nbytes)}")
 
     return st, ops, verify
+
+
+def push_then_wait(st: ShardedTensor, grad: torch.Tensor) -> None:
+    """Untimed part of ``sync_flush``: push, wait until this rank's push has run (GPU) and until every rank's has
+    (a torch.distributed barrier), so that the timed sync measures the sync, not the skew between the pushes."""
+    import torch
+    import torch.distributed as dist
+
+    import odc_runtime as odc
+
+    odc.push(st, grad)
+    if grad.device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+
+
+def _integers(numel: int, seed: int, device: torch.device) -> torch.Tensor:
+    """fp32 values that are small integers (-8..8): sums of a few hundred of them are exact in any order."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-8, 9, (numel,), generator=gen, dtype=torch.int8).to(device=device, dtype=torch.float32)
+
+
+def _first_difference(got: torch.Tensor, want: torch.Tensor, st: ShardedTensor) -> str:
+    """Where ``got`` differs from ``want`` (a full tensor or one owner's range): count, first index, its owner."""
+    bad = (got != want).nonzero()
+    i = int(bad[0]) if len(bad) else -1
+    owner = f", owner {i // st.shard_size}" if got.numel() == st.numel else ""
+    return f"{len(bad)} elements differ, the first at {i}{owner}: got {got[i].item()}, expected {want[i].item()}"
+
+
+def verify_fetch(st: ShardedTensor, full: torch.Tensor, out: torch.Tensor, nbytes: int) -> None:
+    """``fetch`` returns the owners' values: first the sharded ones, then after each of two rounds in which every
+    owner overwrites its shard and all ranks sync (in hierarchical mode: the node-mates' mirrors are refreshed at
+    every sync, a stale mirror fails here). Restores the original values. SystemExit naming rank, round, owner."""
+    import odc_runtime as odc
+
+    lo, hi = st.shard_range
+    for k in range(3):
+        want = full if k == 0 else _integers(st.numel, nbytes + 101 * k, full.device)
+        if k:  # as in training: a sync after everyone's reads, the owner's write, a sync before the next reads
+            odc.sync()
+            st.local.copy_(want[lo:hi])
+            odc.sync()
+        got = odc.fetch(st, out=out)
+        if not torch_equal(got, want):
+            what = "as sharded" if k == 0 else f"after the owners' write {k} and a sync"
+            raise SystemExit(f"comm.py: fetch returned wrong values at {human(nbytes)} on rank {st.rank} ({what}): "
+                             f"{_first_difference(got, want, st)}")
+    odc.sync()
+    st.local.copy_(full[lo:hi])
+    odc.sync()
+
+
+def verify_push(st: ShardedTensor, nbytes: int, world: int, device: torch.device) -> None:
+    """Two pushes per rank into the world-sharded tensor, different on every rank (``base·(r+1)``, then
+    ``base·(W−r) + 1``), then sync: every owner's accumulator must hold exactly ``base·W·(W+1) + W`` on its
+    range, computed here independently of the transport. Leaves the accumulators zeroed. SystemExit if wrong."""
+    import odc_runtime as odc
+
+    rank = st.rank
+    base = _integers(st.numel, nbytes + 7, device)
+    st.zero_grad()
+    odc.sync()
+    grads = (base * (rank + 1), base * (world - rank) + 1)  # kept alive until the sync (GPU pushes are queued)
+    for grad in grads:
+        odc.push(st, grad)
+    odc.sync()
+    del grads
+    lo, hi = st.shard_range
+    want = base[lo:hi] * (world * (world + 1)) + world
+    got = st.grad[: hi - lo]
+    if not torch_equal(got, want):
+        raise SystemExit(f"comm.py: push + sync left wrong sums at {human(nbytes)} on rank {rank} (owner of "
+                         f"[{lo}, {hi})): {_first_difference(got, want, st)}")
+    st.zero_grad()
+    odc.sync()
+
+
+def torch_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    import torch
+
+    return a.shape == b.shape and bool(torch.equal(a, b))
 
 
 def _init(args: argparse.Namespace) -> tuple[int, int, torch.device, bool]:
@@ -304,7 +397,14 @@ def worker(args: argparse.Namespace) -> None:
         ops = [o for o in ops if o not in GPU_ONLY_OPS]
     if not collectives:
         ops = [o for o in ops if o not in COLLECTIVE_OPS]
-    odc.init(args.backend, heap_size=heap_size(max(sizes), world))
+    init_kwargs = {}
+    if args.node_size is not None:  # hierarchical mode (issue 14); without it odc.init keeps its own default
+        if "node_size" not in inspect.signature(odc.init).parameters:
+            raise SystemExit("comm.py --node-size: this odc_runtime's init() has no node_size (the hierarchical "
+                             "mode of issue 14); install a version that has it, or drop --node-size")
+        init_kwargs["node_size"] = args.node_size
+    odc.init(args.backend, heap_size=heap_size(max(sizes), world), **init_kwargs)
+    node_size = odc.node_size() if hasattr(odc, "node_size") else None
     timer = Timer(device)
     collective = "nccl" if device.type == "cuda" and collectives else "gloo"
     results = []
@@ -345,7 +445,7 @@ def worker(args: argparse.Namespace) -> None:
         st.free()
         del fns, st, verify
     if rank == 0:
-        report(args, results, world, collective, device)
+        report(args, results, world, collective, device, node_size)
     odc.finalize()
     dist.barrier()
     dist.destroy_process_group()
@@ -374,11 +474,15 @@ def add_ratios(results: list[dict]) -> None:
         r["host_vs_copy"] = r["host_us"] / copy["host_us"] if copy and copy["host_us"] > 0 else None
 
 
-def report(args: argparse.Namespace, results: list[dict], world: int, collective: str, device: torch.device) -> None:
+def report(args: argparse.Namespace, results: list[dict], world: int, collective: str, device: torch.device,
+           node_size: int | None = None) -> None:
+    """Print the table (and notes), write the JSON and the plot; ``node_size``: the runtime's, where it has one."""
     add_ratios(results)
+    hier = (f"; hierarchical ODC, nodes of {node_size} ranks ({world // node_size} nodes)"
+            if node_size is not None and node_size < world else "")
     title = (
         f"ODC {args.backend} transport vs {collective} collectives, {world} ranks on {device.type}"
-        f"{f' ({args.pes_per_gpu} per GPU)' if args.pes_per_gpu > 1 else ''}; fp32; torch {_torch_version()}"
+        f"{f' ({args.pes_per_gpu} per GPU)' if args.pes_per_gpu > 1 else ''}{hier}; fp32; torch {_torch_version()}"
     )
     rows = [
         [human(r["bytes"]), r["op"], r["time_s"] * 1e3, r["host_us"], r["algbw_GBps"], r["busbw_GBps"],
@@ -393,14 +497,16 @@ def report(args: argparse.Namespace, results: list[dict], world: int, collective
         f"all_gather = torch.distributed.{all_gather_tensor.__name__} ({collective}); red_scatter = "
         f"{reduce_scatter_tensor.__name__} ({collective}, SUM).",
         "push is timed until it returns; its sync (made untimed after every repeat) is the 'sync' row; sync_busy "
-        "is a sync issued behind ~1.5 ms of queued matmuls.",
-        "Every size was verified before timing (fetch values, push sums, collective results).",
+        "is a sync issued behind ~1.5 ms of queued matmuls; sync_flush a sync right after a push of the full tensor "
+        "(hierarchical mode: the cross-node flush, the owners' fold and the mirror refresh).",
+        "Every size was verified exactly before timing (fetch values before and after owners' writes, sums of "
+        "rank-dependent pushes, collective results).",
     ]
     print("\n".join("  " + n for n in notes), flush=True)
     payload = {
         "results": results,
         "config": {"world_size": world, "backend": args.backend, "collective": collective,
-                   "pes_per_gpu": args.pes_per_gpu,
+                   "pes_per_gpu": args.pes_per_gpu, "node_size_arg": args.node_size, "node_size": node_size,
                    "sizes": args.sizes, "warmup": args.warmup, "repeats": args.repeats,
                    "dtype": "float32", "bytes": "full tensor (fetch/all_gather: received per rank; "
                    "push/reduce_scatter: sent per rank; copy/add: destination)",
@@ -444,6 +550,10 @@ def main(argv: list[str] | None = None) -> None:
             nproc = torch.cuda.device_count() * args.pes_per_gpu
         else:
             nproc = 4
+    if args.node_size is not None:  # under torchrun odc.init checks it against the world on every rank
+        world = int(os.environ["WORLD_SIZE"]) if _common.under_torchrun() else nproc
+        if args.node_size < 1 or world % args.node_size:
+            parser.error(f"--node-size {args.node_size} must be >= 1 and divide the number of ranks ({world})")
     launch(worker, nproc, args)
 
 

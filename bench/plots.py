@@ -135,20 +135,21 @@ def plot_netmodel(rows: list[dict], path: str | Path, *, title: str = "") -> Non
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(4.6 * len(models), 4.2), squeeze=False, sharey=True)
     styles = {"nccl_ring": ("#d62728", "--"), "nccl_tree": ("#ff7f0e", "--"), "odc_hier": ("#1f77b4", "-"),
-              "odc_hier_cached": ("#17becf", "-"), "odc_direct": ("#9467bd", ":"), "odc_locked": ("#7f7f7f", ":")}
+              "odc_hier_streaming": ("#17becf", ":"), "odc_direct": ("#9467bd", "-."), "odc_locked": ("#7f7f7f", ":")}
     for ax, model in zip(axes[0], models, strict=True):
         mine = sorted((r for r in rows if r["model"] == model), key=lambda r: r["nodes"])
         nodes = [r["nodes"] for r in mine]
         for design, (color, style) in styles.items():
             ax.plot(nodes, [r["ratio_to_nccl"][design] for r in mine], style, marker="o", color=color,
-                    label=design, markersize=3)
+                    label={"odc_hier": "odc_hier (built)", "odc_hier_streaming": "odc_hier_streaming (not built)"}
+                    .get(design, design), markersize=3)
         ax.axhline(1.3, color="black", linewidth=0.8, linestyle="-.", label="target 1.3")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("nodes of 8 GPUs")
         ax.set_title(model, fontsize=10)
         ax.grid(True, alpha=0.3, which="both")
-    axes[0][0].set_ylabel("communication time / best NCCL")
+    axes[0][0].set_ylabel("communication time / best collective")
     axes[0][-1].legend(fontsize=7, bbox_to_anchor=(1.02, 1.0), loc="upper left")
     fig.suptitle(title or "α–β model")
     _save(fig, path)

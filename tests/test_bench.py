@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -194,12 +195,65 @@ def test_comm_end_to_end_two_ranks(tmp_path):
           "--json", str(out), "--plot", "none"], tmp_path)
     data = json.loads(out.read_text())
     ops = {r["op"] for r in data["results"]}
-    assert {"copy", "fetch", "push", "all_gather", "red_scatter"} <= ops
+    assert {"copy", "fetch", "push", "all_gather", "red_scatter", "sync", "sync_flush"} <= ops
     assert all(r["time_s"] > 0 for r in data["results"])
     assert data["config"]["backend"] == "host" and data["config"]["sizes"] == [64 << 10]
+    assert data["config"]["node_size_arg"] is None
     lines = proc.stdout.splitlines()
     for column, meaning in __import__("comm").LEGEND.items():  # every column is explained under the table
         assert any(line.startswith(f"  {column} ") and line.endswith(meaning) for line in lines), column
+
+
+def test_comm_hierarchical_four_ranks_two_virtual_nodes(tmp_path):
+    """--node-size 2 on 4 ranks: 2 virtual nodes, so every cross-node path (staging on the node-mate, the flush
+    at sync, the owners' fold, the mirror) runs; comm.py verifies fetch and push exactly before timing."""
+    out = tmp_path / "comm.json"
+    proc = _run([str(BENCH / "comm.py"), "--nproc", "4", "--node-size", "2", "--sizes", "64K", "--repeats", "2",
+                 "--warmup", "1", "--ops", "copy,add,fetch,push,sync,sync_flush", "--json", str(out),
+                 "--plot", "none"], tmp_path, timeout=180)
+    assert "hierarchical ODC, nodes of 2 ranks (2 nodes)" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["config"]["node_size_arg"] == 2 and data["config"]["node_size"] == 2
+    assert data["config"]["world_size"] == 4
+    got = {r["op"]: r for r in data["results"]}
+    assert set(got) == {"copy", "add", "fetch", "push", "sync", "sync_flush"}
+    assert all(r["time_s"] > 0 for r in got.values())
+    assert got["fetch"]["algbw_GBps"] > 0 and got["push"]["algbw_GBps"] > 0
+
+
+def test_comm_verification_catches_wrong_results():
+    """comm.py's pre-timing checks pass on the real transport and stop the run on a wrong push sum or a stale
+    fetch (one rank, host transport)."""
+    import comm
+    import torch
+    import torch.distributed as dist
+
+    import odc_runtime as odc
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    odc.init("host")
+    real_push, real_fetch = odc.push, odc.fetch
+    try:
+        full = torch.randn(1001)
+        out = torch.empty(1001)
+        st = odc.shard(full, name="verify")
+        comm.verify_fetch(st, full, out, 4004)
+        comm.verify_push(st, 4004, 1, torch.device("cpu"))
+        one_off = torch.zeros(1001)
+        one_off[7] = 1.0
+        odc.push = lambda st, grad, **kw: real_push(st, grad + one_off, **kw)
+        with pytest.raises(SystemExit, match=r"push \+ sync left wrong sums .* the first at 7"):
+            comm.verify_push(st, 4004, 1, torch.device("cpu"))
+        odc.push = real_push
+        st.zero_grad()
+        stale = full.clone()  # a fetch that never sees the owners' writes (a mirror not refreshed at sync)
+        odc.fetch = lambda st, out=None, **kw: out.copy_(stale)
+        with pytest.raises(SystemExit, match=r"fetch returned wrong values .*after the owners' write 1"):
+            comm.verify_fetch(st, full, out, 4004)
+    finally:
+        odc.push, odc.fetch = real_push, real_fetch
+        odc.finalize()
+        dist.destroy_process_group()
 
 
 def test_comm_arguments():
@@ -217,6 +271,10 @@ def test_comm_arguments():
             p.parse_args(bad)
     with pytest.raises(SystemExit):  # several ranks per GPU only for a GPU transport
         comm.main(["--backend", "host", "--pes-per-gpu", "2"])
+    assert p.parse_args(["--node-size", "2"]).node_size == 2 and p.parse_args([]).node_size is None
+    for bad in (["--node-size", "3"], ["--node-size", "0"]):  # must divide the 4 ranks: refused before spawning
+        with pytest.raises(SystemExit):
+            comm.main(["--backend", "host", "--nproc", "4", *bad])
 
 
 def _has_matplotlib() -> bool:
@@ -333,10 +391,6 @@ def test_netmodel_per_layer_formulas_by_hand():
     assert nm.ring_s(HAND, 1, S) == approx(0.001 + 1.0)  # one node: 1 NVLink step + 1/2·8e9 / 4e9
     # tree: across nodes 1 step + 1/2·(8e9/2) / 1e9; inside 1 step + 1/2·8e9 / 4e9
     assert nm.tree_phases(HAND, 2, S) == (approx(2.01), approx(1.001))
-    # hierarchical fetch: one remote shard over the NIC; the 2 non-own-index shards over NVLink
-    assert nm.hier_fetch_phases(HAND, 2, S) == (approx(0.01 + 2.0), approx(0.001 + 1.0))
-    # hierarchical push: 1/2·8e9 by atomics at 2 GB/s; one shard over the NIC + fold of 3 shards at 8 GB/s
-    assert nm.hier_push_phases(HAND, 2, S) == (approx(0.001 + 2.0), approx(0.01 + 2.0 + 0.75))
     # direct: 2 remote shards over the NIC (4 s) vs 1 local shard over NVLink (0.5 s), in flight together
     assert nm.direct_s(HAND, 2, S) == approx(0.01 + 4.0)
     # locked push: 3 owners × 2 cells = 6 cells, 2 in flight: 3 rounds × 7 × 10 ms; wire max(2·2·2e9/1e9, ...)
@@ -344,30 +398,95 @@ def test_netmodel_per_layer_formulas_by_hand():
     # locked fetch: local 1 ms + 2e9/4e9; then 2 remote owners serially, each 2 gets (20 ms) + 2 s + copy 0.25 s
     assert nm.locked_fetch_s(HAND, 2, S) == approx(0.501 + 2 * 2.27)
     assert nm.pipelined(2.0, 1.0, 3) == 7.0
-    assert nm.sync_s(HAND, 2) == approx(2 * 2 * 0.01)
+    # one barrier over 4 GPUs: 2 rounds of one round trip (2 × 10 ms)
+    assert nm.barrier_s(HAND, 2) == approx(0.04)
+
+
+def test_netmodel_built_hierarchical_terms_by_hand():
+    """odc_hier's terms on 2 nodes of 2 GPUs (W = 4); a layer of 8e9 bytes is 4 shards of 2e9."""
+    approx = lambda x: pytest.approx(x, rel=1e-12)
+    # fetch: the node-mate's shard and the node-mate's mirror over NVLink (2 × 2e9 at 4 GB/s, + 1 ms); the own
+    # shard and own mirror copied locally meanwhile (read + write of 2 × 2e9 at 8 GB/s: 1 s, hidden)
+    assert nm.hier_fetch_s(HAND, 2, S) == approx(0.001 + 1.0)
+    # push: 2 shards by NVLink atomics at 0.5 × 4 GB/s (2 s + 1 ms); local adds (3 × 4e9 at 8 GB/s: 1.5 s, hidden)
+    assert nm.hier_push_s(HAND, 2, S) == approx(0.001 + 2.0)
+    slow_hbm = nm.Cluster(**{**nm.asdict(HAND), "hbm_GBps": 1.0})  # the local copies / adds now dominate
+    assert nm.hier_fetch_s(slow_hbm, 2, S) == approx(8.0)  # 2 × (2 × 2e9) / 1e9
+    assert nm.hier_push_s(slow_hbm, 2, S) == approx(12.0)  # 3 × (2 × 2e9) / 1e9
+    # the whole model 16e9 bytes, shards of 4e9: mirror = one get of the other node's shard (10 ms + 4 s)
+    assert nm.hier_mirror_s(HAND, 2, 2 * S) == approx(0.01 + 4.0)
+    # flush = one put (10 ms + 4 s), then on HBM the fold (read 1 slot, read + write the accumulator: 3 × 4e9)
+    # and zeroing the staging row (4e9): 16e9 at 8 GB/s = 2 s
+    assert nm.hier_flush_s(HAND, 2, 2 * S) == approx(0.01 + 4.0 + 2.0)
+    assert nm.hier_mirror_s(HAND, 1, 2 * S) == 0.0 and nm.hier_flush_s(HAND, 1, 2 * S) == 0.0  # one node
+    # the not-built streaming variant, per layer: (NVLink phase, network phase [+ fold of 1 slot: 3 × 2e9 / 8e9])
+    assert nm.streaming_phases(HAND, 2, S, gradient=False) == (approx(1.001), approx(2.01))
+    assert nm.streaming_phases(HAND, 2, S, gradient=True) == (approx(2.001), approx(2.01 + 0.75))
 
 
 def test_netmodel_minibatch_by_hand():
     approx = lambda x: pytest.approx(x, rel=1e-12)
+    barriers4 = 4 * 0.04  # odc_hier: 2 syncs of 2 barriers; the other ODC designs: 2 syncs of 1 barrier
     one = nm.Workload(params=4 * 10**9, layers=1, micro_batches=1, gathers=1, param_bytes=2, grad_bytes=2)
     t = nm.minibatch_s(HAND, one, 2)
     assert t["nccl_ring"] == approx(2 * 3.03)
     assert t["nccl_tree"] == approx(2 * (2.01 + 1.001))
-    assert t["odc_hier"] == approx((2.01 + 1.001) + (2.76 + 2.001) + 0.04)
-    # 2 layers of 8e9 bytes, 2 micro-batches × 2 gathers: the layers pipeline, the cached variant fetches once
+    # model = 8e9 bytes, shards 2e9: mirror 10 ms + 2 s; flush 10 ms + 2 s + HBM (3 + 1) × 2e9 / 8e9 = 1 s
+    assert t["odc_hier"] == approx(1.001 + 2.001 + 2.01 + 3.01 + barriers4)
+    assert t["odc_hier_streaming"] == approx((2.01 + 1.001) + (2.76 + 2.001) + 0.08)
+    # 2 layers of 8e9 bytes, 2 micro-batches × 2 gathers
     two = nm.Workload(params=8 * 10**9, layers=2, micro_batches=2, gathers=2, param_bytes=2, grad_bytes=2)
     t = nm.minibatch_s(HAND, two, 2)
     assert t["nccl_ring"] == approx(2 * 2 * (2 * 3.03 + 3.03))
-    fetch, push = 2 * 2.01 + 1.001, 2 * 2.76 + 2.001
-    assert t["odc_hier"] == approx(4 * fetch + 2 * push + 0.04)
-    assert t["odc_hier_cached"] == approx(fetch + 3 * 2 * 1.001 + 2 * 2 * 2.001 + 2 * 2.76 + 0.04)
-    assert t["odc_direct"] == approx(2 * (4 * 4.01 + 2 * 4.01) + 0.04)
-    assert t["odc_locked"] == approx(2 * (4 * 5.041 + 2 * 8.21) + 0.04)
-    assert nm.cache_bytes(HAND, two, 2) == approx(8e9)  # 1 remote shard of 2e9 params × (2 + 2) bytes
+    # 8 layer-gathers of 1.001 s, 4 layer-pushes of 2.001 s, mirror and flush once (model 16e9: 4.01 s, 6.01 s)
+    assert t["odc_hier"] == approx(8 * 1.001 + 4 * 2.001 + 4.01 + 6.01 + barriers4)
+    parts = nm.hier_parts(HAND, two, 2)
+    assert parts == {"fetch_nvlink": approx(8.008), "push_nvlink": approx(8.004), "mirror_refresh": approx(4.01),
+                     "flush_and_fold": approx(6.01), "barriers": approx(barriers4)}
+    assert sum(parts.values()) == approx(t["odc_hier"])
+    # streaming: 4 passes of 2 pipelined layers (2 × max + min), 2 pushes likewise
+    assert t["odc_hier_streaming"] == approx(4 * (2 * 2.01 + 1.001) + 2 * (2 * 2.76 + 2.001) + 0.08)
+    assert t["odc_direct"] == approx(2 * (4 * 4.01 + 2 * 4.01) + 0.08)
+    assert t["odc_locked"] == approx(2 * (4 * 5.041 + 2 * 8.21) + 0.08)
+    # memory: 1 remote node × 2e9 params per rank × (staging 2 + inbox 2 + mirror 2 bytes)
+    assert nm.hier_memory_bytes(HAND, two, 2) == approx(12e9)
+    real_dtypes = nm.Workload(params=8 * 10**9, layers=2)  # bf16 parameters, fp32 gradients: 4 + 4 + 2 bytes
+    assert nm.hier_memory_bytes(HAND, real_dtypes, 2) == approx(20e9)
+    assert nm.hier_memory_bytes(HAND, real_dtypes, 1) == 0.0
+    # across nodes: 4 proxies, each gets one shard of 2e9 params × 2 B and puts one of 2e9 gradients × 2 B
+    assert nm.cross_node_bytes(HAND, two, 2) == approx(4 * (4e9 + 4e9))
     assert nm.cut_bound_s(HAND, two, 2) == approx(4.0)  # 1/2 · 16e9 bytes through 2 NICs of 1 GB/s
     nm.check(HAND, two, 2, t)
     with pytest.raises(RuntimeError, match="beats the network cut bound"):
         nm.check(HAND, two, 2, {"too_fast": 3.9})
+
+
+def test_netmodel_more_nodes_more_cross_node_traffic():
+    """Sanity on the real defaults: odc_hier's cross-node bytes, memory and once-per-minibatch network terms
+    grow with the node count; with one node nothing crosses; every design stays above the cut bound."""
+    c = nm.Cluster()
+    spec = sch.MODELS["7b"]
+    wl = nm.Workload(spec.params(), spec.num_layers)
+    nodes = [1, 2, 4, 8, 16, 32, 64]
+    xbytes = [nm.cross_node_bytes(c, wl, n) for n in nodes]
+    memory = [nm.hier_memory_bytes(c, wl, n) for n in nodes]
+    network = [nm.hier_parts(c, wl, n)["mirror_refresh"] + nm.hier_parts(c, wl, n)["flush_and_fold"] for n in nodes]
+    assert xbytes[0] == 0 and memory[0] == 0 and network[0] == 0
+    for seq in (xbytes, memory, network):
+        assert all(a < b for a, b in itertools.pairwise(seq)), seq
+    for n in nodes[1:]:
+        nm.check(c, wl, n, nm.minibatch_s(c, wl, n))
+        assert nm.minibatch_s(c, wl, n)["odc_hier"] < nm.minibatch_s(c, wl, n)["odc_direct"]
+
+
+def test_netmodel_efficiency_for_target_is_the_threshold():
+    e = nm.efficiency_for_target(nm.Cluster(), "7b", 4, 2, "ring")
+    assert e is not None and 0 < e <= 1
+
+    def ratio(eff):
+        return nm.run(nm.Cluster(atomic_efficiency=eff), ["7b"], [4], 4, 2)[0]["ratio_to_ring"]["odc_hier"]
+
+    assert ratio(e) <= nm.TARGET < ratio(e - 2e-3)
 
 
 def test_netmodel_cluster_validates():
@@ -379,14 +498,25 @@ def test_netmodel_cluster_validates():
 
 def test_netmodel_cli(tmp_path, capsys):
     out = tmp_path / "net.json"
-    nm.main(["--models", "7b", "--nodes", "1,4", "--json", str(out), "--plot", "none"])
+    plot = tmp_path / "net.png"
+    nm.main(["--models", "7b", "--nodes", "1,4", "--json", str(out),
+             "--plot", str(plot) if _has_matplotlib() else "none"])
     text = capsys.readouterr().out
-    assert "hier/nccl" in text and "at 4 nodes" in text
+    assert "hier/best" in text and "hier/ring" in text and "at 4 nodes" in text and "e needed" in text
     data = json.loads(out.read_text())
     assert [r["nodes"] for r in data["rows"]] == [1, 4]
-    assert set(data["rows"][1]["seconds"]) == set(nm.DESIGNS)
-    at4 = data["rows"][1]["ratio_to_nccl"]["odc_hier"]
+    assert data["config"]["built"] == "odc_hier"
+    row = data["rows"][1]
+    assert set(row["seconds"]) == set(nm.DESIGNS)
+    assert sum(row["hier_parts_s"].values()) == pytest.approx(row["seconds"]["odc_hier"])
+    at4 = row["ratio_to_nccl"]["odc_hier"]
+    assert at4 == pytest.approx(row["seconds"]["odc_hier"] / min(row["seconds"]["nccl_ring"],
+                                                                  row["seconds"]["nccl_tree"]))
     assert data["summary"]["Qwen2.5-7B"]["0.5"]["to_best"] == pytest.approx(at4)
+    assert data["summary"]["Qwen2.5-7B"]["0.5"]["to_ring"] == pytest.approx(row["ratio_to_ring"]["odc_hier"])
+    assert data["target_met"] == {"best": at4 <= 1.3, "ring": row["ratio_to_ring"]["odc_hier"] <= 1.3}
+    if _has_matplotlib():
+        assert plot.stat().st_size > 0
 
 
 def test_check_gather_catches_wrong_parameters():
