@@ -321,7 +321,8 @@ class ShardedTensor:
         """Collective: release this tensor's symmetric memory (same order on all ranks).
 
         Every rank checks that its peers free the same tensor (its whole name and its shard sequence number):
-        freeing in different orders raises OdcMismatchError on every rank and frees nothing.
+        freeing in different orders raises OdcMismatchError on every rank and frees nothing. Pushes not yet
+        delivered by a ``sync()`` are dropped with the tensor (across nodes they still sit in staging buffers).
         """
         runtime = self._check_alive("free")
         if runtime.hierarchy is not None:
