@@ -203,25 +203,44 @@ struct TaskBatch {
     Task t[kMaxTasks];
 };
 
-// Fetch: plain loads from the owner's memory through the peer pointer, plain stores into local memory.
+// Copy n bytes with the threads first, first + stride, ...: 16-byte words when dst and src are congruent modulo 16
+// (a head of up to 15 bytes first), else 4-byte words when both are 4-byte aligned (fp32 at any element offset),
+// else bytes. Element offsets into peers' regions (the hierarchical protocol's rows) make unaligned ends common.
+__device__ __forceinline__ void copy_bytes(char* dst, const char* src, uint64_t n, uint64_t first, uint64_t stride) {
+    const uint64_t d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);
+    uint64_t head = 0, words = 0, width = 1;
+    if ((d - s) % 16 == 0) {
+        head = min(n, (16 - d % 16) % 16);
+        width = 16;
+    } else if ((d | s) % 4 == 0) {
+        width = 4;
+    }
+    words = (n - head) / width;
+    if (width == 16) {
+        const int4* s4 = reinterpret_cast<const int4*>(src + head);
+        int4* d4 = reinterpret_cast<int4*>(dst + head);
+        for (uint64_t i = first; i < words; i += stride) d4[i] = s4[i];
+    } else if (width == 4) {
+        const uint32_t* s1 = reinterpret_cast<const uint32_t*>(src);
+        uint32_t* d1 = reinterpret_cast<uint32_t*>(dst);
+        for (uint64_t i = first; i < words; i += stride) d1[i] = s1[i];
+    } else {
+        words = 0;  // everything below, bytewise
+    }
+    for (uint64_t i = first; i < head; i += stride) dst[i] = src[i];
+    for (uint64_t i = head + words * width + first; i < n; i += stride) dst[i] = src[i];
+}
+
+// Fetch: plain loads from the owner's memory through the peer pointer, plain stores into local memory (and, for
+// put_signal, the reverse: any byte copy between two addresses this GPU can load/store).
 // Ordering: see barrier_kernel (the owner's writes before its barrier are visible after ours).
 __global__ void fetch_p2p_kernel(TaskBatch b) {
     const int ti = blockIdx.x % b.ntasks;
     const int part = blockIdx.x / b.ntasks;
     const Task t = b.t[ti];
-    char* dst = reinterpret_cast<char*>(t.dst);
-    const char* src = reinterpret_cast<const char*>(t.src);
     const uint64_t stride = static_cast<uint64_t>(b.parts) * blockDim.x;
     const uint64_t first = static_cast<uint64_t>(part) * blockDim.x + threadIdx.x;
-    if ((t.dst % 16 == 0) && (t.src % 16 == 0)) {
-        const uint64_t nv = t.n / 16;
-        const int4* s4 = reinterpret_cast<const int4*>(src);
-        int4* d4 = reinterpret_cast<int4*>(dst);
-        for (uint64_t i = first; i < nv; i += stride) d4[i] = s4[i];
-        for (uint64_t i = nv * 16 + first; i < t.n; i += stride) dst[i] = src[i];
-    } else {
-        for (uint64_t i = first; i < t.n; i += stride) dst[i] = src[i];
-    }
+    copy_bytes(reinterpret_cast<char*>(t.dst), reinterpret_cast<const char*>(t.src), t.n, first, stride);
 }
 
 // Push (one NVLink domain): dst (the owner's fp32 accumulator, through the peer pointer) += float(src) * scale.
@@ -237,16 +256,21 @@ __global__ void accumulate_p2p_kernel(TaskBatch b, float scale, bool vector_atom
     const T* src = reinterpret_cast<const T*>(t.src);
     const uint64_t stride = static_cast<uint64_t>(b.parts) * blockDim.x;
     const uint64_t first = static_cast<uint64_t>(part) * blockDim.x + threadIdx.x;
-    uint64_t done = 0;
-    if (vector_atomics && (t.dst % 16 == 0) && (t.src % (4 * sizeof(T)) == 0)) {
-        const uint64_t nv = t.n / 4;
+    // Vector atomics on the 16-byte aligned middle (an element offset into the accumulator may leave a head of up
+    // to 3 elements before it) when the source is aligned the same way; scalar atomics on head and tail.
+    const uint64_t head = min(t.n, (16 - t.dst % 16) % 16 / sizeof(float));
+    uint64_t nv = 0;
+    if (vector_atomics && (t.src + head * sizeof(T)) % (4 * sizeof(T)) == 0) {
+        nv = (t.n - head) / 4;
         for (uint64_t i = first; i < nv; i += stride) {
-            float4 v = load4<T>(src + 4 * i);
+            float4 v = load4<T>(src + head + 4 * i);
             v.x *= scale; v.y *= scale; v.z *= scale; v.w *= scale;
-            red_add4(dst + 4 * i, v);
+            red_add4(dst + head + 4 * i, v);
         }
-        done = nv * 4;
     }
+    const uint64_t done = nv ? head + nv * 4 : 0;  // no vector part: everything scalar
+    if (nv)
+        for (uint64_t i = first; i < head; i += stride) atomicAdd_system(dst + i, to_f32(src[i]) * scale);
     for (uint64_t i = done + first; i < t.n; i += stride) atomicAdd_system(dst + i, to_f32(src[i]) * scale);
 }
 
@@ -355,15 +379,7 @@ __global__ void get_staged_kernel(CellBatch b, char* scratch, uint64_t cell_byte
         const uint64_t n = min(cell_bytes, t.n - off);
         nvshmemx_getmem_block(slot, reinterpret_cast<const char*>(t.remote + off), n, t.pe);
         __syncthreads();
-        char* dst = reinterpret_cast<char*>(t.local + off);
-        if ((t.local + off) % 16 == 0) {
-            const uint64_t nv = n / 16;
-            for (uint64_t i = threadIdx.x; i < nv; i += blockDim.x)
-                reinterpret_cast<int4*>(dst)[i] = reinterpret_cast<const int4*>(slot)[i];
-            for (uint64_t i = nv * 16 + threadIdx.x; i < n; i += blockDim.x) dst[i] = slot[i];
-        } else {
-            for (uint64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = slot[i];
-        }
+        copy_bytes(reinterpret_cast<char*>(t.local + off), slot, n, threadIdx.x, blockDim.x);
         __syncthreads();
     }
 }
