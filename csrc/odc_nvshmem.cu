@@ -395,9 +395,9 @@ __global__ void get_staged_kernel(CellBatch b, char* scratch, uint64_t cell_byte
 // cannot be interrupted, while our wait polls the engine's abort word like every other wait here.
 //
 // put_signal on PE p, stream-ordered, three steps (kernels on one stream):
-//   1. data: for peers with a peer pointer (same node) an SM copy through the peer pointer (put_p2p, i.e.
-//      fetch_p2p_kernel with the roles swapped: plain loads of local memory, plain stores to the peer); for the
-//      others (across nodes) nvshmemx_putmem_nbi_block per cell from the symmetric source (put_nbi_kernel);
+//   1. data: for peers with a peer pointer (same node) an SM copy through the peer pointer (fetch_p2p_kernel
+//      with the roles swapped: plain loads of local memory, plain stores to the peer); for the others (across
+//      nodes) nvshmemx_putmem_nbi_block per cell from the symmetric source (put_nbi_kernel);
 //   2. signal_kernel (one block): thread 0 runs nvshmem_quiet() (every put of step 1, and every other
 //      device-initiated operation of this PE, is complete: delivered at the target), then every thread runs
 //      __threadfence_system(), then nvshmemx_signal_op(&sig[index], 1, NVSHMEM_SIGNAL_ADD, q) per request.
