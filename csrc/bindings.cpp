@@ -47,7 +47,12 @@ PYBIND11_MODULE(_C, m) {
         .def("set_abort", &odc::Engine::set_abort)
         .def("aborted", &odc::Engine::aborted)
         .def("barrier_gave_up", &odc::Engine::barrier_gave_up)
-        .def("heard", &odc::Engine::heard);
+        .def("heard", &odc::Engine::heard)
+        .def("put_signal", &odc::Engine::put_signal, py::arg("remote"), py::arg("local"), py::arg("bytes"),
+             py::arg("pe"), py::arg("near"), py::arg("sig"), py::arg("stream"))
+        .def("wait_signal", &odc::Engine::wait_signal, py::arg("sig"), py::arg("value"), py::arg("stream"))
+        .def("wait_gave_up", &odc::Engine::wait_gave_up)
+        .def("wait_seen", &odc::Engine::wait_seen);
 
     py::class_<odc::Plan>(m, "Plan")
         .def(py::init<std::shared_ptr<odc::Engine>, int, std::vector<uint64_t>, std::vector<uint64_t>,

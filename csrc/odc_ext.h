@@ -4,7 +4,7 @@
 //
 // After init the extension makes no NVSHMEM host call at all (no malloc/free, no host or on-stream
 // collective): all device work is launched by our own kernels through our own CUDA runtime, so every launch
-// and CUDA error is checked here, and every wait a peer can block (barrier, lock spins) polls an abort word in
+// and CUDA error is checked here, and every wait a peer can block (barrier, lock spins, signal waits) polls an abort word in
 // host-mapped memory that the Python watchdog raises at the deadline.
 #pragma once
 
@@ -65,6 +65,19 @@ class Engine {
     // Last epoch each peer had announced to us when a barrier kernel gave up (valid if barrier_gave_up()).
     std::vector<uint64_t> heard() const;
 
+    // Signalled puts (hierarchical push across nodes): per request, write `bytes` from `local` (this PE's device
+    // memory; inside the symmetric heap when !near[i]) to `remote` (the peer pointer when near[i], else the
+    // symmetric address) on PE pe[i], then add 1 to the signal word at symmetric address sig[i] on that PE once
+    // the data is delivered. Stream-ordered, never blocks the host.
+    void put_signal(const std::vector<uint64_t>& remote, const std::vector<uint64_t>& local,
+                    const std::vector<uint64_t>& bytes, const std::vector<int>& pe, const std::vector<bool>& near,
+                    const std::vector<uint64_t>& sig, uint64_t stream);
+    // The stream waits until this PE's signal word at `sig` is >= value (acquire), or the abort word is set (then
+    // wait_gave_up() and wait_seen() tell what it last saw). Never blocks the host.
+    void wait_signal(uint64_t sig, uint64_t value, uint64_t stream);
+    bool wait_gave_up() const;  // a wait_signal kernel left because of the abort
+    uint64_t wait_seen() const;  // the count it saw then (valid if wait_gave_up())
+
     int rank() const { return rank_; }
     int npes() const { return npes_; }
 
@@ -78,6 +91,13 @@ class Engine {
     const volatile uint32_t* abort_dev() const { return abort_dev_; }
 
   private:
+    volatile uint64_t* wait_record_dev() const {
+        return reinterpret_cast<volatile uint64_t*>(ctl_dev_ + 2) + npes_;
+    }
+    const volatile uint64_t* wait_record_host() const {
+        return reinterpret_cast<const volatile uint64_t*>(ctl_host_ + 2) + npes_;
+    }
+
     int rank_, npes_;
     uint64_t epochs_, locks_;
     int nlocks_;
@@ -85,7 +105,8 @@ class Engine {
     int slots_;
     uint64_t cell_bytes_;
     bool vector_atomics_;
-    // host-mapped: [0] abort word, [1] "a barrier gave up"; then npes uint64 "heard" values
+    // host-mapped: [0] abort word, [1] "a barrier gave up"; then npes uint64 "heard" values; then 2 uint64:
+    // "a signal wait gave up", the count it saw
     volatile uint32_t* ctl_host_ = nullptr;
     uint32_t* ctl_dev_ = nullptr;
     const volatile uint32_t* abort_dev_ = nullptr;

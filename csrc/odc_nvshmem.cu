@@ -203,25 +203,44 @@ struct TaskBatch {
     Task t[kMaxTasks];
 };
 
-// Fetch: plain loads from the owner's memory through the peer pointer, plain stores into local memory.
+// Copy n bytes with the threads first, first + stride, ...: 16-byte words when dst and src are congruent modulo 16
+// (a head of up to 15 bytes first), else 4-byte words when both are 4-byte aligned (fp32 at any element offset),
+// else bytes. Element offsets into peers' regions (the hierarchical protocol's rows) make unaligned ends common.
+__device__ __forceinline__ void copy_bytes(char* dst, const char* src, uint64_t n, uint64_t first, uint64_t stride) {
+    const uint64_t d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);
+    uint64_t head = 0, words = 0, width = 1;
+    if ((d - s) % 16 == 0) {
+        head = min(n, (16 - d % 16) % 16);
+        width = 16;
+    } else if ((d | s) % 4 == 0) {
+        width = 4;
+    }
+    words = (n - head) / width;
+    if (width == 16) {
+        const int4* s4 = reinterpret_cast<const int4*>(src + head);
+        int4* d4 = reinterpret_cast<int4*>(dst + head);
+        for (uint64_t i = first; i < words; i += stride) d4[i] = s4[i];
+    } else if (width == 4) {
+        const uint32_t* s1 = reinterpret_cast<const uint32_t*>(src);
+        uint32_t* d1 = reinterpret_cast<uint32_t*>(dst);
+        for (uint64_t i = first; i < words; i += stride) d1[i] = s1[i];
+    } else {
+        words = 0;  // everything below, bytewise
+    }
+    for (uint64_t i = first; i < head; i += stride) dst[i] = src[i];
+    for (uint64_t i = head + words * width + first; i < n; i += stride) dst[i] = src[i];
+}
+
+// Fetch: plain loads from the owner's memory through the peer pointer, plain stores into local memory (and, for
+// put_signal, the reverse: any byte copy between two addresses this GPU can load/store).
 // Ordering: see barrier_kernel (the owner's writes before its barrier are visible after ours).
 __global__ void fetch_p2p_kernel(TaskBatch b) {
     const int ti = blockIdx.x % b.ntasks;
     const int part = blockIdx.x / b.ntasks;
     const Task t = b.t[ti];
-    char* dst = reinterpret_cast<char*>(t.dst);
-    const char* src = reinterpret_cast<const char*>(t.src);
     const uint64_t stride = static_cast<uint64_t>(b.parts) * blockDim.x;
     const uint64_t first = static_cast<uint64_t>(part) * blockDim.x + threadIdx.x;
-    if ((t.dst % 16 == 0) && (t.src % 16 == 0)) {
-        const uint64_t nv = t.n / 16;
-        const int4* s4 = reinterpret_cast<const int4*>(src);
-        int4* d4 = reinterpret_cast<int4*>(dst);
-        for (uint64_t i = first; i < nv; i += stride) d4[i] = s4[i];
-        for (uint64_t i = nv * 16 + first; i < t.n; i += stride) dst[i] = src[i];
-    } else {
-        for (uint64_t i = first; i < t.n; i += stride) dst[i] = src[i];
-    }
+    copy_bytes(reinterpret_cast<char*>(t.dst), reinterpret_cast<const char*>(t.src), t.n, first, stride);
 }
 
 // Push (one NVLink domain): dst (the owner's fp32 accumulator, through the peer pointer) += float(src) * scale.
@@ -237,16 +256,21 @@ __global__ void accumulate_p2p_kernel(TaskBatch b, float scale, bool vector_atom
     const T* src = reinterpret_cast<const T*>(t.src);
     const uint64_t stride = static_cast<uint64_t>(b.parts) * blockDim.x;
     const uint64_t first = static_cast<uint64_t>(part) * blockDim.x + threadIdx.x;
-    uint64_t done = 0;
-    if (vector_atomics && (t.dst % 16 == 0) && (t.src % (4 * sizeof(T)) == 0)) {
-        const uint64_t nv = t.n / 4;
+    // Vector atomics on the 16-byte aligned middle (an element offset into the accumulator may leave a head of up
+    // to 3 elements before it) when the source is aligned the same way; scalar atomics on head and tail.
+    const uint64_t head = min(t.n, (16 - t.dst % 16) % 16 / sizeof(float));
+    uint64_t nv = 0;
+    if (vector_atomics && (t.src + head * sizeof(T)) % (4 * sizeof(T)) == 0) {
+        nv = (t.n - head) / 4;
         for (uint64_t i = first; i < nv; i += stride) {
-            float4 v = load4<T>(src + 4 * i);
+            float4 v = load4<T>(src + head + 4 * i);
             v.x *= scale; v.y *= scale; v.z *= scale; v.w *= scale;
-            red_add4(dst + 4 * i, v);
+            red_add4(dst + head + 4 * i, v);
         }
-        done = nv * 4;
     }
+    const uint64_t done = nv ? head + nv * 4 : 0;  // no vector part: everything scalar
+    if (nv)
+        for (uint64_t i = first; i < head; i += stride) atomicAdd_system(dst + i, to_f32(src[i]) * scale);
     for (uint64_t i = done + first; i < t.n; i += stride) atomicAdd_system(dst + i, to_f32(src[i]) * scale);
 }
 
@@ -355,17 +379,87 @@ __global__ void get_staged_kernel(CellBatch b, char* scratch, uint64_t cell_byte
         const uint64_t n = min(cell_bytes, t.n - off);
         nvshmemx_getmem_block(slot, reinterpret_cast<const char*>(t.remote + off), n, t.pe);
         __syncthreads();
-        char* dst = reinterpret_cast<char*>(t.local + off);
-        if ((t.local + off) % 16 == 0) {
-            const uint64_t nv = n / 16;
-            for (uint64_t i = threadIdx.x; i < nv; i += blockDim.x)
-                reinterpret_cast<int4*>(dst)[i] = reinterpret_cast<const int4*>(slot)[i];
-            for (uint64_t i = nv * 16 + threadIdx.x; i < n; i += blockDim.x) dst[i] = slot[i];
-        } else {
-            for (uint64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = slot[i];
-        }
+        copy_bytes(reinterpret_cast<char*>(t.local + off), slot, n, threadIdx.x, blockDim.x);
         __syncthreads();
     }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Signalled puts (the hierarchical push across nodes, odc_runtime/hierarchy.py): put_signal and wait_signal.
+//
+// Built from public NVSHMEM *device* APIs that exist, with the same signatures, in every release from 3.3
+// through 3.8 (checked in the 3.4.5 and 3.8.0 headers: nvshmemx_putmem_nbi_block, nvshmem_quiet,
+// nvshmemx_signal_op with NVSHMEM_SIGNAL_ADD, nvshmem_signal_fetch, nvshmem_signal_wait_until), launched as our
+// own kernels, not through NVSHMEM's host *_on_stream wrappers: those launch with NVSHMEM's own CUDA runtime
+// (their launch errors are invisible to check_launch, see odc_ext.h) and nvshmemx_signal_wait_until_on_stream
+// cannot be interrupted, while our wait polls the engine's abort word like every other wait here.
+//
+// put_signal on PE p, stream-ordered, three steps (kernels on one stream):
+//   1. data: for peers with a peer pointer (same node) an SM copy through the peer pointer (fetch_p2p_kernel
+//      with the roles swapped: plain loads of local memory, plain stores to the peer); for the others (across
+//      nodes) nvshmemx_putmem_nbi_block per cell from the symmetric source (put_nbi_kernel);
+//   2. signal_kernel (one block): thread 0 runs nvshmem_quiet() (every put of step 1, and every other
+//      device-initiated operation of this PE, is complete: delivered at the target), then every thread runs
+//      __threadfence_system(), then nvshmemx_signal_op(&sig[index], 1, NVSHMEM_SIGNAL_ADD, q) per request.
+// Ordering argument (data delivered before the signal is visible). Step 1's peer-pointer stores are performed
+// when its kernel completes, before step 2 starts (same stream); the quiet completes the network puts; the
+// system-scope fence orders all of them, cumulatively, before the signal AMO, which is only *issued* after that.
+// So when the owner observes the count, every byte of every put counted in it is already in its memory. The
+// waiter is the owner GPU itself (wait_signal_kernel reads the owner's own signal word, and the fold that follows
+// on the owner's stream reads the owner's own memory): GPU_DIRECT_RDMA_WRITES_ORDERING=OWNER (this H100's value:
+// the owner GPU sees network writes to its memory in order; other GPUs may not) is enough, and in any case the
+// data writes were acknowledged (quiet) before the signal write was posted. The waiter then runs
+// nvshmem_signal_wait_until (returns at once, and applies NVSHMEM's consistency step for network-delivered data
+// where the transport needs one) and a system-scope fence (acquire): kernels after it on the stream see the data.
+// Signal words only grow (ADD 1 per put; the caller compares against running counts), so no reset races a put.
+// Why it cannot deadlock: put_signal waits for nothing but its own one-sided operations (quiet completes without
+// code running on any other PE); wait_signal waits for puts that other PEs issue without waiting on us, and when
+// they never come (a dead or stuck peer) the host raises the abort word at the deadline and the wait leaves.
+// ---------------------------------------------------------------------------------------------------------
+__global__ void put_nbi_kernel(CellBatch b, uint64_t cell_bytes) {
+    for (uint64_t k = blockIdx.x; k < b.total; k += gridDim.x) {
+        const uint64_t item = (k + b.rotate) % b.total;
+        const CellTask& t = b.t[find_task(b, item)];
+        const uint64_t off = (item - t.first) * cell_bytes;
+        const uint64_t n = min(cell_bytes, t.n - off);
+        nvshmemx_putmem_nbi_block(reinterpret_cast<void*>(t.remote + off), reinterpret_cast<const void*>(t.local + off),
+                                  n, t.pe);
+    }
+}
+
+struct SignalBatch {
+    int n;
+    uint64_t sig[kMaxTasks];  // symmetric address of the signal word
+    int pe[kMaxTasks];
+};
+
+__global__ void signal_kernel(SignalBatch b) {
+    if (threadIdx.x == 0) nvshmem_quiet();
+    __syncthreads();
+    __threadfence_system();
+    for (int i = threadIdx.x; i < b.n; i += blockDim.x)
+        nvshmemx_signal_op(reinterpret_cast<uint64_t*>(b.sig[i]), 1, NVSHMEM_SIGNAL_ADD, b.pe[i]);
+}
+
+// Waits until this PE's signal word reaches `value` or the abort word is raised. On abort it records the count
+// it saw (host-mapped ctl: wait_gave_up, wait_seen) and leaves; the host reports the timeout.
+__global__ void wait_signal_kernel(uint64_t* sig, uint64_t value, const volatile uint32_t* abort,
+                                   volatile uint64_t* record) {
+    unsigned ns = 32;
+    uint64_t seen;
+    while ((seen = nvshmem_signal_fetch(sig)) < value) {
+        if (abort_raised(abort)) {
+            record[1] = seen;
+            __threadfence_system();
+            record[0] = 1;
+            __threadfence_system();
+            return;
+        }
+        __nanosleep(ns);
+        ns = min(ns * 2, 1024u);
+    }
+    nvshmem_signal_wait_until(sig, NVSHMEM_CMP_GE, value);
+    __threadfence_system();
 }
 
 // NVSHMEM's own job-wide decision (allgathered over all PEs at init) whether every PE reaches every other by
@@ -503,7 +597,8 @@ Engine::Engine(int rank, int npes, uint64_t epochs, uint64_t locks, int nlocks, 
     if (!epochs || !locks || !scratch || nlocks < 1 || slots < 1 || cell_bytes == 0 || cell_bytes % 16)
         throw Error("Engine: bad symmetric control buffers or scratch configuration");
     void* host = nullptr;
-    const size_t bytes = 2 * sizeof(uint32_t) + static_cast<size_t>(npes) * sizeof(uint64_t);
+    // [0] abort, [1] barrier gave up (uint32); npes uint64 heard; 2 uint64: wait gave up, count it saw
+    const size_t bytes = 2 * sizeof(uint32_t) + static_cast<size_t>(npes + 2) * sizeof(uint64_t);
     ODC_CUDA_CHECK(cudaHostAlloc(&host, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(host, 0, bytes);
     void* dev = nullptr;
@@ -530,6 +625,65 @@ void Engine::barrier(uint64_t epoch, uint64_t stream) {
                                                                        abort_dev_, ctl_dev_);
     check_launch("barrier_kernel");
 }
+
+void Engine::put_signal(const std::vector<uint64_t>& remote, const std::vector<uint64_t>& local,
+                        const std::vector<uint64_t>& bytes, const std::vector<int>& pe, const std::vector<bool>& near,
+                        const std::vector<uint64_t>& sig, uint64_t stream) {
+    require_init("put_signal");
+    if (aborted()) throw Error("the transport was aborted after a timeout; restart the job");
+    const size_t n = remote.size();
+    if (local.size() != n || bytes.size() != n || pe.size() != n || near.size() != n || sig.size() != n)
+        throw Error("put_signal: request lists differ in length");
+    for (size_t i = 0; i < n; ++i) {
+        if (pe[i] < 0 || pe[i] >= npes_) throw Error("put_signal: peer out of range");
+        if ((remote[i] == 0 || local[i] == 0) && bytes[i] != 0) throw Error("put_signal: null address");
+        if (sig[i] == 0 || sig[i] % sizeof(uint64_t) != 0) throw Error("put_signal: bad signal word address");
+    }
+    cudaStream_t s = as_stream(stream);
+    // 1. data: peer-pointer copies in one SM kernel, network puts from the symmetric source in another
+    std::vector<Task> tasks;
+    for (size_t i = 0; i < n; ++i)
+        if (near[i] && bytes[i] != 0) tasks.push_back(Task{remote[i], local[i], bytes[i]});
+    for_batches(tasks, 64 * 1024, [&](const TaskBatch& b, int blocks) {
+        fetch_p2p_kernel<<<blocks, kThreads, 0, s>>>(b);  // a byte copy: local source -> peer destination
+        check_launch("put_signal (peer copy)");
+    });
+    const int sms = current_sm_count();
+    for (size_t first = 0; first < n;) {
+        CellBatch b{};
+        for (; first < n && b.ntasks < kMaxTasks; ++first) {
+            if (near[first] || bytes[first] == 0) continue;
+            b.t[b.ntasks++] = CellTask{remote[first], local[first], bytes[first], b.total, pe[first]};
+            b.total += (bytes[first] + cell_bytes_ - 1) / cell_bytes_;
+        }
+        if (b.ntasks == 0) continue;
+        b.rotate = b.total * static_cast<uint64_t>(rank_) / npes_;
+        const int blocks = static_cast<int>(std::min<uint64_t>(b.total, static_cast<uint64_t>(sms)));
+        put_nbi_kernel<<<blocks, kThreads, 0, s>>>(b, cell_bytes_);
+        check_launch("put_signal (network put)");
+    }
+    // 2. quiet + fence + one signal add per request (see the ordering argument at signal_kernel)
+    for (size_t first = 0; first < n; first += kMaxTasks) {
+        SignalBatch b{};
+        for (size_t i = first; i < std::min(n, first + kMaxTasks); ++i) {
+            b.sig[b.n] = sig[i];
+            b.pe[b.n++] = pe[i];
+        }
+        signal_kernel<<<1, 64, 0, s>>>(b);
+        check_launch("put_signal (signal)");
+    }
+}
+
+void Engine::wait_signal(uint64_t sig, uint64_t value, uint64_t stream) {
+    require_init("wait_signal");
+    if (aborted()) throw Error("the transport was aborted after a timeout; restart the job");
+    if (sig == 0 || sig % sizeof(uint64_t) != 0) throw Error("wait_signal: bad signal word address");
+    wait_signal_kernel<<<1, 1, 0, as_stream(stream)>>>(as_ptr<uint64_t>(sig), value, abort_dev_, wait_record_dev());
+    check_launch("wait_signal_kernel");
+}
+
+bool Engine::wait_gave_up() const { return wait_record_host()[0] != 0; }
+uint64_t Engine::wait_seen() const { return wait_record_host()[1]; }
 
 void Engine::quiet(uint64_t stream) {
     quiet_kernel<<<1, 1, 0, as_stream(stream)>>>();

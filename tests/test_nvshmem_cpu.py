@@ -217,3 +217,85 @@ def _rank_quarantine(rank: int, world: int) -> None:
 def test_freed_ranges_are_reused_only_when_no_rank_views_them() -> None:
     results = run_ranks(_rank_quarantine, 2, timeout=60)
     assert results[0] == results[1]
+
+
+# -- signal waits, node layout, GPU sharing (hierarchical protocol, issue 14; MPS refusal, issue 12) -----------
+class _WaitEngine(_Engine):
+    """Stands for _C.Engine with a signal wait that saw ``seen`` when the abort released it (None: never ran)."""
+
+    def __init__(self, event: _Event, seen: int | None) -> None:
+        super().__init__([], event)
+        self._seen = seen
+
+    def wait_gave_up(self) -> bool:
+        return self.abort_raised and self._seen is not None
+
+    def wait_seen(self) -> int:
+        assert self._seen is not None
+        return self._seen
+
+
+def test_signal_wait_past_deadline_is_released_and_names_the_peers_and_the_count() -> None:
+    event = _Event()
+    engine = _WaitEngine(event, seen=3)
+    transport = _fake_transport(engine, timeout=0.2)
+    entry = nvshmem._Pending(event, time.monotonic() + 0.2, "sync (push)", 0, wait=(1, 4, (0, 2)))  # type: ignore[arg-type]
+    pattern = r"odc sync \(push\): rank 1 .*rank\(s\) 0, 2: signal word 1 reached 3 of 4"
+    with pytest.raises(odc.OdcTimeoutError, match=pattern):
+        transport._wait(entry)
+    assert engine.abort_raised and event.done  # released: the stream is not left blocked
+    with pytest.raises(odc.OdcTimeoutError, match="still usable"):
+        transport._check("fetch")
+
+
+def test_signal_wait_that_never_started_says_so() -> None:
+    event = _Event()
+    transport = _fake_transport(_WaitEngine(event, seen=None))
+    transport._abort(nvshmem._Pending(event, 0.0, "sync", 0, wait=(0, 2, (3,))))  # type: ignore[arg-type]
+    msg = str(transport._failure)
+    assert "rank(s) 3" in msg and "never started" in msg and "reach 2" in msg
+
+
+def test_wait_timeout_message() -> None:
+    msg = nvshmem.wait_timeout_message("sync", 2, 12.0, 4, 9, 7, [5, 6], True)
+    assert "odc sync: rank 2 timed out after 12 s" in msg and "rank(s) 5, 6" in msg
+    assert "signal word 4 reached 7 of 9" in msg and "ODC_TIMEOUT" in msg and "still usable" in msg
+    assert "still busy" in nvshmem.wait_timeout_message("sync", 0, 1.0, 0, 1, 0, [1], False)
+
+
+@pytest.mark.parametrize(
+    ("reach", "expected"),
+    [
+        ([[0, 1], [0, 1], [2, 3], [2, 3]], 2),
+        ([[0], [1], [2]], 1),
+        ([[0, 1, 2, 3]] * 4, 4),
+        ([[1, 0], [0, 1]], 2),  # order does not matter
+    ],
+)
+def test_node_layout_from_peer_pointer_reach(reach: list[list[int]], expected: int) -> None:
+    assert nvshmem.node_layout(reach) == expected
+
+
+@pytest.mark.parametrize(
+    "reach",
+    [
+        [[0, 2], [1, 3], [0, 2], [1, 3]],  # interleaved: rank r's node is not r // n
+        [[0, 1], [0, 1], [2], [3]],  # different sizes
+        [[0, 1], [0, 1], [2]],  # 2 does not divide 3
+        [[0, 1, 2], [0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5], [3, 4]],  # a rank sees less of its node
+    ],
+)
+def test_node_layout_that_cannot_be_derived_asks_for_odc_node_size(reach: list[list[int]]) -> None:
+    msg = nvshmem.node_layout(reach)
+    assert isinstance(msg, str) and "ODC_NODE_SIZE" in msg and "not consecutive blocks" in msg
+
+
+def test_several_pes_on_one_gpu_without_mps_are_refused(caplog) -> None:
+    sharing = {("h", "gpu0"): [0, 1], ("h", "gpu1"): [2]}
+    nvshmem.check_gpu_sharing(sharing, {0: 1, 1: 1, 2: 0})  # MPS on where shared; a GPU of its own needs none
+    with pytest.raises(odc.OdcUsageError, match=r"ranks \[0, 1\] share GPU gpu0 on h without CUDA MPS.*"
+                       r"nvidia-cuda-mps-control -d"):
+        nvshmem.check_gpu_sharing(sharing, {0: 1, 1: 0, 2: 1})
+    with caplog.at_level("WARNING", logger="odc_runtime"):
+        nvshmem.check_gpu_sharing(sharing, {0: -1, 1: 1, 2: 0})  # the runtime cannot tell: allowed, warned
+    assert "cannot tell whether MPS is on" in caplog.text

@@ -1,8 +1,10 @@
 """The nvshmem transport's Python paths through the public API, on CPU, with a fake extension and fake CUDA
 streams/events: which extension plans are built (kinds, peer addresses, element offsets), that the fast path
 reuses them, that barriers are numbered and at most one is in flight, the side/internal stream use of async and
-cross-node operations, allocation offsets and the free quarantine, and the failure state after an abort.
-No data moves (the fake Plan records its calls); the GPU tests check the values."""
+cross-node operations, allocation offsets and the free quarantine, and the failure state after an abort; the
+transport calls of the hierarchical protocol (element offsets into peers' regions, put_signal, wait_signal with
+its deadline, release and error, node_size). No data moves (the fake Plan and Engine record their calls); the
+GPU tests check the values."""
 
 from __future__ import annotations
 
@@ -71,13 +73,35 @@ def _fake_ext(calls: list) -> types.SimpleNamespace:
         def heard(self) -> list[int]:
             return [99, 0]
 
+        def put_signal(self, remote, local, nbytes, pe, near, sig, stream) -> None:
+            calls.append(("put_signal", list(remote), list(local), list(nbytes), list(pe), list(near), list(sig),
+                          stream))
+
+        def wait_signal(self, sig, value, stream) -> None:
+            calls.append(("wait_signal", sig, value, stream))
+
+        def wait_gave_up(self) -> bool:
+            return self.abort
+
+        def wait_seen(self) -> int:
+            return 5
+
     return types.SimpleNamespace(
         DTYPE_FLOAT32=10, DTYPE_BFLOAT16=11, DTYPE_FLOAT16=12, PLAN_FETCH_COPY=0, PLAN_FETCH_KERNEL=1,
         PLAN_FETCH_STAGED=2, PLAN_PUSH_ATOMIC=3, PLAN_PUSH_LOCKED=4, Plan=Plan, Engine=Engine,
     )
 
 
-def _install(monkeypatch, world: int, peer_bases: list[int], atomic: bool, fetch: str = "copy"):
+class _Owner:
+    """What a fake symmetric view keeps alive (weakly referenced by the free quarantine)."""
+
+
+def _install(
+    monkeypatch, world: int, peer_bases: list[int], atomic: bool, fetch: str = "copy", node: int | str = 1,
+    backed: bool = False,
+):
+    """A fake transport as PE 0. ``backed``: the arena is real CPU memory (views of buffers have addresses inside
+    it, as on the GPU), so the heap-membership check of cross-node puts can be exercised."""
     from odc_runtime import api, config
     from odc_runtime.transport import nvshmem
 
@@ -94,13 +118,21 @@ def _install(monkeypatch, world: int, peer_bases: list[int], atomic: bool, fetch
         owner = array.array("B", bytes(nbytes))
         return torch.frombuffer(owner, dtype=torch.uint8), owner
 
+    arena = ARENA
+    if backed:
+        memory = torch.zeros(1 << 20, dtype=torch.uint8)
+        arena = memory.data_ptr()
+
+        def wrap(ptr, nbytes, device):  # the backed variant
+            return memory[ptr - arena : ptr - arena + nbytes], _Owner()
+
     monkeypatch.setattr(nvshmem, "_wrap", wrap)
     monkeypatch.setattr(nvshmem, "_record", lambda t, stream: None)
     calls: list = []
     ext = _fake_ext(calls)
     transport = nvshmem.NvshmemTransport(
         ext, 0, world, torch.device("cpu"), 5.0, settings=config.NvshmemSettings(fetch=fetch), slots=4,
-        capacity=1 << 20, arena=ARENA, peer_bases=peer_bases, engine=ext.Engine(), atomic_push=atomic,
+        capacity=1 << 20, arena=arena, peer_bases=peer_bases, engine=ext.Engine(), atomic_push=atomic, node=node,
     )
     api._runtime = api._Runtime(transport=transport, generation=next(api._generations), shards=itertools.count())
     return transport, calls, current
@@ -251,3 +283,146 @@ def _rank_fake_mixed(rank: int, world: int) -> None:
 
 def test_nvshmem_mixed_reach_and_locked_protocol_with_a_fake_extension() -> None:
     run_ranks(_rank_fake_mixed, 1, timeout=60)
+
+
+def _rank_fake_hierarchy(rank: int, world: int) -> None:
+    import time
+
+    from odc_runtime.transport.base import AccumulateRequest, GetRequest, Piece, PutRequest
+
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        # PE 0 of 4: PEs 0 and 1 share a node (peer pointers), 2 and 3 are on another one; atomic push is off
+        # (multi-node job), so accumulates take the locked plan. The arena is real memory (backed).
+        transport, calls, current = _install(monkeypatch, 4, [1, 1, 0, 0], atomic=False, node=2, backed=True)
+        p0, p1 = transport._arena + (1 << 41), transport._arena + (1 << 42)
+        transport._peer_bases[:2] = [p0, p1]
+        assert transport.node_size() == 2
+        arena = transport._arena
+        buf = transport.alloc(40, torch.float32, "staging")
+        sig = transport.alloc(3, torch.int64, "signal")
+        off, soff = buf.handle.offset, sig.handle.offset
+
+        # get / accumulate with element offsets into the peer's region: near by peer pointer, far symmetric.
+        calls.clear()
+        dst = torch.empty(6)
+        transport.get(buf, [GetRequest(1, dst[:4], 30), GetRequest(2, dst[4:], 7)])
+        plans = [c[1] for c in calls if c[0] == "plan"]
+        rel = dst.data_ptr() // 4
+        assert plans == [(0, [p1 + off + 30 * 4], [rel], [4], [1]), (2, [arena + off + 7 * 4], [rel + 4], [2], [2])]
+        calls.clear()
+        grad = torch.ones(5, dtype=torch.bfloat16)
+        transport.accumulate(buf, [AccumulateRequest(1, grad[:3], 37), AccumulateRequest(3, grad[3:], 0)], 0.5)
+        plans = [c[1] for c in calls if c[0] == "plan"]
+        grel = grad.data_ptr() // 2
+        assert plans == [(4, [arena + off + 37 * 4, arena + off], [grel, grel + 3], [3, 2], [1, 3])], plans
+        flat = torch.zeros(9)
+        calls.clear()
+        plan = transport.plan(buf, "get", [Piece(1, 0, 5, 35), Piece(2, 5, 4, 1)])
+        plan.run(flat)
+        plans = [c[1] for c in calls if c[0] == "plan"]
+        assert plans == [(0, [p1 + off + 35 * 4], [0], [5], [1]), (2, [arena + off + 4], [5], [4], [2])], plans
+        assert [c[2] for c in calls if c[0] == "run"] == [flat.data_ptr(), flat.data_ptr()]
+
+        # Out of range (offset + numel > numel, negative offset, bad peer): typed error, nothing issued.
+        calls.clear()
+        with pytest.raises(odc.OdcUsageError, match=r"\[37, 41\).*out of its range \[0, 40\)"):
+            transport.get(buf, [GetRequest(1, dst[:2], 0), GetRequest(2, dst[:4], 37)])
+        with pytest.raises(odc.OdcUsageError, match="out of its range"):
+            transport.accumulate(buf, [AccumulateRequest(0, grad[:1], -1)], 1.0)
+        with pytest.raises(odc.OdcUsageError, match="out of its range"):
+            transport.plan(buf, "accumulate", [Piece(0, 0, 2, 39)])
+        with pytest.raises(odc.OdcUsageError, match="peer 4 out of range"):
+            transport.get(buf, [GetRequest(4, dst[:1], 0)])
+        assert calls == [], calls
+
+        # put_signal: same-node peer by peer pointer (any source), other node from inside the symmetric heap.
+        calls.clear()
+        rows = buf.local
+        transport.put_signal(
+            buf, [PutRequest(1, rows[:8], 16, 0), PutRequest(2, rows[8:12], 4, 2), PutRequest(3, rows[:0], 0, 1)], sig
+        )
+        (call,) = calls
+        assert call == (
+            "put_signal",
+            [p1 + off + 16 * 4, arena + off + 4 * 4, arena + off],
+            [rows.data_ptr(), rows.data_ptr() + 32, rows[:0].data_ptr()],  # (torch: 0 for an empty view)
+            [32, 16, 0],
+            [1, 2, 3],
+            [True, False, False],
+            [arena + soff, arena + soff + 16, arena + soff + 8],
+            current.cuda_stream,
+        ), call
+        calls.clear()
+        outside = torch.ones(4)
+        transport.put_signal(buf, [PutRequest(1, outside, 0, 0)], sig)  # same node: any device memory
+        assert len(calls) == 1
+        calls.clear()
+        with pytest.raises(odc.OdcUsageError, match="not inside the symmetric heap"):
+            transport.put_signal(buf, [PutRequest(1, outside, 0, 0), PutRequest(2, outside, 0, 0)], sig)
+        with pytest.raises(odc.OdcUsageError, match="out of its range"):
+            transport.put_signal(buf, [PutRequest(1, rows[:8], 33, 0)], sig)
+        with pytest.raises(odc.OdcUsageError, match="signal index 3"):
+            transport.put_signal(buf, [PutRequest(1, rows[:8], 0, 3)], sig)
+        with pytest.raises(odc.OdcUsageError, match="int64"):
+            transport.put_signal(buf, [PutRequest(1, rows[:8], 0, 0)], buf)
+        with pytest.raises(odc.OdcUsageError, match="dtype"):
+            transport.put_signal(buf, [PutRequest(1, grad, 0, 0)], sig)
+        assert calls == [], calls
+
+        # wait_signal: launched on the current stream, held by the watchdog with its deadline; the host returns.
+        engine = transport._engine
+
+        class PendingEvent(FakeEvent):
+            """A wait kernel that only leaves when the abort is raised (the peers never put)."""
+
+            def query(self) -> bool:
+                return engine.abort
+
+        monkeypatch.setattr(torch.cuda, "Event", PendingEvent)
+        transport.wait_signal(sig, 2, 7, "sync (hierarchical push)", [2, 3])
+        assert calls == [("wait_signal", arena + soff + 16, 7, current.cuda_stream)], calls
+        entry = transport._watchdog.outstanding()[-1]
+        assert entry.wait == (2, 7, (2, 3)) and entry.op == "sync (hierarchical push)"
+        assert transport._failure is None and not engine.abort
+        with pytest.raises(odc.OdcUsageError, match="negative"):
+            transport.wait_signal(sig, 0, -1, "w", [])
+        # Past the deadline the watchdog (its own thread) raises the abort, which releases the wait kernel, and
+        # records the error; the next call into the transport raises it.
+        entry.deadline = 0.0
+        end = time.monotonic() + 30
+        while transport._failure is None and time.monotonic() < end:
+            time.sleep(0.01)
+        assert engine.abort, "the wait was not released"
+        pattern = r"odc sync \(hierarchical push\): rank 0 .*rank\(s\) 2, 3: signal word 2 reached 5 of 7"
+        with pytest.raises(odc.OdcTimeoutError, match=pattern):
+            transport.put_signal(buf, [PutRequest(1, rows[:8], 0, 0)], sig)
+        with pytest.raises(odc.OdcTimeoutError, match="still usable"):
+            transport.wait_signal(sig, 0, 1, "w", [])
+        with pytest.raises(odc.OdcTimeoutError):
+            transport.get(buf, [GetRequest(1, dst, 0)])
+        monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+        odc.api._runtime = None
+        transport._finalized = True
+    finally:
+        monkeypatch.undo()
+
+
+def test_nvshmem_hierarchy_calls_with_a_fake_extension() -> None:
+    run_ranks(_rank_fake_hierarchy, 1, timeout=120)
+
+
+def _rank_fake_node_unknown(rank: int, world: int) -> None:
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        transport, _, _ = _install(monkeypatch, 2, [1, 0], atomic=False, node="why it cannot be derived")
+        with pytest.raises(odc.OdcUsageError, match="why it cannot be derived"):
+            transport.node_size()
+        odc.api._runtime = None
+        transport._finalized = True
+    finally:
+        monkeypatch.undo()
+
+
+def test_nvshmem_node_size_not_derivable_raises_with_a_fake_extension() -> None:
+    run_ranks(_rank_fake_node_unknown, 1, timeout=60)

@@ -2,8 +2,9 @@
 
 Bootstrap (:func:`create`, collective): every rank validates its side and parses its settings
 (:func:`odc_runtime.config.nvshmem_settings`), the ranks agree on all of them over ``torch.distributed``
-(a mismatch raises on every rank, naming the setting and the values), rank 0's NVSHMEM unique id is broadcast,
-and every rank initialises NVSHMEM as PE ``rank`` on its current CUDA device. Importing this module never needs a
+(a mismatch raises on every rank, naming the setting and the values), several PEs on one GPU without CUDA MPS are
+refused, rank 0's NVSHMEM unique id reaches every rank through the bounded store exchange (``ODC_TIMEOUT``), and
+every rank initialises NVSHMEM as PE ``rank`` on its current CUDA device. Importing this module never needs a
 GPU or the extension.
 
 Memory: the whole symmetric heap is allocated once at init (``heap_size`` / ``NVSHMEM_SYMMETRIC_SIZE``, default
@@ -23,6 +24,12 @@ waiting kernel leaves within microseconds, the CUDA context stays usable), reads
 and records an :class:`~odc_runtime.errors.OdcTimeoutError` naming them and the operation; every later call into
 the transport raises it. ``barrier`` keeps at most one barrier in flight: it first waits (short polling, same
 deadline) for the previous one, so a sync that times out is reported by the next sync at the latest.
+
+Signalled puts (``put_signal`` / ``wait_signal``, the hierarchical push across nodes): own kernels too (data copy
+or network puts, then quiet + fence + signal add; the wait polls the local signal word and the abort word). A
+wait is stream-ordered and held by the watchdog like a barrier: past its deadline the abort releases it and the
+next call raises OdcTimeoutError naming the operation, the peers and the count reached. ``node_size`` is the
+block of PEs reachable by peer pointer, checked at init to be consecutive blocks of one size on every rank.
 
 fetch (``get``): peers with a peer pointer (``nvshmem_ptr``: same node) are read by the copy engines
 (``cudaMemcpyAsync``; ``ODC_NVSHMEM_FETCH=kernel`` uses an SM copy kernel instead), others (across nodes) by a
@@ -71,6 +78,7 @@ from odc_runtime.transport.base import (
     GetRequest,
     Group,
     Piece,
+    PutRequest,
     SymmetricBuffer,
     TransferPlan,
     Transport,
@@ -219,12 +227,13 @@ class _Handle:
 
 @dataclass
 class _Pending:
-    """A barrier (or locked push) whose completion the watchdog checks against its deadline."""
+    """A barrier, locked push or signal wait whose completion the watchdog checks against its deadline."""
 
     event: torch.cuda.Event
     deadline: float
     op: str
-    epoch: int  # barrier number; 0 for a push
+    epoch: int  # barrier number; 0 for a push or a signal wait
+    wait: tuple[int, int, tuple[int, ...]] | None = None  # signal wait: (word index, awaited count, peers)
 
 
 # -- the barrier / abort state machine -------------------------------------------------------------------
@@ -253,6 +262,51 @@ def timeout_message(op: str, rank: int, timeout: float, epoch: int, missing: lis
         f"odc {op}: rank {rank} timed out after {timeout:g} s: {who}. A dead or stuck peer, or a peer that did not "
         f"call the same collective; raise ODC_TIMEOUT if it is merely slow. The nvshmem transport is aborted and "
         f"every later call raises this error; {gpu}. Exit the process and restart the job."
+    )
+
+
+def wait_timeout_message(
+    op: str, rank: int, timeout: float, index: int, value: int, seen: int | None, peers: Sequence[int], left: bool
+) -> str:
+    """Text of the OdcTimeoutError raised when a signal wait (:meth:`NvshmemTransport.wait_signal`) times out;
+    ``seen`` is the count the wait kernel last read (``None`` if it never ran: work queued before it)."""
+    where = (
+        f"signal word {index} reached {seen} of {value}"
+        if seen is not None
+        else f"the wait for signal word {index} to reach {value} never started (this GPU was still busy with work "
+        "queued before it)"
+    )
+    who = ", ".join(map(str, peers)) or "none named"
+    gpu = (
+        "the wait was released and the CUDA context is still usable (a checkpoint can be written)"
+        if left
+        else f"the GPU was still busy {ABORT_GRACE_S:g} s after the abort (user work queued on the stream)"
+    )
+    return (
+        f"odc {op}: rank {rank} timed out after {timeout:g} s waiting for signalled puts from rank(s) {who}: "
+        f"{where}. A dead or stuck peer, or a peer that did not run the same step; raise ODC_TIMEOUT if it is "
+        f"merely slow. The nvshmem transport is aborted and every later call raises this error; {gpu}. Exit the "
+        "process and restart the job."
+    )
+
+
+def node_layout(reach: Sequence[Sequence[int]]) -> int | str:
+    """The node size from every rank's peer-pointer reach (``reach[r]`` = the ranks rank ``r`` reaches by
+    ``nvshmem_ptr``, itself included), or the text of the error :meth:`NvshmemTransport.node_size` raises when
+    the reach is not consecutive blocks of one size (the hierarchy's ``r // n`` numbering would be wrong)."""
+    world = len(reach)
+    n = len(reach[0]) if world else 0
+    bad = []
+    for r, peers in enumerate(reach):
+        first = (r // n) * n if n else 0
+        if n == 0 or world % n or sorted(peers) != list(range(first, first + n)):
+            bad.append(f"rank {r}: {sorted(peers)}")
+    if not bad:
+        return n
+    return (
+        "nvshmem node_size: the ranks reachable by peer pointer (NVLink / same host) are not consecutive blocks of "
+        f"one size, so the node cannot be derived ({'; '.join(bad[:4])}{'; ...' if len(bad) > 4 else ''}). "
+        "Number the ranks node by node, or declare the node size with ODC_NODE_SIZE (or odc.init(node_size=...))"
     )
 
 
@@ -406,7 +460,9 @@ class NvshmemTransport(Transport):
         peer_bases: list[int],
         engine: object,
         atomic_push: bool,
+        node: int | str,
     ) -> None:
+        """``node``: the node size derived at init (:func:`node_layout`), or why it cannot be derived."""
         super().__init__(rank, world_size, device, timeout)
         self._C = ext
         self._codes = _dtype_codes(ext)
@@ -416,6 +472,7 @@ class NvshmemTransport(Transport):
         self._allocator = HeapAllocator(capacity, limit_hint="odc.init(heap_size=...) or NVSHMEM_SYMMETRIC_SIZE")
         self._arena = arena
         self._peer_bases = peer_bases  # nvshmem_ptr(arena, pe) per PE; 0 = no peer pointer (other node)
+        self._node = node
         self._engine = engine
         self._buffers: list[SymmetricBuffer] = []
         self._quarantine: list[tuple[int, weakref.ref, str]] = []  # freed while viewed: (offset, views, tag)
@@ -458,6 +515,15 @@ class NvshmemTransport(Transport):
                 except RuntimeError:
                     break
                 time.sleep(1e-3)
+            if entry.wait is not None:
+                index, value, peers = entry.wait
+                seen = self._engine.wait_seen() if self._engine.wait_gave_up() else None  # type: ignore[attr-defined]
+                self._fail(
+                    OdcTimeoutError(
+                        wait_timeout_message(entry.op, self.rank, self.timeout, index, value, seen, peers, left)
+                    )
+                )
+                return
             missing: list[int] = []
             if entry.epoch and self._engine.barrier_gave_up():  # type: ignore[attr-defined]
                 missing = missing_peers(self._engine.heard(), entry.epoch)  # type: ignore[attr-defined]
@@ -507,8 +573,9 @@ class NvshmemTransport(Transport):
             raise OdcUsageError(f"nvshmem {what}: dtype {t.dtype} not allowed; use one of {tuple(dtypes)}")
         return t
 
-    def _build(self, buf: SymmetricBuffer, kind: str, entries: Sequence[tuple[int, int, int]]) -> tuple:
-        """Extension plans ``(near, far)`` for ``(peer, element offset in the local tensor, numel)`` entries."""
+    def _build(self, buf: SymmetricBuffer, kind: str, entries: Sequence[tuple[int, int, int, int]]) -> tuple:
+        """Extension plans ``(near, far)`` for ``(peer, element offset in the local tensor, numel, element offset
+        in the peer's region)`` entries. Everything is validated before any plan is made."""
         h: _Handle = buf.handle  # type: ignore[assignment]
         if buf.freed:
             raise OdcUsageError(f"nvshmem {kind}: buffer {buf.tag!r} was freed")
@@ -516,16 +583,15 @@ class NvshmemTransport(Transport):
             raise OdcUsageError(f"nvshmem accumulate: accumulators must be float32, got {buf.dtype}")
         near: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
         far: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
-        for peer, rel, numel in entries:
-            if not 0 <= peer < self.world_size:
-                raise OdcUsageError(f"nvshmem {kind}: peer {peer} out of range [0, {self.world_size})")
-            if numel > buf.numel:
-                raise OdcUsageError(f"nvshmem {kind}: {numel} elements exceed buffer {buf.tag!r} of {buf.numel}")
+        item = buf.dtype.itemsize
+        for peer, rel, numel, offset in entries:
+            self._check_range(kind, buf, peer, offset, numel)
             if numel == 0:
                 continue
             direct = self._peer_bases[peer] != 0 and (kind == "get" or self.atomic_push)
             lists = near if direct else far
-            lists[0].append(self._peer_bases[peer] + h.offset if direct else h.ptr)
+            # the peer's address: its base (peer pointer, or the symmetric address) + the buffer + the offset
+            lists[0].append((self._peer_bases[peer] + h.offset if direct else h.ptr) + offset * item)
             lists[1].append(rel)
             lists[2].append(numel)
             lists[3].append(peer)
@@ -540,6 +606,16 @@ class NvshmemTransport(Transport):
             _backend_call("plan", make, self._engine, near_kind, *near) if near[0] else None,
             _backend_call("plan", make, self._engine, far_kind, *far) if far[0] else None,
         )
+
+    def _check_range(self, op: str, buf: SymmetricBuffer, peer: int, offset: int, numel: int) -> None:
+        """``peer`` exists and ``[offset, offset + numel)`` lies inside ``buf`` (elements)."""
+        if not 0 <= peer < self.world_size:
+            raise OdcUsageError(f"nvshmem {op}: peer {peer} out of range [0, {self.world_size})")
+        if offset < 0 or offset + numel > buf.numel:
+            raise OdcUsageError(
+                f"nvshmem {op}: elements [{offset}, {offset + numel}) of buffer {buf.tag!r} are out of its range "
+                f"[0, {buf.numel}) (offset {offset}, {numel} elements)"
+            )
 
     def _run_on_streams(
         self,
@@ -652,7 +728,7 @@ class NvshmemTransport(Transport):
     def plan(self, buf: SymmetricBuffer, kind: str, pieces: Sequence[Piece]) -> TransferPlan:
         self._check(kind)
         stream_ptr = self.stream_key()
-        near, far = self._build(buf, kind, [(p.peer, p.start, p.numel) for p in pieces])
+        near, far = self._build(buf, kind, [(p.peer, p.start, p.numel, p.offset) for p in pieces])
         return _NvshmemPlan(self, buf, kind, pieces, stream_ptr, near, far, stream_ptr)  # type: ignore[arg-type]
 
     def get(self, buf: SymmetricBuffer, requests: Sequence[GetRequest], *, async_op: bool = False) -> Work | None:
@@ -662,7 +738,7 @@ class NvshmemTransport(Transport):
         for r in requests:  # validate everything before issuing anything
             self._check_local("get(dst)", r.dst, (buf.dtype,))
             # base 0 + element offset: a tensor's address is a multiple of its element size
-            entries.append((r.peer, r.dst.data_ptr() // item, r.dst.numel()))
+            entries.append((r.peer, r.dst.data_ptr() // item, r.dst.numel(), r.offset))
         code = self._codes.get(buf.dtype)
         if code is None:
             raise OdcUsageError(f"nvshmem get: dtype {buf.dtype} not supported (use fp32/bf16/fp16)")
@@ -676,13 +752,96 @@ class NvshmemTransport(Transport):
         groups: dict[torch.dtype, list[tuple[int, int, int]]] = {}
         for r in requests:
             self._check_local("accumulate(src)", r.src, tuple(self._codes))
-            groups.setdefault(r.src.dtype, []).append((r.peer, r.src.data_ptr() // r.src.itemsize, r.src.numel()))
+            groups.setdefault(r.src.dtype, []).append(
+                (r.peer, r.src.data_ptr() // r.src.itemsize, r.src.numel(), r.offset)
+            )
+        # every group is built (and validated) before any runs: a bad request issues nothing
         built = [(self._codes[dtype], self._build(buf, "accumulate", entries)) for dtype, entries in groups.items()]
         srcs = [r.src for r in requests]
         work: Work | None = None
         for code, (near, far) in built:
             work = self._run_on_streams(near, far, 0, srcs, code, float(scale), async_op, "accumulate")
         return work  # all groups ran on the same side stream in order: the last handle covers them all
+
+    # -- signalled puts (hierarchical push across nodes) ----------------------------------------------------
+    def _check_signal(self, op: str, signal: SymmetricBuffer, index: int) -> int:
+        """Validate ``signal[index]`` and return the word's symmetric address."""
+        if not isinstance(signal, SymmetricBuffer) or signal.freed:
+            raise OdcUsageError(f"nvshmem {op}: the signal buffer must be a live buffer from alloc()")
+        if signal.dtype != torch.int64:
+            raise OdcUsageError(f"nvshmem {op}: the signal buffer must be int64, got {signal.dtype}")
+        if not 0 <= index < signal.numel:
+            raise OdcUsageError(f"nvshmem {op}: signal index {index} out of range [0, {signal.numel})")
+        return signal.handle.ptr + index * 8  # type: ignore[attr-defined]
+
+    def put_signal(self, buf: SymmetricBuffer, requests: Sequence[PutRequest], signal: SymmetricBuffer) -> None:
+        """Stream-ordered signalled puts (``csrc/odc_nvshmem.cu``, ``signal_kernel``, has the ordering argument).
+
+        Peers with a peer pointer (same node) are written by an SM copy, the others by network puts, which read
+        the source directly: for those, ``src`` must lie inside the symmetric heap (a view of a buffer from
+        :meth:`alloc`), since the network can only read registered memory. Nothing is issued unless every
+        request is valid. The host does not wait."""
+        self._check("put_signal")
+        if buf.freed:
+            raise OdcUsageError(f"nvshmem put_signal: buffer {buf.tag!r} was freed")
+        h: _Handle = buf.handle  # type: ignore[assignment]
+        item = buf.dtype.itemsize
+        heap_end = self._arena + self._allocator.capacity
+        remote: list[int] = []
+        local: list[int] = []
+        nbytes: list[int] = []
+        pes: list[int] = []
+        near: list[bool] = []
+        sigs: list[int] = []
+        for r in requests:  # validate everything before issuing anything
+            src = self._check_local("put_signal(src)", r.src, (buf.dtype,))
+            n = src.numel()
+            self._check_range("put_signal", buf, r.peer, r.offset, n)
+            sigs.append(self._check_signal("put_signal", signal, r.signal_index))
+            direct = self._peer_bases[r.peer] != 0
+            if not direct and n and not (self._arena <= src.data_ptr() and src.data_ptr() + n * item <= heap_end):
+                raise OdcUsageError(
+                    f"nvshmem put_signal: the source for rank {r.peer} (another node) is not inside the symmetric "
+                    "heap; the network reads registered memory only: put from a view of a buffer from alloc()"
+                )
+            remote.append((self._peer_bases[r.peer] + h.offset if direct else h.ptr) + r.offset * item)
+            local.append(src.data_ptr())
+            nbytes.append(n * item)
+            pes.append(r.peer)
+            near.append(direct)
+        if not remote:
+            return
+        stream = self._stream()
+        self._join_into(stream)  # after this rank's asynchronous operations, like quiet
+        _backend_call(
+            "put_signal", self._engine.put_signal, remote, local, nbytes, pes, near, sigs,  # type: ignore[attr-defined]
+            stream.cuda_stream,
+        )
+
+    def wait_signal(self, signal: SymmetricBuffer, index: int, value: int, op: str, peers: Sequence[int]) -> None:
+        """The current stream waits until ``signal[index] >= value`` (acquire); the host does not block.
+
+        The watchdog holds the wait's event against ``timeout``: past it, the abort word releases the wait
+        kernel (and every other waiting kernel of this engine), and the next call into the transport raises
+        :class:`~odc_runtime.errors.OdcTimeoutError` naming ``op``, ``peers`` and the count that was reached."""
+        self._check(op)
+        addr = self._check_signal(op, signal, index)
+        if value < 0:
+            raise OdcUsageError(f"nvshmem {op}: awaited count {value} is negative")
+        stream = self._stream()
+        _backend_call(op, self._engine.wait_signal, addr, int(value), stream.cuda_stream)  # type: ignore[attr-defined]
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        entry = _Pending(ev, time.monotonic() + self.timeout, op, 0, wait=(index, int(value), tuple(peers)))
+        self._watchdog.add(entry)
+
+    def node_size(self) -> int:
+        """The PEs that reach each other by peer pointer (one NVLink domain / host), derived and checked at init:
+        consecutive blocks of one size on every rank, else :class:`~odc_runtime.errors.OdcUsageError` asking for
+        ``ODC_NODE_SIZE``."""
+        if isinstance(self._node, str):
+            raise OdcUsageError(self._node)
+        return self._node
 
     def quiet(self) -> None:
         self._check("quiet")
@@ -809,6 +968,32 @@ def agree_settings(infos: Sequence[tuple[config.NvshmemSettings, int, int]]) -> 
     return settings, capacity, settings.scratch_slots or max(info[2] for info in infos)
 
 
+def check_gpu_sharing(sharing: dict[tuple[str, str], list[int]], mps: dict[int, int]) -> None:
+    """Refuse several PEs on one GPU without CUDA MPS (``sharing``: (host, GPU uuid) -> ranks; ``mps[r]``: 1
+    on, 0 off, -1 unknown). Every rank sees the same data, so every rank raises together, before NVSHMEM starts.
+
+    Without MPS the contexts of the PEs time-slice the GPU: a PE's waiting kernel (barrier, lock, signal wait)
+    holds its time slice while the PE it waits for cannot run, so every wait costs scheduler slices and progress
+    rests on the driver's time-slicing policy. When the runtime cannot tell (``-1``, an old driver), the job is
+    allowed with a warning."""
+    for (host, uuid), ranks in sorted(sharing.items()):
+        if len(ranks) < 2:
+            continue
+        states = {mps[r] for r in ranks}
+        if 0 in states:
+            raise OdcUsageError(
+                f"nvshmem transport: ranks {ranks} share GPU {uuid} on {host} without CUDA MPS; several NVSHMEM PEs "
+                "on one GPU need MPS (their waiting kernels would otherwise time-slice the GPU). Start the MPS "
+                "daemon before the job (`nvidia-cuda-mps-control -d`; stop it with `echo quit | "
+                "nvidia-cuda-mps-control`), or give every rank its own GPU"
+            )
+        if states != {1}:
+            log.warning(
+                "odc nvshmem: ranks %s share GPU %s on %s and this CUDA runtime cannot tell whether MPS is on; "
+                "without MPS (nvidia-cuda-mps-control -d) their kernels time-slice (slow).", ranks, uuid, host,
+            )
+
+
 def create(*, timeout: float, heap_size: int | str | None = None) -> NvshmemTransport:
     """Initialise NVSHMEM on every rank of the default ``torch.distributed`` group; collective.
 
@@ -854,12 +1039,7 @@ def create(*, timeout: float, heap_size: int | str | None = None) -> NvshmemTran
     sharing: dict[tuple[str, str], list[int]] = {}
     for r, info in enumerate(infos):
         sharing.setdefault((info[3], info[4]), []).append(r)
-    for (host, uuid), ranks in sharing.items():
-        if len(ranks) > 1 and infos[ranks[0]][5] != 1:
-            log.warning(
-                "odc nvshmem: ranks %s share GPU %s on %s without CUDA MPS; their kernels time-slice (slow). "
-                "Start MPS (nvidia-cuda-mps-control -d) before the job for concurrent execution.", ranks, uuid, host,
-            )
+    check_gpu_sharing(sharing, {r: info[5] for r, info in enumerate(infos)})
     ext = ext_box[0]
     device = torch.device("cuda", torch.cuda.current_device())
     epochs_bytes, locks_bytes, scratch_bytes = world * 8, 2 * NLOCKS * 4, slots * settings.cell_bytes
@@ -868,16 +1048,13 @@ def create(*, timeout: float, heap_size: int | str | None = None) -> NvshmemTran
         _round(epochs_bytes) + _round(locks_bytes) + _round(scratch_bytes) + _round(capacity) + SLACK
     )
 
-    uid_or_error: list[object] = [None]
-    if rank == 0:
-        try:
-            uid_or_error[0] = ext.get_unique_id()
-        except RuntimeError as exc:
-            uid_or_error[0] = f"get_unique_id failed on rank 0: {exc}"
-    dist.broadcast_object_list(uid_or_error, src=0)
-    if isinstance(uid_or_error[0], str):
-        raise OdcBackendError(f"nvshmem transport: {uid_or_error[0]}")
-    _backend_call("init", ext.init, uid_or_error[0], rank, world, device.index)
+    # Rank 0's unique id reaches every rank through the bounded store exchange (ODC_TIMEOUT, a dead rank named);
+    # a failure on rank 0 raises on every rank.
+    def unique_id() -> str | None:
+        return bytes(_backend_call("get_unique_id", ext.get_unique_id)).hex() if rank == 0 else None  # type: ignore[arg-type]
+
+    uid = bytes.fromhex(gather_checked("init (nvshmem unique id)", unique_id, timeout=timeout)[0])  # type: ignore[arg-type]
+    _backend_call("init", ext.init, uid, rank, world, device.index)
     global _initialized_once
     _initialized_once = True
 
@@ -894,10 +1071,13 @@ def create(*, timeout: float, heap_size: int | str | None = None) -> NvshmemTran
     # One push protocol for the whole job, never a mix (see docs/design.md): atomics through peer pointers only
     # when NVSHMEM found that every PE reaches every PE with load/store atomics; otherwise the locked protocol.
     atomic = settings.push == "auto" and bool(_backend_call("p2p_atomics", ext.p2p_atomics)) and all(peer_bases)
+    reach = [q for q, base in enumerate(peer_bases) if base]
+    layout = gather_checked("init (push protocol, node layout)", lambda: (atomic, reach))
     require_same(
-        "init:", gather_checked("init (push protocol)", lambda: atomic),
+        "init:", [a for a, _ in layout],
         rule="push protocol (atomic through peer pointers vs locked) must be the same on every rank",
     )
+    node = node_layout([r for _, r in layout])  # the same on every rank: computed from the same exchanged lists
     engine = _backend_call(
         "init", ext.Engine, rank, world, epochs, locks, NLOCKS, scratch, slots, settings.cell_bytes,
         settings.vector_atomics,
@@ -905,12 +1085,12 @@ def create(*, timeout: float, heap_size: int | str | None = None) -> NvshmemTran
     _engines.append(engine)
     transport = NvshmemTransport(
         ext, rank, world, device, timeout, settings=settings, slots=slots, capacity=capacity, arena=arena,
-        peer_bases=peer_bases, engine=engine, atomic_push=atomic,
+        peer_bases=peer_bases, engine=engine, atomic_push=atomic, node=node,
     )
     log.info(
-        "odc nvshmem transport: rank %d/%d on %s, heap %d MiB, push=%s, fetch=%s, scratch %d x %d KiB",
+        "odc nvshmem transport: rank %d/%d on %s, heap %d MiB, push=%s, fetch=%s, scratch %d x %d KiB, node=%s",
         rank, world, device, capacity >> 20, "atomic" if atomic else "locked", settings.fetch, slots,
-        settings.cell_bytes >> 10,
+        settings.cell_bytes >> 10, node if isinstance(node, int) else "not derivable (set ODC_NODE_SIZE)",
     )
     return transport
 

@@ -43,7 +43,12 @@ def main() -> None:
             result["error"] = f"{type(e).__name__}: {e}"
         _write(out_dir, rank, result)
         return
-    odc.init("nvshmem", heap_size="256M")
+    try:
+        odc.init("nvshmem", heap_size="256M")
+    except odc.OdcUsageError as e:  # several PEs on one GPU without MPS: refused on every rank
+        result["error"] = f"{type(e).__name__}: {e}"
+        _write(out_dir, rank, result)
+        return
     n = 1 << 20
     st = odc.shard(torch.zeros(n, device="cuda"), name="w")
     g = torch.ones(n, device="cuda")

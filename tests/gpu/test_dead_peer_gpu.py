@@ -2,50 +2,29 @@
 
 The survivors must raise OdcTimeoutError in push, fetch and sync within ODC_TIMEOUT + 5 s, name the dead rank,
 keep a usable CUDA context, and then exit within 5 s. Mismatched protocol settings must raise on every rank.
-Runs with and without CUDA MPS (started by this test when ``nvidia-cuda-mps-control`` exists). Ranks are plain
-processes (not torchrun, whose agent would kill the survivors as soon as one rank dies).
+Runs with CUDA MPS (started by this test when ``nvidia-cuda-mps-control`` exists) and without: several PEs on one
+GPU without MPS must then be refused at init with OdcUsageError on every rank (unless a system-wide MPS daemon is
+already running, in which case the dead-peer checks apply). Ranks are plain processes (not torchrun, whose agent
+would kill the survivors as soon as one rank dies).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import time
 
 import pytest
-from test_nvshmem_gpu import _require_backend  # skip without GPU / backend (fail under ODC_REQUIRE_EXTENSION=1)
+from _mps import mps_daemon
+from test_nvshmem_gpu import NGPU, _require_backend  # skip without GPU / backend (fail under ODC_REQUIRE_EXTENSION=1)
 
 WORKER = os.path.join(os.path.dirname(__file__), "_dead_peer_worker.py")
 TIMEOUT_S = 12
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
-
-
-@contextlib.contextmanager
-def _mps(enabled: bool, tmp):
-    """Start a private CUDA MPS daemon for the job's processes (skip if it cannot be started)."""
-    if not enabled:
-        yield {}
-        return
-    control = shutil.which("nvidia-cuda-mps-control")
-    if control is None:
-        pytest.skip("nvidia-cuda-mps-control not found: cannot start CUDA MPS for the multi-PE-per-GPU run")
-    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp / "mps-pipe"), "CUDA_MPS_LOG_DIRECTORY": str(tmp / "mps-log")}
-    for d in env.values():
-        os.makedirs(d, exist_ok=True)
-    full = {**os.environ, **env}
-    started = subprocess.run([control, "-d"], env=full, capture_output=True, text=True, timeout=30)
-    if started.returncode != 0:
-        pytest.skip(f"could not start CUDA MPS ({started.stderr.strip() or started.stdout.strip()})")
-    try:
-        yield env
-    finally:
-        subprocess.run([control], input="quit\n", env=full, capture_output=True, text=True, timeout=30)
 
 
 def _free_port() -> int:
@@ -86,9 +65,18 @@ def _output(procs) -> str:
 @pytest.mark.parametrize("scenario", ["push", "fetch", "sync"])
 def test_dead_peer_raises_within_timeout(scenario: str, world: int, mps: bool, tmp_path) -> None:
     _require_backend()
-    with _mps(mps, tmp_path) as env:
+    with mps_daemon(mps, tmp_path) as env:
         procs, exited = _launch(scenario, world, tmp_path, env)
     log = _output(procs)
+    results = {r: json.loads(p.read_text()) for r in range(world) if (p := tmp_path / f"rank{r}.json").exists()}
+    refused = any((res.get("error") or "").startswith("OdcUsageError") for res in results.values())
+    if not mps and world > NGPU and refused:
+        # Several PEs on one GPU without MPS: every rank refuses at init, naming how to start MPS.
+        for r in range(world):
+            assert r in results, f"rank {r} wrote no result\n{log}"
+            err = results[r]["error"] or ""
+            assert err.startswith("OdcUsageError") and "nvidia-cuda-mps-control" in err, f"rank {r}: {err}\n{log}"
+        return
     victim = world - 1
     for r in range(world - 1):
         path = tmp_path / f"rank{r}.json"

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from _mps import mps_daemon
 
 WORKER = os.path.join(os.path.dirname(__file__), "_nvshmem_worker.py")
 SCENARIOS = (
@@ -86,9 +87,12 @@ def test_locked_push(locked, scenario):
 
 @pytest.fixture(scope="module")
 def shared_gpu(tmp_path_factory):
-    """4 NVSHMEM PEs on the first GPU (what a single lent GPU can run): the multi-PE paths, atomic push."""
+    """4 NVSHMEM PEs on the first GPU (what a single lent GPU can run) under CUDA MPS (the transport refuses
+    several PEs per GPU without it): the multi-PE paths, atomic push."""
+    _require_backend()
     first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-    return _run(4, tmp_path_factory, env={"CUDA_VISIBLE_DEVICES": first})
+    with mps_daemon(True, tmp_path_factory.mktemp("mps")) as env:
+        return _run(4, tmp_path_factory, env={"CUDA_VISIBLE_DEVICES": first, **env})
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
