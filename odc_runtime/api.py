@@ -169,10 +169,14 @@ def init(
                 f"odc_runtime.init(): node size {nodes} < world {transport.world_size} needs put-with-signal, which "
                 f"the {name} transport does not have; set ODC_NODE_SIZE={transport.world_size} (one node)"
             )
+        hierarchy = None
+        if nodes < transport.world_size:
+            hierarchy = Hierarchy(transport, nodes)
+            # A transport may refuse the layout on some ranks only (e.g. a node without peer pointers): agreed.
+            gather_checked("init (nodes)", lambda: transport.use_nodes(nodes), exchange=StoreExchange(resolved_timeout))
     except BaseException:
         transport.finalize()  # deterministic on every rank (agreed inputs), so every rank gets here together
         raise
-    hierarchy = Hierarchy(transport, nodes) if nodes < transport.world_size else None
     _runtime = _Runtime(
         transport=transport, generation=next(_generations), shards=itertools.count(), hierarchy=hierarchy
     )

@@ -426,3 +426,38 @@ def _rank_fake_node_unknown(rank: int, world: int) -> None:
 
 def test_nvshmem_node_size_not_derivable_raises_with_a_fake_extension() -> None:
     run_ranks(_rank_fake_node_unknown, 1, timeout=60)
+
+
+def _rank_fake_node_atomics(rank: int, world: int) -> None:
+    from odc_runtime.transport.base import AccumulateRequest
+
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        # PE 0 of 4 in a multi-node job (no job-wide atomics): PEs 0, 1 share a node. Before use_nodes every push
+        # is locked; after it, pushes inside the node are atomics through the peer pointer and a push across
+        # nodes is refused before anything is issued (mixing the protocols on the same words loses updates).
+        transport, calls, _ = _install(monkeypatch, 4, [1, 1, 0, 0], atomic=False, node=2, backed=True)
+        p1 = transport._arena + (1 << 42)
+        transport._peer_bases[:2] = [transport._arena + (1 << 41), p1]
+        buf = transport.alloc(8, torch.float32, "acc")
+        src = torch.ones(4)
+        calls.clear()
+        transport.accumulate(buf, [AccumulateRequest(1, src)], 1.0)
+        assert [c[1][0] for c in calls if c[0] == "plan"] == [4], "locked protocol before use_nodes"
+        transport.use_nodes(2)
+        calls.clear()
+        transport.accumulate(buf, [AccumulateRequest(1, src)], 1.0)
+        plans = [c[1] for c in calls if c[0] == "plan"]
+        assert plans == [(3, [p1 + buf.handle.offset], [src.data_ptr() // 4], [4], [1])], plans
+        calls.clear()
+        with pytest.raises(odc.OdcUsageError, match="on another node outside the hierarchical protocol"):
+            transport.accumulate(buf, [AccumulateRequest(1, src), AccumulateRequest(2, src)], 1.0)
+        assert calls == []
+        odc.api._runtime = None
+        transport._finalized = True
+    finally:
+        monkeypatch.undo()
+
+
+def test_nvshmem_intra_node_atomics_once_the_hierarchy_is_on() -> None:
+    run_ranks(_rank_fake_node_atomics, 1, timeout=60)

@@ -270,6 +270,12 @@ class Transport(abc.ABC):
         one machine."""
         return self.world_size
 
+    def use_nodes(self, node_size: int) -> None:  # noqa: B027 (optional hook, not abstract: most need nothing)
+        """Called once by ``init`` when the hierarchical protocol is on (``node_size`` below the world size): from
+        then on the core API accumulates into ranks of the caller's node only, except for tensors of a proper
+        subgroup. A transport whose accumulate protocol depends on that (nvshmem: intra-node atomics in a
+        multi-node job) switches here; the default changes nothing."""
+
     def group_barrier(self, op: str, group: Group) -> None:
         """Collective over ``group.ranks`` only: :meth:`barrier`'s guarantees among those ranks (implies quiet on
         each of them; accumulates a member issued before it are visible in the owners' regions, writes a member

@@ -469,6 +469,8 @@ class NvshmemTransport(Transport):
         self.settings = settings
         self.slots = slots
         self.atomic_push = atomic_push
+        self._node_atomics = 0  # node size when the hierarchy keeps accumulates inside nodes (see use_nodes)
+        self._my_node = 0
         self._allocator = HeapAllocator(capacity, limit_hint="odc.init(heap_size=...) or NVSHMEM_SYMMETRIC_SIZE")
         self._arena = arena
         self._peer_bases = peer_bases  # nvshmem_ptr(arena, pe) per PE; 0 = no peer pointer (other node)
@@ -588,7 +590,14 @@ class NvshmemTransport(Transport):
             self._check_range(kind, buf, peer, offset, numel)
             if numel == 0:
                 continue
-            direct = self._peer_bases[peer] != 0 and (kind == "get" or self.atomic_push)
+            if kind == "accumulate" and self._node_atomics and peer // self._node_atomics != self._my_node:
+                raise OdcUsageError(
+                    f"nvshmem push: rank {self.rank} pushes into rank {peer} on another node outside the hierarchical "
+                    f"protocol (nodes of {self._node_atomics}); inside nodes pushes are NVLink atomics, which a "
+                    "cross-node read-modify-write would race. Shard the tensor over all ranks or over a group "
+                    "within one node, or set ODC_NODE_SIZE to the world size (the locked protocol for every push)"
+                )
+            direct = self._peer_bases[peer] != 0 and (kind == "get" or self.atomic_push or self._node_atomics > 0)
             lists = near if direct else far
             # the peer's address: its base (peer pointer, or the symmetric address) + the buffer + the offset
             lists[0].append((self._peer_bases[peer] + h.offset if direct else h.ptr) + offset * item)
@@ -834,6 +843,25 @@ class NvshmemTransport(Transport):
         ev.record(stream)
         entry = _Pending(ev, time.monotonic() + self.timeout, op, 0, wait=(index, int(value), tuple(peers)))
         self._watchdog.add(entry)
+
+    def use_nodes(self, node_size: int) -> None:
+        """The hierarchy is on: every accumulate of a world-sharded tensor stays inside a node. In a multi-node
+        job (no job-wide load/store atomics, so the locked protocol everywhere) that makes NVLink atomics safe for
+        intra-node pushes, provided no push crosses a node any more: such pushes are refused from now on (mixing
+        atomics with a remote get…add…put on the same words would lose updates; docs/design.md). A forced
+        ``ODC_NVSHMEM_PUSH=locked`` keeps the locked protocol; a job with job-wide atomics changes nothing."""
+        if self.atomic_push or self.settings.push == "locked":
+            return
+        first = self.rank // node_size * node_size
+        unreachable = [p for p in range(first, first + node_size) if self._peer_bases[p] == 0]
+        if unreachable:
+            raise OdcUsageError(
+                f"nvshmem: node size {node_size} puts rank(s) {unreachable} on rank {self.rank}'s node, but they "
+                "have no peer pointer (no NVLink / load-store path); set ODC_NODE_SIZE to the GPUs that share "
+                "a node"
+            )
+        self._node_atomics = node_size
+        self._my_node = self.rank // node_size
 
     def node_size(self) -> int:
         """The PEs that reach each other by peer pointer (one NVLink domain / host), derived and checked at init:
