@@ -42,9 +42,9 @@ machine; with nvshmem, 4 PEs on one GPU under MPS (``--pes-per-gpu 4 --node-size
 then the node-local part only; the cross-node part is in ``sync_flush``. ODC only: the collectives ignore it.
 
 Several PEs on one GPU (``--pes-per-gpu K``): the ranks share GPUs round-robin and torch.distributed uses gloo
-(NCCL refuses two ranks on one GPU), so the collective rows are skipped. For concurrent kernels start CUDA MPS
-before the run (``nvidia-cuda-mps-control -d``; stop it with ``echo quit | nvidia-cuda-mps-control``); without
-MPS the PEs' kernels time-slice.
+(NCCL refuses two ranks on one GPU), so the collective rows are skipped. Start CUDA MPS before the run
+(``nvidia-cuda-mps-control -d``; stop it with ``echo quit | nvidia-cuda-mps-control``): without MPS the nvshmem
+transport refuses several PEs on one GPU (their spinning kernels would time-slice).
 
 Bytes and bandwidths. For fetch / all-gather the bytes are those of the full tensor each rank receives; for
 push / reduce-scatter those of the full gradient each rank sends; for copy / add the N bytes of the
