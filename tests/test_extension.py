@@ -67,6 +67,8 @@ def test_extension_imports_without_gpu(extension):
                      "PLAN_FETCH_STAGED", "PLAN_PUSH_ATOMIC", "PLAN_PUSH_LOCKED",
                      "nvshmem_version_compiled", "nvshmem_version_runtime"):
             assert hasattr(C, name), name
+        for name in ("barrier", "quiet", "put_signal", "wait_signal", "wait_gave_up", "wait_seen", "set_abort"):
+            assert hasattr(C.Engine, name), f"Engine.{name}"
         for gone in ("barrier_all_on_stream", "quiet_on_stream", "free", "finalize", "buffer_register"):
             assert not hasattr(C, gone), f"{gone}: no NVSHMEM host call after init"
         assert issubclass(C.NvshmemError, RuntimeError)
