@@ -66,12 +66,14 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
             for n, st in shards.items():
                 odc.push(st, params[n].grad)
             my_loss += float(loss.detach())
-        odc.sync()  # every push of this minibatch has landed in its owner's st.grad
+        # Every push of this minibatch has landed in its owner's st.grad. No st.local changed since the last sync,
+        # so across nodes (init(node_size=...) / ODC_NODE_SIZE) only gradients need to move: parameters=False.
+        odc.sync(parameters=False)
         with torch.no_grad():
             for st in shards.values():
                 st.local.add_(st.grad.to(st.local.dtype), alpha=-args.lr)  # SGD on this rank's shard only
                 st.zero_grad()
-        odc.sync()  # updated shards are visible to the next fetch
+        odc.sync(gradients=False)  # updated shards are visible to the next fetch; nothing was pushed since
         losses = [None] * world
         dist.all_gather_object(losses, (my_loss, len(my_micro_batches)))
         if rank == 0:

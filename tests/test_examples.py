@@ -12,8 +12,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(args: list[str], timeout: float = 150) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def _run(args: list[str], timeout: float = 150, **extra_env: str) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra_env)
     proc = subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -23,10 +23,20 @@ def _run(args: list[str], timeout: float = 150) -> str:
 
 @pytest.mark.timeout(180)
 def test_custom_trainer_matches_single_process() -> None:
-    out = _run(["examples/custom_trainer.py", "--nproc", "2", "--steps", "3", "--samples", "12"])
+    _check_custom_trainer(_run(["examples/custom_trainer.py", "--nproc", "2", "--steps", "3", "--samples", "12"]))
+
+
+def _check_custom_trainer(out: str) -> None:
     steps = re.findall(r"loss odc (\S+)\s+single-process (\S+)", out)
     assert len(steps) == 3 and all(abs(float(a) - float(b)) < 1e-5 for a, b in steps), out
     assert "parameters match the single-process reference" in out
+
+
+@pytest.mark.timeout(180)
+def test_custom_trainer_on_virtual_nodes_matches_single_process() -> None:
+    # every rank its own node: the example's sync(parameters=False) / sync(gradients=False) move exactly what changed
+    args = ["examples/custom_trainer.py", "--nproc", "2", "--steps", "3", "--samples", "12"]
+    _check_custom_trainer(_run(args, ODC_NODE_SIZE="1"))
 
 
 @pytest.mark.timeout(240)
