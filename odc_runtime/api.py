@@ -113,6 +113,7 @@ def init(
     timeout: float | None = None,
     heap_size: int | str | None = None,
     node_size: int | None = None,
+    node_slots: int | None = None,
 ) -> None:
     """Start the runtime (collective; call after ``torch.distributed.init_process_group``).
 
@@ -130,6 +131,9 @@ def init(
             Default ``ODC_NODE_SIZE``, else the transport's real node (host: all ranks; nvshmem: the ranks one
             GPU reaches by NVLink). A smaller value declares virtual nodes (to exercise the multi-node path on
             one machine).
+        node_slots: inbox slots per tensor for pushes from other nodes (default ``ODC_NODE_SLOTS``, else one per
+            other node). Fewer slots bound the memory (``slots × shard × 4`` bytes per tensor instead of
+            ``(nodes − 1) × shard × 4``); ``sync`` then delivers in rounds, one network round trip each.
 
     Raises (on every rank together): OdcUsageError for a bad argument or setting on this rank, OdcMismatchError
     when another rank rejected its arguments or ranks chose different backends, OdcTimeoutError /
@@ -147,11 +151,11 @@ def init(
     except OdcUsageError:
         exchange_timeout = config.DEFAULT_TIMEOUT_S
 
-    def local_checks() -> tuple[str, float, int | None]:
+    def local_checks() -> tuple[str, float, int | None, int | None]:
         if heap_size is not None:
             config.parse_size(heap_size, what="heap_size")
         nodes = config.node_size(node_size, dist.get_world_size())
-        return _select_backend(backend), config.resolve_timeout(timeout), nodes
+        return _select_backend(backend), config.resolve_timeout(timeout), nodes, config.node_slots(node_slots)
 
     results = gather_checked("init", local_checks, exchange=StoreExchange(exchange_timeout))
     # Only the backend and node size must match here; the transports compare the resolved heap sizes themselves.
@@ -160,7 +164,11 @@ def init(
         "init", [r[2] for r in results],
         rule="needs the same node size (init(node_size=...) / ODC_NODE_SIZE) on every rank",
     )
-    name, resolved_timeout, requested_nodes = results[dist.get_rank()]
+    require_same(
+        "init", [r[3] for r in results],
+        rule="needs the same inbox slots (init(node_slots=...) / ODC_NODE_SLOTS) on every rank",
+    )
+    name, resolved_timeout, requested_nodes, slots = results[dist.get_rank()]
     transport = registry.get(name).create(timeout=resolved_timeout, heap_size=heap_size)
     try:
         nodes = requested_nodes or transport.node_size()
@@ -171,7 +179,7 @@ def init(
             )
         hierarchy = None
         if nodes < transport.world_size:
-            hierarchy = Hierarchy(transport, nodes)
+            hierarchy = Hierarchy(transport, nodes, slots)
             # A transport may refuse the layout on some ranks only (e.g. a node without peer pointers): agreed.
             gather_checked("init (nodes)", lambda: transport.use_nodes(nodes), exchange=StoreExchange(resolved_timeout))
     except BaseException:

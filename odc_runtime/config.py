@@ -10,6 +10,7 @@ but empty is an error too (it is never taken as "unset", nor as the current dire
 | ``ODC_SHM_DIR`` | host transport: directory of the shared-memory segments | ``/dev/shm`` |
 | ``ODC_HOST_CHUNK_BYTES`` | host transport: bytes of an accumulate held under one lock | ``4M`` |
 | ``ODC_NODE_SIZE`` | ranks per node (consecutive; divides the world) for the hierarchical protocol | transport's node |
+| ``ODC_NODE_SLOTS`` | inbox slots per tensor for pushes from other nodes (fewer: less memory, more rounds) | M-1 |
 | ``ODC_REQUIRE_EXTENSION`` | tests: ``1`` turns "extension not built" skips into failures | ``0`` |
 
 The nvshmem transport's ``ODC_NVSHMEM_*`` settings are parsed below as well (their own block); the build settings
@@ -153,6 +154,18 @@ def node_size(arg: int | None, world_size: int) -> int | None:
             "size (e.g. 8 GPUs per node), so pick a divisor of the world size"
         )
     return value
+
+
+def node_slots(arg: int | None) -> int | None:
+    """Inbox slots per hierarchical tensor: ``init(node_slots=...)``, else ``ODC_NODE_SLOTS``, else ``None`` (one
+    per other node). Raises OdcUsageError unless it is a positive integer."""
+    if arg is not None:
+        if isinstance(arg, bool) or not isinstance(arg, int) or arg < 1:
+            raise OdcUsageError(f"node_slots must be a positive int or None, got {arg!r}")
+        return arg
+    if env("ODC_NODE_SLOTS") is not None:
+        return env_int("ODC_NODE_SLOTS", 1)
+    return None
 
 
 def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:

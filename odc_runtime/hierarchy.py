@@ -10,17 +10,18 @@ transfers so that each byte crosses the network once per node and minibatch, not
   an owner ``o`` on another node ``d``: accumulate into the *staging* buffer of the caller's node-mate with ``o``'s
   local index (the *proxy*), row ``row(d)``: the node pre-reduces everything it sends to ``o``.
 * **sync** (``gradients=True``), after a world barrier: every proxy sends each staging row with one
-  put-with-signal into its row of the owner's *inbox* (signal word = source node), waits until every other
-  node's put for each tensor arrived in its own inbox, folds the ``M-1`` slots into its accumulator with
+  put-with-signal into its slot of the owner's *inbox* (signal word = source node), waits until every other
+  node's put for each tensor arrived in its own inbox, folds the slots into its accumulator with
   :func:`odc_runtime.kernels.accumulate_slots_` (cast, sum of the slots and add in one pass; Triton on GPU),
   zeroes staging and inbox, and meets the others at a second world barrier.
 * **fetch** from an owner on the caller's node reads the owner's shard; from an owner on another node it reads the
   proxy's *mirror* row, which the proxy refreshes at every ``sync`` with ``parameters=True`` (a get of each
   remote owner's shard, after the first barrier, so it sees every write made before the sync).
 
-Memory, per rank and hierarchical tensor: ``(M-1)·S`` fp32 staging + ``(M-1)·S`` fp32 inbox + ``(M-1)·S``
-parameter-dtype mirror, plus one ``int64`` signal word per node for the runtime. There is no slot reuse: the
-bound is ``M-1`` slots of each kind.
+Memory, per rank and hierarchical tensor: ``(M-1)·S`` fp32 staging + ``K·S`` fp32 inbox + ``(M-1)·S``
+parameter-dtype mirror, plus two ``int64`` signal words per node for the runtime. ``K`` (``node_slots``) is
+``M-1`` by default; a smaller ``K`` flushes in ``ceil((M-1)/K)`` rounds, each slot reused only after the owner's
+free signal.
 
 Ordering (why sync is exact and cannot deadlock; docs/design.md has the long form):
 
@@ -114,17 +115,23 @@ class SplitPlan(TransferPlan):
 class Hierarchy:
     """The node layout and the hierarchical tensors of one runtime (see the module docstring)."""
 
-    def __init__(self, transport: Transport, node_size: int) -> None:
+    def __init__(self, transport: Transport, node_size: int, slots: int | None = None) -> None:
         world = transport.world_size
         if node_size < 1 or world % node_size:
             raise OdcUsageError(f"odc: node size {node_size} does not divide the world of {world} ranks")
+        if slots is not None and slots < 1:
+            raise OdcUsageError(f"odc: node_slots must be at least 1, got {slots}")
         self.transport = transport
         self.node_size = node_size
         self.nodes = world // node_size
         self.node = transport.rank // node_size
         self.local_index = transport.rank % node_size
-        self._signal: SymmetricBuffer | None = None
+        # Inbox slots per tensor: one per other node by default; fewer bound the memory (the flush then runs in
+        # rounds, each slot freed by a signal before it is reused).
+        self.slots = self.nodes - 1 if slots is None else max(1, min(slots, self.nodes - 1))
+        self._signal: SymmetricBuffer | None = None  # words [0, M): arrivals per source node; [M, 2M): frees
         self._arrived = [0] * self.nodes  # running count of puts expected from each node (signal words only grow)
+        self._freed = [0] * self.nodes  # running count of slot frees expected from each node
         self._tensors: dict[int, _Buffers] = {}  # by the ShardedTensor's shard sequence number, in shard order
 
     @property
@@ -154,14 +161,14 @@ class Hierarchy:
         allocated: list[SymmetricBuffer] = []
         try:
             if self._signal is None:
-                self._signal = t.alloc(self.nodes, torch.int64, tag="odc.node_signals")
+                self._signal = t.alloc(2 * self.nodes, torch.int64, tag="odc.node_signals")
             mirror = t.alloc(rows, param.dtype, tag=f"{tag}.mirror")
             allocated.append(mirror)
             stage = inbox = None
             if grad is not None:
                 stage = t.alloc(rows, torch.float32, tag=f"{tag}.stage")
                 allocated.append(stage)
-                inbox = t.alloc(rows, torch.float32, tag=f"{tag}.inbox")
+                inbox = t.alloc(self.slots * shard, torch.float32, tag=f"{tag}.inbox")
                 allocated.append(inbox)
         except BaseException:
             for buf in reversed(allocated):
@@ -230,34 +237,65 @@ class Hierarchy:
         ]
 
     def _flush(self, tensors: list[_Buffers], op: str) -> None:
+        """Deliver the staging rows into the owners' inboxes and fold them, in rounds of ``slots`` source nodes.
+
+        Source node ``c`` of an owner on node ``d`` has inbox row ``q = row(c, d)``: it sends in round
+        ``q // slots`` into slot ``q % slots``. Round ``r`` on every rank: (a) for each of its sends of round
+        ``r``, wait until the owner freed the slot (``r > 0``: the owner's free signal, word ``nodes + d``), then
+        put-with-signal the rows of every tensor; (b) wait for this rank's own arrivals of round ``r`` (word
+        ``c`` per source node), fold them, zero the slots, then free them for round ``r + 1``'s senders.
+        Deadlock-free by induction on ``r``: round 0's puts wait for nothing, so every rank finishes round 0's
+        folds; round ``r``'s frees are sent at the end of round ``r - 1`` on every owner, so every send of round
+        ``r`` proceeds, so every owner's waits of round ``r`` are met (docs/design.md, "Across nodes").
+        """
         if not tensors:
             return
         t = self.transport
-        assert self._signal is not None
-        owners = self._remote_owners()
-        for bufs in tensors:
-            assert bufs.stage is not None and bufs.inbox is not None
-            n = bufs.shard
-            t.put_signal(
-                bufs.inbox,
-                [
-                    PutRequest(o, bufs.stage.local[r * n : (r + 1) * n], self.row(self.node, o // self.node_size) * n,
-                               self.node)
-                    for r, o in owners
-                ],
-                self._signal,
-            )
-        for d in range(self.nodes):  # every other node's proxy with this rank's local index sends one per tensor
+        signal = self._signal
+        assert signal is not None
+        k, n_nodes, size = self.slots, self.nodes, self.node_size
+        # (round, slot, other node d, peer) of this rank's sends (to d's owner with its local index) and arrivals
+        sends = []
+        arrivals = []
+        for d in range(n_nodes):
             if d == self.node:
                 continue
-            self._arrived[d] += len(tensors)
-            sender = d * self.node_size + self.local_index
-            t.wait_signal(self._signal, d, self._arrived[d], f"{op}: staged pushes from node {d}", [sender])
+            peer = d * size + self.local_index
+            q = self.row(self.node, d)  # this node's row at the owner
+            sends.append((q // k, q % k, d, peer))
+            q = self.row(d)  # d's row here
+            arrivals.append((q // k, q % k, d, peer))
+        for rnd in range(-(-(n_nodes - 1) // k)):
+            for _, slot, d, peer in (x for x in sends if x[0] == rnd):
+                if rnd > 0:
+                    self._freed[d] += 1
+                    t.wait_signal(signal, n_nodes + d, self._freed[d], f"{op}: free inbox slot on node {d}", [peer])
+                row = self.row(d)
+                for bufs in tensors:
+                    assert bufs.stage is not None and bufs.inbox is not None
+                    n = bufs.shard
+                    src = bufs.stage.local[row * n : (row + 1) * n]
+                    t.put_signal(bufs.inbox, [PutRequest(peer, src, slot * n, self.node)], signal)
+            mine = [x for x in arrivals if x[0] == rnd]
+            for _, _, d, peer in mine:
+                self._arrived[d] += len(tensors)
+                t.wait_signal(signal, d, self._arrived[d], f"{op}: staged pushes from node {d}", [peer])
+            for bufs in tensors:
+                assert bufs.grad is not None and bufs.inbox is not None
+                slots = bufs.inbox.local.view(k, bufs.shard)[: len(mine)]
+                kernels.accumulate_slots_(bufs.grad.local[: bufs.shard], slots)
+                slots.zero_()
+            # free the slots for the next round's senders (a signal without data)
+            nxt = [peer for x_rnd, _, _, peer in arrivals if x_rnd == rnd + 1]
+            if nxt:
+                empty = tensors[0].inbox.local[:0]  # type: ignore[union-attr]
+                t.put_signal(
+                    tensors[0].inbox,  # type: ignore[arg-type]
+                    [PutRequest(peer, empty, 0, n_nodes + self.node) for peer in nxt],
+                    signal,
+                )
         for bufs in tensors:
-            assert bufs.grad is not None and bufs.inbox is not None and bufs.stage is not None
-            slots = bufs.inbox.local.view(self.nodes - 1, bufs.shard)
-            kernels.accumulate_slots_(bufs.grad.local[: bufs.shard], slots)
-            bufs.inbox.local.zero_()
+            assert bufs.stage is not None
             bufs.stage.local.zero_()
 
     def _refresh(self, tensors: list[_Buffers]) -> None:

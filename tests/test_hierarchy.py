@@ -140,10 +140,18 @@ def _check_fetch(sts: list[odc.ShardedTensor], version: int, what: str) -> None:
         assert torch.equal(got, expected), (what, i)
 
 
-def _rank_exact(rank: int, world: int, node_size: int) -> None:
+def _rank_exact(rank: int, world: int, node_size: int, node_slots: int | None = None) -> None:
     assert world == WORLD
-    odc.init("host", node_size=node_size)
+    odc.init("host", node_size=node_size, node_slots=node_slots)
     assert odc.node_size() == node_size
+    if node_slots is not None:  # the inbox holds node_slots rows, not one per other node
+        transport = odc.api._require_runtime("test").transport
+        before = transport.heap_used()
+        probe = odc.shard(torch.zeros(65539, dtype=torch.bfloat16), name="probe")
+        nodes, shard = WORLD // node_size, -(-65539 // WORLD)
+        bound = _flat_bytes(65539, WORLD, torch.bfloat16) + shard * ((nodes - 1) * (4 + 2) + node_slots * 4)
+        assert bound <= transport.heap_used() - before <= bound + MEMORY_SLACK, transport.heap_used() - before
+        probe.free()
     sts = [
         odc.shard(_param(i, 0, shape, dtype), name=f"t{i}")
         for i, (shape, dtype) in enumerate(TENSORS)
@@ -227,6 +235,12 @@ def _rank_exact(rank: int, world: int, node_size: int) -> None:
 @pytest.mark.parametrize("node_size", [1, 2, 4], ids=["4_nodes_of_1", "2_nodes_of_2", "1_node_of_4"])
 def test_push_and_fetch_are_exact_with_virtual_nodes(node_size: int) -> None:
     run_ranks(_rank_exact, WORLD, node_size, timeout=150)
+
+
+@pytest.mark.parametrize("node_slots", [1, 2], ids=["3_rounds_of_1_slot", "2_rounds_of_2_slots"])
+def test_fewer_inbox_slots_than_nodes_deliver_in_rounds_exactly(node_slots: int) -> None:
+    # 4 nodes of 1: each owner receives from 3 other nodes through node_slots slots reused after free signals
+    run_ranks(_rank_exact, WORLD, 1, node_slots, timeout=150)
 
 
 # -- process groups next to hierarchical tensors; symmetric memory of the hierarchy -----------------------------
