@@ -57,3 +57,9 @@ def test_signal_wait_past_the_deadline_is_released_and_raised(tmp_path) -> None:
 def test_hierarchical_push_and_fetch_with_virtual_nodes_of_two(tmp_path) -> None:
     res = _run(4, tmp_path, "hierarchy", "2", env={"ODC_NODE_SIZE": "2"})
     assert res["result"] == "ok", res["result"]
+
+
+def test_hierarchical_push_with_one_inbox_slot_for_three_other_nodes(tmp_path) -> None:
+    # 4 virtual nodes of one PE: three rounds of one slot, each reused after the owner's free signal
+    res = _run(4, tmp_path, "hierarchy", "1", env={"ODC_NODE_SIZE": "1", "ODC_NODE_SLOTS": "1"})
+    assert res["result"] == "ok", res["result"]
