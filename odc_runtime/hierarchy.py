@@ -43,7 +43,6 @@ Ordering (why sync is exact and cannot deadlock; docs/design.md has the long for
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -60,8 +59,6 @@ from odc_runtime.transport.base import (
     Transport,
     Work,
 )
-
-log = logging.getLogger("odc_runtime")
 
 
 def supports_signals(transport: Transport) -> bool:
@@ -133,11 +130,6 @@ class Hierarchy:
         self._arrived = [0] * self.nodes  # running count of puts expected from each node (signal words only grow)
         self._freed = [0] * self.nodes  # running count of slot frees expected from each node
         self._tensors: dict[int, _Buffers] = {}  # by the ShardedTensor's shard sequence number, in shard order
-
-    @property
-    def active(self) -> bool:
-        """Whether there is more than one node (else every transfer is direct)."""
-        return self.nodes > 1
 
     # -- layout -----------------------------------------------------------------------------------------------
     def same_node(self, rank: int) -> bool:
