@@ -47,9 +47,10 @@ Designs (``B_nvl``: NVLink per GPU and direction, ``B_ib``: NIC bandwidth per GP
       ``2N·P_g/W / B_hbm``. The fold is not overlapped with the arrivals (the model does not count on it).
     Cross-node bytes: once per minibatch, ``(N−1)/N`` of the model per node each way — the network cut bound
     (see ``cut_bound_s``), exposed, not hidden behind anything. Extra GPU memory per rank (column ``extra GB``):
-    ``(N−1)·P/W·(4 + 4 + 2)`` bytes (fp32 staging, fp32 inbox, bf16 mirror; ``P`` in parameters).
-    Not built and not modelled: chunked overlap of the flush with the backward pass, slot reuse under a memory
-    cap (slots are ``N−1`` always).
+    ``(N−1)·P/W·(4 + 2) + K·P/W·4`` bytes (fp32 staging, bf16 mirror, ``K`` fp32 inbox slots, ``K = N−1`` unless
+    ``--node-slots``; ``P`` in parameters). With ``K < N−1`` the flush runs in ``R = ceil((N−1)/K)`` rounds: ``2R−1``
+    network latencies (a free signal before each later round's put) and ``2R`` accumulator passes in the folds.
+    Not built and not modelled: chunked overlap of the flush with the backward pass.
 ``odc_hier_streaming`` (**not built**)
     A bounded-memory variant for comparison: cross-node traffic every micro-batch (the proxy gets its ``N−1``
     owners' shards of a layer at every gather, and sends its staging rows of a layer after every micro-batch's
@@ -102,6 +103,7 @@ class Cluster:
     locked_inflight: int = 16
     locked_latencies: float = 7.0  # α_ib per locked round: lock RTT, get RTT, put + completion, unlock
     fetch_chunk_bytes: int = 1 << 20
+    node_slots: int = 1 << 30  # odc_hier inbox slots per tensor (init(node_slots=...)); capped at N−1 (the default)
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -206,8 +208,16 @@ def hier_flush_s(c: Cluster, nodes: int, nbytes: float) -> float:
     if nodes == 1:
         return 0.0
     _, _, shard = _shape(c, nodes, nbytes)
-    net = c.ib_latency_s + _t((nodes - 1) * shard, c.ib_GBps)
-    return net + _t((nodes + 1) * shard + (nodes - 1) * shard, c.hbm_GBps)
+    rounds = hier_rounds(c, nodes)
+    # every round after the first waits for the owner's free signal before its put: one more latency each way
+    net = (2 * rounds - 1) * c.ib_latency_s + _t((nodes - 1) * shard, c.ib_GBps)
+    # each round's fold reads its slots and reads + writes the accumulator; the staging rows are zeroed once
+    return net + _t((nodes - 1 + 2 * rounds) * shard + (nodes - 1) * shard, c.hbm_GBps)
+
+
+def hier_rounds(c: Cluster, nodes: int) -> int:
+    """Delivery rounds of ``odc_hier``'s flush: ``ceil((N−1) / slots)`` (1 with the default slots)."""
+    return max(1, math.ceil((nodes - 1) / min(c.node_slots, max(1, nodes - 1))))
 
 
 def streaming_phases(c: Cluster, nodes: int, nbytes: float, *, gradient: bool) -> tuple[float, float]:
@@ -295,7 +305,9 @@ def minibatch_s(c: Cluster, wl: Workload, nodes: int) -> dict[str, float]:
 def hier_memory_bytes(c: Cluster, wl: Workload, nodes: int) -> float:
     """Extra GPU memory per rank of ``odc_hier``: ``N−1`` shards of fp32 staging, fp32 inbox and a mirror in
     the parameter dtype."""
-    return (nodes - 1) * wl.params / (nodes * c.gpus_per_node) * (2 * wl.grad_bytes + wl.param_bytes)
+    slots = min(c.node_slots, nodes - 1)
+    shard = wl.params / (nodes * c.gpus_per_node)
+    return shard * ((nodes - 1) * (wl.grad_bytes + wl.param_bytes) + slots * wl.grad_bytes)
 
 
 def cross_node_bytes(c: Cluster, wl: Workload, nodes: int) -> float:
@@ -336,7 +348,7 @@ LEGEND = {
     "hier/ring": "odc_hier / NCCL ring",
     "hier/best": "odc_hier / the best collective (the faster of ring and tree; issue 14's target: ≤ 1.3 at 4 nodes)",
     "exposed ms": "of hier ms: the once-per-minibatch terms (mirror refresh, flush + fold, 4 barriers)",
-    "extra GB": "odc_hier's extra GPU memory per GPU: (N−1)·P/W·(4+4+2) B (staging, inbox, bf16 mirror)",
+    "extra GB": "odc_hier extra GPU memory per GPU: (N−1)·P/W·(4+2) + K·P/W·4 B (staging, bf16 mirror, K slots)",
     "stream/best": "odc_hier_streaming (NOT built: cross-node every micro-batch, pipelined) / best collective",
     "direct/best": "one-sided ODC without node aggregation (the paper's reference design) / best collective",
     "locked/best": "the multi-node path before issue 14 (locked push, serial remote fetch) / best collective",
@@ -364,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cell", type=int, default=d.locked_cell_bytes, help="bytes of one locked-push cell")
     p.add_argument("--inflight", type=int, default=d.locked_inflight, help="locked-push cells in flight")
     p.add_argument("--fetch-chunk", type=int, default=d.fetch_chunk_bytes, help="bytes of one remote fetch get")
+    p.add_argument("--node-slots", type=int, default=None,
+                   help="odc_hier inbox slots per tensor (default: one per other node); fewer: less memory, "
+                        "more delivery rounds")
     _common.add_output_args(p, "netmodel")
     return p
 
@@ -462,7 +477,8 @@ def main(argv: list[str] | None = None) -> None:
                     nvlink_latency_s=args.nvlink_latency_us * 1e-6, atomic_efficiency=args.atomic_efficiency,
                     nic_GBps=args.nic_gbps, nics_per_gpu=args.nics_per_gpu, ib_latency_s=args.ib_latency_us * 1e-6,
                     hbm_GBps=args.hbm_gbps, locked_cell_bytes=args.cell, locked_inflight=args.inflight,
-                    fetch_chunk_bytes=args.fetch_chunk)
+                    fetch_chunk_bytes=args.fetch_chunk,
+                    **({} if args.node_slots is None else {"node_slots": args.node_slots}))
     except ValueError as e:
         raise SystemExit(str(e)) from None
     rows = run(c, models, nodes, args.micro_batches, args.gathers)

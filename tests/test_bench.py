@@ -418,6 +418,13 @@ def test_netmodel_built_hierarchical_terms_by_hand():
     # flush = one put (10 ms + 4 s), then on HBM the fold (read 1 slot, read + write the accumulator: 3 × 4e9)
     # and zeroing the staging row (4e9): 16e9 at 8 GB/s = 2 s
     assert nm.hier_flush_s(HAND, 2, 2 * S) == approx(0.01 + 4.0 + 2.0)
+    # 4 nodes of 2 (W = 8), the model 16e9 bytes: shards of 2e9, 3 other nodes. Default 3 slots, one round: one put
+    # of 3 shards (10 ms + 6 s); HBM: read 3 slots, read + write the accumulator once, zero 3 staging rows = 8
+    # shards = 16e9 at 8 GB/s = 2 s. One slot: 3 rounds, 5 latencies (a free signal before rounds 2 and 3), the
+    # accumulator read + written 3 times: 3 + 6 + 3 = 12 shards = 24e9 at 8 GB/s = 3 s.
+    assert nm.hier_flush_s(HAND, 4, 2 * S) == approx(0.01 + 6.0 + 2.0)
+    one_slot = nm.Cluster(**{**nm.asdict(HAND), "node_slots": 1})
+    assert nm.hier_flush_s(one_slot, 4, 2 * S) == approx(0.05 + 6.0 + 3.0)
     assert nm.hier_mirror_s(HAND, 1, 2 * S) == 0.0 and nm.hier_flush_s(HAND, 1, 2 * S) == 0.0  # one node
     # the not-built streaming variant, per layer: (NVLink phase, network phase [+ fold of 1 slot: 3 × 2e9 / 8e9])
     assert nm.streaming_phases(HAND, 2, S, gradient=False) == (approx(1.001), approx(2.01))
