@@ -258,16 +258,21 @@ class Hierarchy:
             q = self.row(d)  # d's row here
             arrivals.append((q // k, q % k, d, peer))
         for rnd in range(-(-(n_nodes - 1) // k)):
-            for _, slot, d, peer in (x for x in sends if x[0] == rnd):
-                if rnd > 0:
+            now = [x for x in sends if x[0] == rnd]
+            if rnd > 0:
+                for _, _, d, peer in now:
                     self._freed[d] += 1
                     t.wait_signal(signal, n_nodes + d, self._freed[d], f"{op}: free inbox slot on node {d}", [peer])
-                row = self.row(d)
-                for bufs in tensors:
-                    assert bufs.stage is not None and bufs.inbox is not None
-                    n = bufs.shard
-                    src = bufs.stage.local[row * n : (row + 1) * n]
-                    t.put_signal(bufs.inbox, [PutRequest(peer, src, slot * n, self.node)], signal)
+            for bufs in tensors:  # one call per tensor for all of this round's owners
+                assert bufs.stage is not None and bufs.inbox is not None
+                n = bufs.shard
+                stage = bufs.stage.local
+                puts = [
+                    PutRequest(peer, stage[self.row(d) * n : (self.row(d) + 1) * n], slot * n, self.node)
+                    for _, slot, d, peer in now
+                ]
+                if puts:
+                    t.put_signal(bufs.inbox, puts, signal)
             mine = [x for x in arrivals if x[0] == rnd]
             for _, _, d, peer in mine:
                 self._arrived[d] += len(tensors)
