@@ -158,16 +158,11 @@ def init(
         return _select_backend(backend), config.resolve_timeout(timeout), nodes, config.node_slots(node_slots)
 
     results = gather_checked("init", local_checks, exchange=StoreExchange(exchange_timeout))
-    # Only the backend and node size must match here; the transports compare the resolved heap sizes themselves.
+    # The backend and the node settings must match here; the transports compare the resolved heap sizes themselves.
     require_same("init", [r[0] for r in results])
-    require_same(
-        "init", [r[2] for r in results],
-        rule="needs the same node size (init(node_size=...) / ODC_NODE_SIZE) on every rank",
-    )
-    require_same(
-        "init", [r[3] for r in results],
-        rule="needs the same inbox slots (init(node_slots=...) / ODC_NODE_SLOTS) on every rank",
-    )
+    for i, what in ((2, "node size (init(node_size=...) / ODC_NODE_SIZE)"),
+                    (3, "inbox slots (init(node_slots=...) / ODC_NODE_SLOTS)")):
+        require_same("init", [r[i] for r in results], rule=f"needs the same {what} on every rank")
     name, resolved_timeout, requested_nodes, slots = results[dist.get_rank()]
     transport = registry.get(name).create(timeout=resolved_timeout, heap_size=heap_size)
     try:

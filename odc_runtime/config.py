@@ -135,20 +135,25 @@ def backend_name(arg: str | None) -> str | None:
     return env("ODC_BACKEND")
 
 
+def _positive_int(arg: int | None, name: str, env_name: str) -> int | None:
+    """``arg`` if given (a positive int, else OdcUsageError naming ``name``), else the ``env_name`` setting, else
+    ``None``."""
+    if arg is not None:
+        if isinstance(arg, bool) or not isinstance(arg, int) or arg < 1:
+            raise OdcUsageError(f"{name} must be a positive int or None, got {arg!r}")
+        return arg
+    if env(env_name) is not None:
+        return env_int(env_name, 1)
+    return None
+
+
 def node_size(arg: int | None, world_size: int) -> int | None:
     """Ranks per node: ``init(node_size=...)``, else ``ODC_NODE_SIZE``, else ``None`` (ask the transport).
 
     Raises OdcUsageError unless it is a positive integer that divides ``world_size``."""
-    if arg is not None:
-        if isinstance(arg, bool) or not isinstance(arg, int) or arg < 1:
-            raise OdcUsageError(f"node_size must be a positive int or None, got {arg!r}")
-        value, what = arg, f"node_size={arg}"
-    elif env("ODC_NODE_SIZE") is not None:
-        value = env_int("ODC_NODE_SIZE", 1)
-        what = f"ODC_NODE_SIZE={value}"
-    else:
-        return None
-    if world_size % value:
+    value = _positive_int(arg, "node_size", "ODC_NODE_SIZE")
+    if value is not None and world_size % value:
+        what = f"node_size={value}" if arg is not None else f"ODC_NODE_SIZE={value}"
         raise OdcUsageError(
             f"{what} does not divide the world of {world_size} ranks; nodes are blocks of consecutive ranks of one "
             "size (e.g. 8 GPUs per node), so pick a divisor of the world size"
@@ -159,13 +164,7 @@ def node_size(arg: int | None, world_size: int) -> int | None:
 def node_slots(arg: int | None) -> int | None:
     """Inbox slots per hierarchical tensor: ``init(node_slots=...)``, else ``ODC_NODE_SLOTS``, else ``None`` (one
     per other node). Raises OdcUsageError unless it is a positive integer."""
-    if arg is not None:
-        if isinstance(arg, bool) or not isinstance(arg, int) or arg < 1:
-            raise OdcUsageError(f"node_slots must be a positive int or None, got {arg!r}")
-        return arg
-    if env("ODC_NODE_SLOTS") is not None:
-        return env_int("ODC_NODE_SLOTS", 1)
-    return None
+    return _positive_int(arg, "node_slots", "ODC_NODE_SLOTS")
 
 
 def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:

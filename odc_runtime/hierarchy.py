@@ -49,7 +49,6 @@ from dataclasses import dataclass
 import torch
 
 from odc_runtime import kernels
-from odc_runtime.errors import OdcUsageError
 from odc_runtime.transport.base import (
     GetRequest,
     Piece,
@@ -76,6 +75,15 @@ class _Buffers:
     mirror: SymmetricBuffer
     stage: SymmetricBuffer | None
     inbox: SymmetricBuffer | None
+
+
+@dataclass
+class _Round:
+    """One delivery round of the flush, seen from this rank."""
+
+    sends: list[tuple[int, int, int, int]]  # (inbox slot at the owner, staging row, owner's node, owner)
+    arrivals: list[tuple[int, int]]  # (source node, its sending rank) whose puts land in this round
+    free_next: list[int]  # ranks that send to this rank in the next round: freed at the end of this one
 
 
 class _AllWork(Work):
@@ -113,23 +121,41 @@ class Hierarchy:
     """The node layout and the hierarchical tensors of one runtime (see the module docstring)."""
 
     def __init__(self, transport: Transport, node_size: int, slots: int | None = None) -> None:
-        world = transport.world_size
-        if node_size < 1 or world % node_size:
-            raise OdcUsageError(f"odc: node size {node_size} does not divide the world of {world} ranks")
-        if slots is not None and slots < 1:
-            raise OdcUsageError(f"odc: node_slots must be at least 1, got {slots}")
+        """``node_size`` divides the world into at least two nodes; ``slots`` (None: one per other node) >= 1.
+        Both are validated and agreed by ``init`` (``odc_runtime.config``)."""
+        assert transport.world_size % node_size == 0 and node_size < transport.world_size and (slots or 1) >= 1
         self.transport = transport
         self.node_size = node_size
-        self.nodes = world // node_size
+        self.nodes = transport.world_size // node_size
         self.node = transport.rank // node_size
         self.local_index = transport.rank % node_size
         # Inbox slots per tensor: one per other node by default; fewer bound the memory (the flush then runs in
         # rounds, each slot freed by a signal before it is reused).
-        self.slots = self.nodes - 1 if slots is None else max(1, min(slots, self.nodes - 1))
+        self.slots = self.nodes - 1 if slots is None else min(slots, self.nodes - 1)
         self._signal: SymmetricBuffer | None = None  # words [0, M): arrivals per source node; [M, 2M): frees
         self._arrived = [0] * self.nodes  # running count of puts expected from each node (signal words only grow)
         self._freed = [0] * self.nodes  # running count of slot frees expected from each node
         self._tensors: dict[int, _Buffers] = {}  # by the ShardedTensor's shard sequence number, in shard order
+        # The rank with this local index on every other node d: this rank stages for it (row(d) of the staging
+        # buffer) and mirrors it (row(d) of the mirror), and it stages for this rank. (d, row(d), rank)
+        self._partners = [
+            (d, self.row(d), d * node_size + self.local_index) for d in range(self.nodes) if d != self.node
+        ]
+        self._rounds = self._plan_rounds()
+
+    def _plan_rounds(self) -> list[_Round]:
+        """The flush's rounds (see :meth:`_flush`): source node ``c`` of an owner on node ``d`` has inbox row
+        ``q = row(c, d)`` there and sends in round ``q // slots`` into slot ``q % slots``."""
+        k = self.slots
+        rounds = [_Round([], [], []) for _ in range(-(-(self.nodes - 1) // k))]
+        for d, row, peer in self._partners:
+            q = self.row(self.node, d)  # this node's row at d's owner
+            rounds[q // k].sends.append((q % k, row, d, peer))
+            q = row  # d's row here
+            rounds[q // k].arrivals.append((d, peer))
+            if q // k > 0:
+                rounds[q // k - 1].free_next.append(peer)
+        return rounds
 
     # -- layout -----------------------------------------------------------------------------------------------
     def same_node(self, rank: int) -> bool:
@@ -222,82 +248,52 @@ class Hierarchy:
             self._refresh(list(self._tensors.values()))
         t.barrier(op)
 
-    def _remote_owners(self) -> list[tuple[int, int]]:
-        """``(row, owner)`` for the owner with this rank's local index on every other node."""
-        return [
-            (self.row(d), d * self.node_size + self.local_index) for d in range(self.nodes) if d != self.node
-        ]
-
     def _flush(self, tensors: list[_Buffers], op: str) -> None:
         """Deliver the staging rows into the owners' inboxes and fold them, in rounds of ``slots`` source nodes.
 
-        Source node ``c`` of an owner on node ``d`` has inbox row ``q = row(c, d)``: it sends in round
-        ``q // slots`` into slot ``q % slots``. Round ``r`` on every rank: (a) for each of its sends of round
-        ``r``, wait until the owner freed the slot (``r > 0``: the owner's free signal, word ``nodes + d``), then
-        put-with-signal the rows of every tensor; (b) wait for this rank's own arrivals of round ``r`` (word
-        ``c`` per source node), fold them, zero the slots, then free them for round ``r + 1``'s senders.
-        Deadlock-free by induction on ``r``: round 0's puts wait for nothing, so every rank finishes round 0's
-        folds; round ``r``'s frees are sent at the end of round ``r - 1`` on every owner, so every send of round
-        ``r`` proceeds, so every owner's waits of round ``r`` are met (docs/design.md, "Across nodes").
+        Round ``r`` on every rank: (a) for each of its sends of round ``r``, wait until the owner freed the slot
+        (``r > 0``: the owner's free signal, word ``nodes + d``), then put-with-signal the rows of every tensor;
+        (b) wait for this rank's own arrivals of round ``r`` (word ``c`` per source node), fold them, zero the
+        slots, then free them for round ``r + 1``'s senders. Deadlock-free by induction on ``r``: round 0's puts
+        wait for nothing, so every rank finishes round 0's folds; round ``r``'s frees are sent at the end of round
+        ``r - 1`` on every owner, so every send of round ``r`` proceeds, so every owner's waits of round ``r`` are
+        met (docs/design.md, "Across nodes").
         """
         if not tensors:
             return
         t = self.transport
         signal = self._signal
         assert signal is not None
-        k, n_nodes, size = self.slots, self.nodes, self.node_size
-        # (round, slot, other node d, peer) of this rank's sends (to d's owner with its local index) and arrivals
-        sends = []
-        arrivals = []
-        for d in range(n_nodes):
-            if d == self.node:
-                continue
-            peer = d * size + self.local_index
-            q = self.row(self.node, d)  # this node's row at the owner
-            sends.append((q // k, q % k, d, peer))
-            q = self.row(d)  # d's row here
-            arrivals.append((q // k, q % k, d, peer))
-        for rnd in range(-(-(n_nodes - 1) // k)):
-            now = [x for x in sends if x[0] == rnd]
+        for rnd, plan in enumerate(self._rounds):
             if rnd > 0:
-                for _, _, d, peer in now:
+                for _, _, d, peer in plan.sends:
                     self._freed[d] += 1
-                    t.wait_signal(signal, n_nodes + d, self._freed[d], f"{op}: free inbox slot on node {d}", [peer])
+                    t.wait_signal(signal, self.nodes + d, self._freed[d], f"{op}: free inbox slot on node {d}", [peer])
             for bufs in tensors:  # one call per tensor for all of this round's owners
-                assert bufs.stage is not None and bufs.inbox is not None
-                n = bufs.shard
-                stage = bufs.stage.local
+                n, stage = bufs.shard, bufs.stage.local  # type: ignore[union-attr]
                 puts = [
-                    PutRequest(peer, stage[self.row(d) * n : (self.row(d) + 1) * n], slot * n, self.node)
-                    for _, slot, d, peer in now
+                    PutRequest(peer, stage[row * n : (row + 1) * n], slot * n, self.node)
+                    for slot, row, _, peer in plan.sends
                 ]
                 if puts:
-                    t.put_signal(bufs.inbox, puts, signal)
-            mine = [x for x in arrivals if x[0] == rnd]
-            for _, _, d, peer in mine:
+                    t.put_signal(bufs.inbox, puts, signal)  # type: ignore[arg-type]
+            for d, peer in plan.arrivals:
                 self._arrived[d] += len(tensors)
                 t.wait_signal(signal, d, self._arrived[d], f"{op}: staged pushes from node {d}", [peer])
             for bufs in tensors:
-                assert bufs.grad is not None and bufs.inbox is not None
-                slots = bufs.inbox.local.view(k, bufs.shard)[: len(mine)]
-                kernels.accumulate_slots_(bufs.grad.local[: bufs.shard], slots)
+                slots = bufs.inbox.local.view(self.slots, bufs.shard)[: len(plan.arrivals)]  # type: ignore[union-attr]
+                kernels.accumulate_slots_(bufs.grad.local[: bufs.shard], slots)  # type: ignore[union-attr]
                 slots.zero_()
-            # free the slots for the next round's senders (a signal without data)
-            nxt = [peer for x_rnd, _, _, peer in arrivals if x_rnd == rnd + 1]
-            if nxt:
-                empty = tensors[0].inbox.local[:0]  # type: ignore[union-attr]
-                t.put_signal(
-                    tensors[0].inbox,  # type: ignore[arg-type]
-                    [PutRequest(peer, empty, 0, n_nodes + self.node) for peer in nxt],
-                    signal,
-                )
+            if plan.free_next:  # free the slots for the next round's senders (a signal without data)
+                inbox = tensors[0].inbox
+                assert inbox is not None
+                t.put_signal(inbox, [PutRequest(p, inbox.local[:0], 0, self.nodes + self.node) for p in plan.free_next],
+                             signal)
         for bufs in tensors:
-            assert bufs.stage is not None
-            bufs.stage.local.zero_()
+            bufs.stage.local.zero_()  # type: ignore[union-attr]
 
     def _refresh(self, tensors: list[_Buffers]) -> None:
         t = self.transport
-        owners = self._remote_owners()
         for bufs in tensors:
             n = bufs.shard
-            t.get(bufs.param, [GetRequest(o, bufs.mirror.local[r * n : (r + 1) * n]) for r, o in owners])
+            t.get(bufs.param, [GetRequest(o, bufs.mirror.local[r * n : (r + 1) * n]) for _, r, o in self._partners])

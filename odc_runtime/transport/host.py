@@ -468,16 +468,17 @@ class HostTransport(Transport):
         self.quiet()  # asynchronous operations issued before come first, as on a stream
         base: int = buf.handle  # type: ignore[assignment]
         itemsize = buf.dtype.itemsize
+        targets = []
         for req in requests:  # validate everything before writing anything
             if req.src.dtype != buf.dtype or req.offset < 0 or req.offset + req.src.numel() > buf.numel:
                 raise OdcUsageError(
                     f"host put_signal: {req.src.numel()} {req.src.dtype} elements at offset {req.offset} do not fit "
                     f"buffer {buf.tag!r} ({buf.numel} {buf.dtype})"
                 )
-            self._signal_word(signal, req.peer, req.signal_index)
-        for req in requests:
-            self._seg(req.peer).view(base + req.offset * itemsize, req.src.numel(), buf.dtype).copy_(req.src.view(-1))
-            word, start = self._signal_word(signal, req.peer, req.signal_index)
+            dst = self._seg(req.peer).view(base + req.offset * itemsize, req.src.numel(), buf.dtype)
+            targets.append((req, dst, *self._signal_word(signal, req.peer, req.signal_index)))
+        for req, dst, word, start in targets:
+            dst.copy_(req.src.view(-1))
             with self._locked(req.peer, start, 8, exclusive=True, op="put_signal"):
                 word += 1
 

@@ -470,7 +470,6 @@ class NvshmemTransport(Transport):
         self.slots = slots
         self.atomic_push = atomic_push
         self._node_atomics = 0  # node size when the hierarchy keeps accumulates inside nodes (see use_nodes)
-        self._my_node = 0
         self._allocator = HeapAllocator(capacity, limit_hint="odc.init(heap_size=...) or NVSHMEM_SYMMETRIC_SIZE")
         self._arena = arena
         self._peer_bases = peer_bases  # nvshmem_ptr(arena, pe) per PE; 0 = no peer pointer (other node)
@@ -586,21 +585,21 @@ class NvshmemTransport(Transport):
         near: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
         far: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
         item = buf.dtype.itemsize
+        nodes = self._node_atomics
         for peer, rel, numel, offset in entries:
             self._check_range(kind, buf, peer, offset, numel)
             if numel == 0:
                 continue
-            if kind == "accumulate" and self._node_atomics and peer // self._node_atomics != self._my_node:
+            if kind == "accumulate" and nodes and peer // nodes != self.rank // nodes:
                 raise OdcUsageError(
                     f"nvshmem push: rank {self.rank} pushes into rank {peer} on another node outside the hierarchical "
-                    f"protocol (nodes of {self._node_atomics}); inside nodes pushes are NVLink atomics, which a "
+                    f"protocol (nodes of {nodes}); inside nodes pushes are NVLink atomics, which a "
                     "cross-node read-modify-write would race. Shard the tensor over all ranks or over a group "
                     "within one node, or set ODC_NODE_SIZE to the world size (the locked protocol for every push)"
                 )
-            direct = self._peer_bases[peer] != 0 and (kind == "get" or self.atomic_push or self._node_atomics > 0)
+            direct = self._peer_bases[peer] != 0 and (kind == "get" or self.atomic_push or nodes > 0)
             lists = near if direct else far
-            # the peer's address: its base (peer pointer, or the symmetric address) + the buffer + the offset
-            lists[0].append((self._peer_bases[peer] + h.offset if direct else h.ptr) + offset * item)
+            lists[0].append(self._remote_address(h, peer, direct, offset * item))
             lists[1].append(rel)
             lists[2].append(numel)
             lists[3].append(peer)
@@ -615,6 +614,11 @@ class NvshmemTransport(Transport):
             _backend_call("plan", make, self._engine, near_kind, *near) if near[0] else None,
             _backend_call("plan", make, self._engine, far_kind, *far) if far[0] else None,
         )
+
+    def _remote_address(self, h: _Handle, peer: int, direct: bool, byte_offset: int) -> int:
+        """Where ``byte_offset`` of ``peer``'s region of a buffer lies: through the peer pointer (``direct``), else
+        the symmetric address (the same on every PE), which NVSHMEM's network operations take."""
+        return (self._peer_bases[peer] + h.offset if direct else h.ptr) + byte_offset
 
     def _check_range(self, op: str, buf: SymmetricBuffer, peer: int, offset: int, numel: int) -> None:
         """``peer`` exists and ``[offset, offset + numel)`` lies inside ``buf`` (elements)."""
@@ -813,7 +817,7 @@ class NvshmemTransport(Transport):
                     f"nvshmem put_signal: the source for rank {r.peer} (another node) is not inside the symmetric "
                     "heap; the network reads registered memory only: put from a view of a buffer from alloc()"
                 )
-            remote.append((self._peer_bases[r.peer] + h.offset if direct else h.ptr) + r.offset * item)
+            remote.append(self._remote_address(h, r.peer, direct, r.offset * item))
             local.append(src.data_ptr())
             nbytes.append(n * item)
             pes.append(r.peer)
@@ -861,7 +865,6 @@ class NvshmemTransport(Transport):
                 "a node"
             )
         self._node_atomics = node_size
-        self._my_node = self.rank // node_size
 
     def node_size(self) -> int:
         """The PEs that reach each other by peer pointer (one NVLink domain / host), derived and checked at init:
