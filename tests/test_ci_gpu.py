@@ -1,0 +1,413 @@
+"""CPU tests of ``.ci/gpu`` (issue 28): argument handling, the step plan, the JUnit / benchmark / SFT evaluation,
+the report writer, the dry run and the exit codes. No GPU: ``nvidia-smi`` is absent or a fake on ``PATH``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / ".ci" / "gpu"
+
+_spec = importlib.util.spec_from_file_location("gpu_report", ROOT / ".ci" / "gpu_report.py")
+gr = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_report"] = gr  # dataclasses look their module up
+_spec.loader.exec_module(gr)
+
+H100 = "0, NVIDIA H100 80GB HBM3, 9.0, 81559 MiB, 580.159.04\n"
+
+
+def _fake_smi(tmp_path: Path, rows: str = H100) -> str:
+    """A directory holding a fake ``nvidia-smi`` that prints ``rows`` for any query; returns a PATH with it."""
+    d = tmp_path / "bin"
+    d.mkdir(exist_ok=True)
+    smi = d / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nprintf '%s' '{rows}'\n")
+    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    return f"{d}{os.pathsep}{_path_without_smi()}"
+
+
+def _path_without_smi() -> str:
+    """The current PATH minus directories that hold a real nvidia-smi or nvidia-cuda-mps-control."""
+    keep = [d for d in os.environ.get("PATH", "").split(os.pathsep)
+            if d and not any(os.path.exists(os.path.join(d, n)) for n in ("nvidia-smi", "nvidia-cuda-mps-control"))]
+    return os.pathsep.join(keep)
+
+
+def _script(*args: str, path: str, out: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": path, "PYTHON": sys.executable}
+    env.pop("ODC_GPU_REPORT_DIR", None)
+    if out is not None:
+        args = (*args, "--out", str(out))
+    return subprocess.run([str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# --------------------------------------------------------------------------------------------------- arguments
+
+
+def test_arguments_default_to_every_phase_and_env_overrides(tmp_path):
+    a = gr.parse_args([], environ={})
+    assert a.phases == list(gr.PHASES)
+    assert a.out == Path("gpu-report") and a.phase_budget == gr.DEFAULT_PHASE_BUDGET_S and a.budget is None
+    env = {"ODC_GPU_REPORT_DIR": str(tmp_path / "env"), "ODC_GPU_PHASE_BUDGET_S": "300", "ODC_GPU_BUDGET_S": "570"}
+    a = gr.parse_args(["bench"], environ=env)
+    assert a.phases == ["build", "bench"]  # the build runs first (incremental)
+    assert a.out == tmp_path / "env" and a.phase_budget == 300 and a.budget == 570
+    a = gr.parse_args(["e2e", "tests", "--no-build", "--out", "x", "--phase-budget", "100"], environ=env)
+    assert a.phases == ["tests", "e2e"] and a.out == Path("x") and a.phase_budget == 100
+    assert gr.parse_args(["build"], environ={}).phases == ["build"]
+    assert gr.parse_args(["all", "--no-build"], environ={}).phases == ["tests", "bench", "e2e"]
+
+
+@pytest.mark.parametrize(("argv", "env", "needle"), [
+    (["bench", "nope"], {}, "unknown phase 'nope'"),
+    (["--budget", "0"], {}, "positive"),
+    (["--phase-budget", "ten"], {}, "expected seconds"),
+    ([], {"ODC_GPU_PHASE_BUDGET_S": "-5"}, "ODC_GPU_PHASE_BUDGET_S"),
+])
+def test_bad_arguments_exit_2_with_the_reason(argv, env, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        gr.parse_args(argv, environ=env)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------- machine
+
+
+def test_gpu_query_gives_the_visible_architectures_only(tmp_path):
+    rows = H100 + "1, NVIDIA A100-SXM4-80GB, 8.0, 81920 MiB, 580.159.04\n"
+    m = gr.probe_gpus({"PATH": _fake_smi(tmp_path, rows)})
+    assert [g["name"] for g in m.gpus] == ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"] and m.no_gpu is None
+    assert m.archs == "80-real;90-real"
+    m = gr.probe_gpus({"PATH": _fake_smi(tmp_path, rows), "CUDA_VISIBLE_DEVICES": "0"})
+    assert m.ngpu == 1 and m.archs == "90-real"
+    m = gr.probe_gpus({"PATH": _fake_smi(tmp_path, rows), "CUDA_VISIBLE_DEVICES": ""})
+    assert m.ngpu == 0 and "CUDA_VISIBLE_DEVICES" in m.no_gpu
+    m = gr.probe_gpus({"PATH": _path_without_smi()})
+    assert m.ngpu == 0 and "nvidia-smi not found" in m.no_gpu
+
+
+# --------------------------------------------------------------------------------------------------- plan
+
+
+def _fake_repo(tmp_path: Path, monkeypatch, sft_flag: bool) -> None:
+    repo = tmp_path / "repo"
+    (repo / "tests" / "gpu").mkdir(parents=True)
+    (repo / "examples").mkdir()
+    (repo / "bench").mkdir()
+    for name in ("test_zeta_gpu.py", "test_dead_peer_gpu.py", "test_nvshmem_gpu.py", "_worker.py"):
+        (repo / "tests" / "gpu" / name).write_text("")
+    (repo / "examples" / "sft.py").write_text('p.add_argument("--pes-per-gpu")\n' if sft_flag else "")
+    (repo / "bench" / "imbalance.py").write_text("")
+    monkeypatch.setattr(gr, "REPO", repo)
+
+
+def test_plan_on_one_gpu(tmp_path, monkeypatch):
+    _fake_repo(tmp_path, monkeypatch, sft_flag=False)
+    machine = gr.Machine(gpus=gr.parse_gpu_query(H100))
+    steps = gr.plan(list(gr.PHASES), machine, tmp_path / "out")
+    by = {s.name: s for s in steps}
+    build = steps[0]
+    assert build.phase == "build" and build.env["ODC_CUDA_ARCHS"] == "90-real"
+    # every tests/gpu file, the core ones first, then the others sorted
+    assert [s.name for s in steps if s.phase == "tests"] == [
+        "tests/gpu/test_nvshmem_gpu.py", "tests/gpu/test_dead_peer_gpu.py", "tests/gpu/test_zeta_gpu.py"]
+    assert by["comm 4pe-1gpu"].mps and "--pes-per-gpu" in by["comm 4pe-1gpu"].argv
+    assert by["comm 1pe-locked"].env["ODC_NVSHMEM_PUSH"] == "locked"
+    assert by["comm 2gpu-vs-nccl"].skip == "needs >= 2 GPUs, 1 visible"
+    sft = [s for s in steps if s.name.startswith("sft")]
+    assert len(sft) == 2 and all("has no --pes-per-gpu" in s.skip for s in sft)
+    assert not any(s.skip for s in steps if s.name not in {"comm 2gpu-vs-nccl"} and not s.name.startswith("sft"))
+    assert all(s.timeout <= gr.DEFAULT_PHASE_BUDGET_S for s in steps)
+
+
+def test_plan_uses_sft_pes_per_gpu_when_it_exists_and_every_gpu_on_eight(tmp_path, monkeypatch):
+    _fake_repo(tmp_path, monkeypatch, sft_flag=True)
+    one = gr.plan(["e2e"], gr.Machine(gpus=gr.parse_gpu_query(H100)), tmp_path)
+    assert [s.skip for s in one] == [None, None, None]
+    assert one[1].mps and one[1].argv[-2:] == ["--pes-per-gpu", "4"] and one[1].env == {"CUDA_VISIBLE_DEVICES": "0"}
+    rows = "".join(H100.replace("0,", f"{i},", 1) for i in range(8))
+    eight = gr.plan(["bench", "e2e"], gr.Machine(gpus=gr.parse_gpu_query(rows)), tmp_path)
+    by = {s.name: s for s in eight}
+    assert by["comm 8gpu-vs-nccl"].skip is None and by["comm 8gpu-vs-nccl"].argv[4:6] == ["--nproc", "8"]
+    assert not by["sft --comm odc, 4 PEs"].mps and "--pes-per-gpu" not in by["sft --comm odc, 4 PEs"].argv
+
+
+# --------------------------------------------------------------------------------------------------- evaluation
+
+SYNTHETIC_TESTS = '''
+import pytest
+
+def test_passes():
+    print("push world=2 mps=False rank 0: raised after 12.40 s, exited 0.30 s later")
+    print("sync world=4 mps=True rank 2: raised after 13.10 s, exited 1.25 s later")
+
+def test_needs_two_gpus():
+    pytest.skip("needs >= 2 GPUs, found 1")
+
+def test_other_skip():
+    pytest.skip("could not start CUDA MPS (permission denied)")
+
+def test_fails():
+    assert 1 == 2, "wrong value"
+'''
+
+
+def _junit(tmp_path: Path, source: str) -> tuple[Path, int]:
+    (tmp_path / "test_synthetic.py").write_text(source)
+    xml = tmp_path / "junit.xml"
+    rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_synthetic.py",
+                         f"--junitxml={xml}", "-o", "junit_logging=system-out", "--rootdir", str(tmp_path)],
+                        cwd=tmp_path, capture_output=True, text=True, timeout=100).returncode
+    return xml, rc
+
+
+def test_junit_skip_is_a_failure_unless_more_gpus_are_needed(tmp_path):
+    xml, rc = _junit(tmp_path, SYNTHETIC_TESTS)
+    status, numbers, detail = gr.evaluate_junit(xml, 1, rc)
+    assert status == "fail"
+    assert numbers["passed"] == 1 and numbers["failed"] == 1 and numbers["skipped"] == 1 and numbers["n/a"] == 1
+    assert "test_fails" in detail and "test_other_skip" in detail and "could not start CUDA MPS" in detail
+    assert "test_needs_two_gpus" not in detail
+    assert numbers["survivors"] == 2 and numbers["max_raise_s"] == 13.1 and numbers["max_exit_s"] == 1.25
+    # with 2 GPUs visible, a skip for "needs >= 2 GPUs" is no longer explained: a failure
+    assert "test_needs_two_gpus" in gr.evaluate_junit(xml, 2, rc)[2]
+
+
+def test_junit_all_passed_or_not_applicable(tmp_path):
+    source = "import pytest\ndef test_a():\n    pass\ndef test_b():\n    pytest.skip('needs >= 2 GPUs, found 1')\n"
+    xml, rc = _junit(tmp_path, source)
+    assert gr.evaluate_junit(xml, 1, rc) == ("pass", {"passed": 1, "n/a": 1}, "")
+    xml, rc = _junit(tmp_path, "import pytest\ndef test_b():\n    pytest.skip('needs >= 8 GPUs, found 1')\n")
+    assert gr.evaluate_junit(xml, 1, rc)[0] == "n/a"
+    xml, rc = _junit(tmp_path, "X = 1\n")  # collected nothing
+    assert gr.evaluate_junit(xml, 1, rc)[:1] == ("fail",)
+    assert gr.evaluate_junit(tmp_path / "missing.xml", 1, 4) == ("fail", {}, "pytest wrote no report (exit status 4)")
+
+
+def _comm_json(path: Path, rows: dict[tuple[str, int], dict]) -> Path:
+    results = [{"op": op, "bytes": nbytes, "time_s": 1e-3, "host_us": 10.0, "algbw_GBps": 1.0,
+                "busbw_GBps": float("nan"), "vs_local": None, "vs_collective": None, "host_vs_copy": None, **extra}
+               for (op, nbytes), extra in rows.items()]
+    path.write_text(json.dumps({"results": results}))
+    return path
+
+
+def test_targets_pass_and_fail_against_the_issue_bounds(tmp_path):
+    m64 = 64 << 20
+    _comm_json(tmp_path / "comm-1pe.json", {
+        ("copy", m64): {}, ("fetch", m64): {"vs_local": 0.96, "host_vs_copy": 1.31},
+        ("push", m64): {"vs_local": 0.80, "host_vs_copy": 1.0}, ("sync_busy", m64): {"time_s": 45e-6},
+        ("fetch", 1 << 20): {"vs_local": 0.10},  # other sizes are not the targets' size
+    })
+    got = {r.name: r for r in gr.check_targets(tmp_path, {"1pe", "1pe-locked"})}
+    assert len(got) == len(gr.TARGETS)
+    status = {name.split(" (")[0].removeprefix("target: "): r.status for name, r in got.items()}
+    assert status == {"fetch >= 0.95 x copy_": "pass", "push >= 0.87 x add_": "fail",
+                      "fetch host us/call <= 1.3 x copy_": "fail", "push host us/call <= 1.3 x copy_": "pass",
+                      "sync on a busy stream <= 60 us": "pass", "locked push >= 150 GB/s": "fail"}
+    sync = next(r for n, r in got.items() if "busy" in n)
+    assert sync.numbers == {"measured": 45.0, "bound": 60.0}
+    locked = next(r for n, r in got.items() if "locked" in n)
+    assert "not measured" in locked.detail  # its run wrote no JSON
+    assert [r.name for r in gr.check_targets(tmp_path, {"1pe-locked"})] == [
+        "target: locked push >= 150 GB/s (1 PE, 64 MiB)"]  # targets of runs not attempted are left out
+
+
+def test_comm_step_passes_only_with_exit_0_and_its_json(tmp_path):
+    path = tmp_path / "comm-1pe.json"
+    ev = gr.comm_evaluator(path)
+    assert ev(1, "")[0] == "fail" and ev(0, "")[2].startswith("no JSON")
+    _comm_json(path, {("fetch", 64 << 20): {"vs_local": 0.97}, ("fetch", 1 << 20): {"vs_local": 0.5}})
+    assert ev(0, "") == ("pass", {"fetch/local@64M": 0.97}, "2 rows")
+
+
+def test_sft_losses_must_match_the_collective_run(tmp_path):
+    def write(name, losses):
+        p = tmp_path / name
+        p.write_text(json.dumps({"records": [{"loss": v} for v in losses], "tokens_per_s": 1234.0}))
+        return p
+
+    ref = write("collective.json", [6.25, 6.0, 5.5, 5.0])
+    assert gr.sft_evaluator(ref, None)(0, "")[0] == "pass"
+    same = gr.sft_evaluator(write("odc.json", [6.25, 6.0 * (1 + 5e-5), 5.5, 5.0]), ref)(0, "")
+    assert same[0] == "pass" and same[1]["max_rel_diff_vs_collective"] == pytest.approx(5e-5)
+    off = gr.sft_evaluator(write("odc2.json", [6.25, 6.0, 5.6, 5.0]), ref)(0, "")
+    assert off[0] == "fail" and "differ" in off[2]
+    assert gr.sft_evaluator(write("odc3.json", [6.25, 6.0]), ref)(0, "")[2] == "2 losses, expected 4"
+    assert gr.sft_evaluator(ref, None)(3, "") == ("fail", {}, "exit status 3")
+
+
+# --------------------------------------------------------------------------------------------------- running
+
+
+def _step(name: str, code: str, timeout: float = 60, **kw) -> object:
+    return gr.Step("tests", name, [sys.executable, "-c", code], timeout, **kw)
+
+
+def test_a_failing_step_is_recorded_and_the_next_runs(tmp_path):
+    steps = [_step("fails", "import sys; print('boom'); sys.exit(3)"), _step("passes", "print('fine')"),
+             _step("hangs", "import time; time.sleep(60)", timeout=1)]
+    results = gr.execute(steps, tmp_path, phase_budget=300, budget=None)
+    assert [(r.name, r.status) for r in results] == [("fails", "fail"), ("passes", "pass"), ("hangs", "timeout")]
+    assert results[0].detail == "exit status 3" and "boom" in results[0].log_tail
+    assert results[1].log_tail == "" and "fine" in Path(results[1].log).read_text()
+    assert results[2].detail == "killed after 1 s"
+
+
+def test_a_step_without_time_left_is_not_run(tmp_path):
+    results = gr.execute([_step("late", "print(1)")], tmp_path, phase_budget=gr.MIN_STEP_S / 2, budget=None)
+    assert results[0].status == "timeout" and "phase's time budget" in results[0].detail
+    results = gr.execute([_step("late", "print(1)")], tmp_path, phase_budget=300, budget=gr.MIN_STEP_S / 2)
+    assert results[0].status == "timeout" and "run's time budget" in results[0].detail
+
+
+def test_a_step_that_needs_mps_fails_with_the_reason_when_mps_cannot_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", _path_without_smi())
+    res = gr.run_step(_step("shared", "print(1)", mps=True), tmp_path, 30)
+    assert res.status == "fail" and "nvidia-cuda-mps-control not found" in res.detail
+
+
+def test_stale_outputs_are_removed_before_a_step_runs(tmp_path):
+    stale = tmp_path / "comm-1pe.json"
+    _comm_json(stale, {("fetch", 64 << 20): {"vs_local": 0.99}})
+    res = gr.run_step(_step("comm 1pe", "import sys; sys.exit(0)", evaluate=gr.comm_evaluator(stale),
+                            outputs=[stale]), tmp_path, 30)
+    assert res.status == "fail" and res.detail.startswith("no JSON") and not stale.exists()
+
+
+# --------------------------------------------------------------------------------------------------- report
+
+
+def _results() -> list:
+    return [
+        gr.Result("build", "build _C for 90-real", "pass", 71.2, {"nvshmem": "3.4.5", "archs": "90-real"}),
+        gr.Result("tests", "tests/gpu/test_nvshmem_gpu.py", "pass", 80.0, {"passed": 20}),
+        gr.Result("tests", "tests/gpu/test_fsdp_gpu.py", "n/a", 3.0, {"n/a": 2}),
+        gr.Result("tests", "tests/gpu/test_dead_peer_gpu.py", "fail", 200.5, {"passed": 11, "failed": 1},
+                  "test_x[push-2-mps]: rank 0 raised after 19 s", "python -m pytest ...", "/x/log",
+                  "E   AssertionError: rank 0 raised | after 19 s"),
+    ]
+
+
+def _meta() -> dict:
+    return {"date": "2026-11-23 20:00 UTC", "commit": "abc123", "dirty": False, "no_gpu": None,
+            "gpus": gr.parse_gpu_query(H100),
+            "software": {"torch": "2.11.0+cu130", "torch_cuda": "13.0", "nvshmem_header": "3.4.5",
+                         "torch_nvshmem_pin": ["cu13", "3.4.5"], "nvshmem_wheels": [["cu13", "3.4.5"]],
+                         "nvcc": "13.0", "triton": "3.6.0", "python": "3.12.3"}}
+
+
+def test_report_writer_md_and_json(tmp_path):
+    report = gr.merge_report(None, _meta(), _results(), ["build", "tests"])
+    gr.write_report(tmp_path, report)
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert list(data["phases"]) == ["build", "tests"]
+    assert [r["status"] for r in data["phases"]["tests"]["results"]] == ["pass", "n/a", "fail"]
+    assert data["phases"]["tests"]["meta"]["software"]["torch"] == "2.11.0+cu130"
+    md = (tmp_path / "report.md").read_text()
+    assert "## build: all passed" in md and "## tests: 1 of 3 failed" in md
+    assert "| check | result | time | numbers |" in md
+    assert "| build _C for 90-real | pass | 71.2 s | nvshmem=3.4.5, archs=90-real |" in md
+    assert "| tests/gpu/test_fsdp_gpu.py | n/a | 3.0 s | n/a=2 |" in md
+    assert "| GPU | 1 x NVIDIA H100 80GB HBM3 (sm_90, 81559 MiB) |" in md and "| driver | 580.159.04 |" in md
+    assert "| NVSHMEM | 3.4.5 (torch pins cu13-3.4.5; wheels cu13-3.4.5) |" in md
+    # the failure: its row (a "|" in the text escaped), then its section with the log tail
+    assert "| tests/gpu/test_dead_peer_gpu.py | fail: test_x[push-2-mps]: rank 0 raised after 19 s | 200.5 s |" in md
+    failures = md.split("## Failures", 1)[1]
+    assert "### tests: tests/gpu/test_dead_peer_gpu.py" in failures
+    assert "```\nE   AssertionError: rank 0 raised | after 19 s\n```" in failures
+    assert "test_fsdp_gpu" not in failures
+
+
+def test_report_keeps_earlier_phases_and_replaces_rerun_ones(tmp_path):
+    first = gr.merge_report(None, _meta(), _results(), ["build", "tests"])
+    later_meta = {**_meta(), "date": "2026-11-23 21:00 UTC", "commit": "def456"}
+    bench = [gr.Result("bench", "comm 1pe", "pass", 30.0), gr.Result("build", "build _C for 90-real", "pass", 2.0)]
+    merged = gr.merge_report(json.loads(json.dumps(first)), later_meta, bench, ["build", "bench"])
+    assert list(merged["phases"]) == ["build", "tests", "bench"]
+    assert merged["phases"]["tests"] == json.loads(json.dumps(first["phases"]["tests"]))  # kept as it was
+    assert merged["phases"]["build"]["meta"]["commit"] == "def456"
+    assert [r["seconds"] for r in merged["phases"]["build"]["results"]] == [2.0]
+
+
+def test_report_shows_the_benchmark_rows(tmp_path):
+    path = _comm_json(tmp_path / "comm-1pe.json", {("copy", 64 << 20): {"algbw_GBps": 1500.0},
+                                                  ("fetch", 64 << 20): {"vs_local": 0.97, "host_vs_copy": 1.1},
+                                                  ("mm", 64 << 20): {}})
+    res = gr.Result("bench", "comm 1pe", "pass", 20.0, outputs=[str(path)])
+    md = gr.render_markdown(gr.merge_report(None, _meta(), [res], ["bench"]))
+    assert "### comm 1pe" in md
+    assert "| 64M | copy | 1 | 10 | 1500 | - | - | - | - |" in md
+    assert "| 64M | fetch | 1 | 10 | 1 | - | 0.97 | - | 1.1 |" in md
+    assert "| 64M | mm |" not in md
+
+
+# --------------------------------------------------------------------------------------------------- the script
+
+
+def test_dry_run_without_a_gpu_lists_every_step_skipped_with_its_reason(tmp_path):
+    proc = _script("--dry-run", path=_path_without_smi(), out=tmp_path / "rep")
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("  [")]
+    phases = {ln.split("]")[0].strip(" [") for ln in lines}
+    assert phases == set(gr.PHASES)
+    assert all(ln.endswith("skip: no NVIDIA GPU: nvidia-smi not found") for ln in lines), proc.stdout
+    for f in (ROOT / "tests" / "gpu").glob("test_*.py"):
+        assert f"[tests] tests/gpu/{f.name}: skip" in proc.stdout
+    assert "bench/comm.py --backend nvshmem" in proc.stdout and "examples/sft.py --comm odc" in proc.stdout
+    assert not (tmp_path / "rep").exists()  # a dry run writes nothing
+
+
+def test_dry_run_with_a_gpu_would_build_for_its_architecture(tmp_path):
+    proc = _script("build", "tests", "--dry-run", path=_fake_smi(tmp_path), out=tmp_path / "rep")
+    assert proc.returncode == 0, proc.stderr
+    assert "1 GPU(s): NVIDIA H100 80GB HBM3 (ODC_CUDA_ARCHS=90-real)" in proc.stdout
+    assert "[build] build _C for 90-real: would run" in proc.stdout
+    assert "ODC_CUDA_ARCHS=90-real" in proc.stdout and "[bench]" not in proc.stdout
+
+
+def test_run_without_a_gpu_writes_the_report_and_exits_1(tmp_path):
+    out = tmp_path / "rep"
+    proc = _script("e2e", path=_path_without_smi(), out=out)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    data = json.loads((out / "report.json").read_text())
+    statuses = [r["status"] for p in data["phases"].values() for r in p["results"]]
+    assert list(data["phases"]) == ["build", "e2e"] and statuses and set(statuses) == {"skip"}
+    assert "no NVIDIA GPU" in (out / "report.md").read_text()
+
+
+def test_exit_status_0_only_when_every_check_passed(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gr, "probe_gpus", lambda: gr.Machine(gpus=gr.parse_gpu_query(H100)))
+    monkeypatch.setattr(gr, "probe_software", lambda machine: None)
+    outcome = {"code": "print('ok')"}
+    monkeypatch.setattr(gr, "plan", lambda phases, machine, out: [
+        gr.Step("build", "build", [sys.executable, "-c", "print(1)"], 30),
+        gr.Step("tests", "t", [sys.executable, "-c", outcome["code"]], 30)])
+    assert gr.main(["tests", "--out", str(tmp_path)]) == 0
+    outcome["code"] = "import sys; sys.exit(1)"
+    assert gr.main(["tests", "--out", str(tmp_path)]) == 1
+    assert "1 of 2 checks passed" in capsys.readouterr().out
+
+
+def test_script_is_executable_and_ignored_output():
+    assert os.access(SCRIPT, os.X_OK)
+    assert "gpu-report/" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_help_documents_the_phases():
+    proc = subprocess.run([str(SCRIPT), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 0
+    for word in (*gr.PHASES, "--dry-run", "ODC_GPU_REPORT_DIR", "ODC_REQUIRE_EXTENSION", "MPS"):
+        assert word in proc.stdout, word
+    assert textwrap.dedent(gr.__doc__).strip().splitlines()[0] in proc.stdout
