@@ -5,6 +5,7 @@
     .ci/gpu bench e2e --out DIR      # build + benchmarks + end to end, report in DIR
     .ci/gpu --dry-run                # list the steps (and, without a GPU, why each would be skipped)
     .ci/gpu tests --only dead_peer   # only the steps whose name contains "dead_peer" (repeatable)
+    .ci/gpu tests --budget 570       # the whole command inside 570 s (a lent GPU's 10-minute commands)
 
 Phases (each step runs as a child process with its own timeout; a failing step is recorded and the next runs):
 
@@ -458,7 +459,8 @@ def plan(phases: Sequence[str], machine: Machine, out: Path) -> list[Step]:
 
 @dataclass(frozen=True)
 class Target:
-    """One number of the issue's "On a GPU" list: ``measure(rows)`` from a comm JSON, ``>=`` or ``<=`` ``bound``."""
+    """One number of the issue's "On a GPU" list: field ``key`` of the ``op`` row at 64 MiB of the comm run
+    ``source`` (``time_us``: its time in µs), compared with ``bound`` by ``cmp`` (``>=`` or ``<=``)."""
 
     name: str
     source: str  # comm JSON name (logs/comm-<source>.json)
@@ -815,6 +817,7 @@ def parse_args(argv: Sequence[str] | None, environ: dict[str, str] | None = None
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    args.out = args.out.resolve()  # the steps run in the repository root, the driver wherever it was started
     machine = probe_gpus()
     if not machine.no_gpu and not args.dry_run:
         probe_software(machine)
