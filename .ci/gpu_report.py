@@ -562,8 +562,8 @@ def run_step(step: Step, logs: Path, timeout: float) -> Result:
                 try:
                     rc = proc.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
-                    _kill_group(proc)
                     rc = None
+                _kill_group(proc)  # also after a normal exit: a leftover worker would hold the GPU
         text = log_path.read_text(errors="replace")
         if rc is None:
             status, detail = "timeout", f"killed after {timeout:.0f} s"
@@ -580,15 +580,13 @@ def run_step(step: Step, logs: Path, timeout: float) -> Result:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """Terminate the step's process group (it was started in its own session), then kill what is left."""
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        with contextlib.suppress(ProcessLookupError):
+    """End the step's process group (it was started in its own session, so the group is the step's alone):
+    SIGTERM, up to 10 s for the step's own process to exit, then SIGKILL for whatever of the group is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
 
 
 def _tail(text: str, lines: int = 40) -> str:

@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -262,6 +263,38 @@ def test_a_failing_step_is_recorded_and_the_next_runs(tmp_path):
     assert results[0].detail == "exit status 3" and "boom" in results[0].log_tail
     assert results[1].log_tail == "" and "fine" in Path(results[1].log).read_text()
     assert results[2].detail == "killed after 1 s"
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its reaper does not count)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_a_timed_out_step_is_killed_with_its_children(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])"
+            f"; open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    res = gr.run_step(_step("hangs", code), tmp_path, 3)
+    assert res.status == "timeout"
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 30  # SIGKILL is delivered asynchronously
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "the step's child outlived the timeout"
+
+
+def test_steps_run_in_the_repository_with_the_extension_required_and_no_index(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    code = (f"import os, odc_runtime; e = os.environ; assert os.getcwd() == {str(ROOT)!r}, os.getcwd(); "
+            "assert e['ODC_REQUIRE_EXTENSION'] == '1' and e['PIP_NO_INDEX'] == '1' and e['PYTHONUNBUFFERED'] == '1';"
+            " assert e['EXTRA'] == 'x'")
+    res = gr.run_step(_step("env", code, env={"EXTRA": "x"}), tmp_path, 60)
+    assert res.status == "pass", res.log_tail
 
 
 def test_a_step_without_time_left_is_not_run(tmp_path):
