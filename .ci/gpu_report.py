@@ -219,6 +219,7 @@ class Step:
     mps: bool = False
     evaluate: Callable[[int, str], tuple[str, dict, str]] | None = None
     skip: str | None = None
+    na: str | None = None  # why it does not apply to this machine (e.g. needs more GPUs): "n/a", not a failure
     outputs: list[Path] = field(default_factory=list)  # files it writes (removed before it runs: nothing stale)
 
     @property
@@ -267,7 +268,7 @@ def evaluate_junit(xml_path: Path, ngpu: int, rc: int) -> tuple[str, dict, str]:
     except ET.ParseError as e:
         return "fail", {}, f"unreadable JUnit XML ({e})"
     counts = {"passed": 0, "failed": 0, "skipped": 0, "n/a": 0}
-    bad: list[str] = []
+    bad: dict[str, list[str]] = {}  # reason -> tests
     raise_s: list[float] = []
     exit_s: list[float] = []
     for case in root.iter("testcase"):
@@ -279,7 +280,7 @@ def evaluate_junit(xml_path: Path, ngpu: int, rc: int) -> tuple[str, dict, str]:
         if failure is not None:
             counts["failed"] += 1
             first = (failure.get("message") or "failed").splitlines() or ["failed"]
-            bad.append(f"{name}: {first[0][:160]}")
+            bad.setdefault(first[0][:160], []).append(name)
         elif skipped is not None:
             msg = skipped.get("message") or ""
             m = _NEEDS_GPUS.search(msg)
@@ -287,7 +288,7 @@ def evaluate_junit(xml_path: Path, ngpu: int, rc: int) -> tuple[str, dict, str]:
                 counts["n/a"] += 1
             else:
                 counts["skipped"] += 1
-                bad.append(f"{name}: skipped ({msg[:160]})")
+                bad.setdefault(f"skipped ({msg[:160]})", []).append(name)
         else:
             counts["passed"] += 1
         for out in case.iter("system-out"):
@@ -301,10 +302,18 @@ def evaluate_junit(xml_path: Path, ngpu: int, rc: int) -> tuple[str, dict, str]:
     if total == 0:
         return "fail", numbers, f"no test ran (exit status {rc})"
     if bad:
-        return "fail", numbers, "; ".join(bad[:4]) + (f"; and {len(bad) - 4} more" if len(bad) > 4 else "")
+        return "fail", numbers, "; ".join(_one_reason(reason, names) for reason, names in bad.items())
     if rc not in (0, 5) and counts["passed"] + counts["n/a"] == total:
         return "fail", numbers, f"pytest exit status {rc}"
     return ("n/a" if counts["passed"] == 0 else "pass"), numbers, ""
+
+
+def _one_reason(reason: str, names: list[str]) -> str:
+    """``test_a: reason``, or for several tests with one reason ``3 tests (test_a, test_b, ...): reason``."""
+    if len(names) == 1:
+        return f"{names[0]}: {reason}"
+    shown = ", ".join(names[:2]) + (", ..." if len(names) > 2 else "")
+    return f"{len(names)} tests ({shown}): {reason}"
 
 
 def _comm_rows(path: Path) -> list[dict]:
@@ -414,9 +423,9 @@ def plan(phases: Sequence[str], machine: Machine, out: Path) -> list[Step]:
             path = logs / f"comm-{name}.json"
             argv = [py, "bench/comm.py", "--backend", "nvshmem", "--nproc", str(nproc), "--sizes", sizes,
                     *extra, "--json", str(path), "--plot", "none"]
-            skip = f"needs >= {need} GPUs, {ngpu} visible" if ngpu and ngpu < need else None
+            na = f"needs >= {need} GPUs, {ngpu} visible" if ngpu < need else None
             steps.append(Step("bench", f"comm {name}", argv, 240, env or {}, mps=mps, evaluate=comm_evaluator(path),
-                              skip=skip, outputs=[path]))
+                              na=na, outputs=[path]))
 
         comm("1pe", 1, env=first_gpu)
         comm("1pe-locked", 1, "--ops", "copy,add,push,sync", env={**first_gpu, "ODC_NVSHMEM_PUSH": "locked"},
@@ -599,9 +608,10 @@ def execute(steps: Sequence[Step], logs: Path, phase_budget: float, budget: floa
     run_end = time.monotonic() + budget if budget else math.inf
     phase_end: dict[str, float] = {}
     for step in steps:
-        if step.skip:
-            results.append(Result(step.phase, step.name, "skip", detail=step.skip, command=step.command))
-            log(f"[{step.phase}] {step.name}: skip ({step.skip})")
+        if step.skip or step.na:
+            status, why = ("skip", step.skip) if step.skip else ("n/a", step.na)
+            results.append(Result(step.phase, step.name, status, detail=why, command=step.command))
+            log(f"[{step.phase}] {step.name}: {status} ({why})")
             continue
         now = time.monotonic()
         end = phase_end.setdefault(step.phase, now + phase_budget)
@@ -617,7 +627,7 @@ def execute(steps: Sequence[Step], logs: Path, phase_budget: float, budget: floa
         results.append(res)
         log(f"[{step.phase}] {step.name}: {res.status} in {res.seconds:.1f} s"
             + (f" ({res.detail})" if res.detail else ""), flush=True)
-    ran = {r.name for r in results if r.status != "skip"}
+    ran = {r.name for r in results if r.status not in ("skip", "n/a")}
     results.extend(check_targets(logs, {t.source for t in TARGETS if f"comm {t.source}" in ran}))
     return results
 
@@ -633,9 +643,10 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def run_meta(machine: Machine) -> dict:
-    """Where and when: date, commit (dirty or not), GPUs, driver and software versions."""
+def run_meta(machine: Machine, argv: Sequence[str]) -> dict:
+    """Where, when and how: date, commit (dirty or not), the command line, GPUs, driver and software versions."""
     return {
+        "command": " ".join([".ci/gpu", *argv]),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": _git("rev-parse", "--short=12", "HEAD"),
         "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
@@ -678,6 +689,7 @@ def _meta_lines(meta: dict) -> list[str]:
     pin = sw.get("torch_nvshmem_pin")
     rows = [
         ("date", meta.get("date")),
+        ("command", f"`{meta['command']}`" if meta.get("command") else None),
         ("commit", f"{meta.get('commit')}{' (uncommitted changes)' if meta.get('dirty') else ''}"),
         ("GPU", ", ".join(f"{n} x {k}" for k, n in names.items()) or meta.get("no_gpu")),
         ("driver", gpus[0]["driver"] if gpus else None),
@@ -697,12 +709,17 @@ def render_markdown(report: dict) -> str:
     log tails of what failed."""
     lines = ["# GPU report (`.ci/gpu`)", ""]
     failures: list[dict] = []
+    previous_meta = None
     for phase, data in report["phases"].items():
         results = data["results"]
         bad = sum(r["status"] not in OK_STATUSES for r in results)
-        lines += [f"## {phase}: {'all passed' if not bad else f'{bad} of {len(results)} failed'}", "",
-                  "| | |", "|---|---|", *_meta_lines(data["meta"]), "",
-                  "| check | result | time | numbers |", "|---|---|---|---|"]
+        lines += [f"## {phase}: {'all passed' if not bad else f'{bad} of {len(results)} failed'}", ""]
+        if data["meta"] == previous_meta:
+            lines += ["Same run as the phase above.", ""]
+        else:
+            lines += ["| | |", "|---|---|", *_meta_lines(data["meta"]), ""]
+        previous_meta = data["meta"]
+        lines += ["| check | result | time | numbers |", "|---|---|---|---|"]
         for r in results:
             nums = ", ".join(f"{k}={_fmt(v)}" for k, v in r["numbers"].items())
             detail = f"{r['status']}" + (f": {r['detail']}" if r["detail"] else "")
@@ -826,14 +843,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f".ci/gpu dry run: phases {', '.join(args.phases)}; "
             + (machine.no_gpu or f"{machine.ngpu} GPU(s): {machine.gpus[0]['name']} (ODC_CUDA_ARCHS={machine.archs})"))
         for s in steps:
-            state = f"skip: {s.skip}" if s.skip else f"would run (timeout {s.timeout:.0f} s)"
+            state = (f"skip: {s.skip}" if s.skip else f"n/a: {s.na}" if s.na else
+                     f"would run (timeout {s.timeout:.0f} s)")
             log(f"  [{s.phase}] {s.name}: {state}\n      {s.command}")
         return 0
     log(f".ci/gpu: phases {', '.join(args.phases)} -> {args.out}/; "
         + (machine.no_gpu or f"{machine.ngpu} x {machine.gpus[0]['name']}"))
     results = execute(steps, args.out / "logs", args.phase_budget, args.budget)
     previous = None if args.fresh else _json_or_none(args.out / "report.json")
-    write_report(args.out, merge_report(previous, run_meta(machine), results, args.phases))
+    meta = run_meta(machine, sys.argv[1:] if argv is None else argv)
+    write_report(args.out, merge_report(previous, meta, results, args.phases))
     bad = [r for r in results if not r.ok]
     log(f".ci/gpu: {len(results) - len(bad)} of {len(results)} checks passed; report {args.out / 'report.md'}")
     return 1 if bad else 0

@@ -124,10 +124,11 @@ def test_plan_on_one_gpu(tmp_path, monkeypatch):
         "tests/gpu/test_nvshmem_gpu.py", "tests/gpu/test_dead_peer_gpu.py", "tests/gpu/test_zeta_gpu.py"]
     assert by["comm 4pe-1gpu"].mps and "--pes-per-gpu" in by["comm 4pe-1gpu"].argv
     assert by["comm 1pe-locked"].env["ODC_NVSHMEM_PUSH"] == "locked"
-    assert by["comm 2gpu-vs-nccl"].skip == "needs >= 2 GPUs, 1 visible"
+    assert by["comm 2gpu-vs-nccl"].na == "needs >= 2 GPUs, 1 visible" and by["comm 2gpu-vs-nccl"].skip is None
     sft = [s for s in steps if s.name.startswith("sft")]
     assert len(sft) == 2 and all("has no --pes-per-gpu" in s.skip for s in sft)
-    assert not any(s.skip for s in steps if s.name not in {"comm 2gpu-vs-nccl"} and not s.name.startswith("sft"))
+    assert not any(s.skip for s in steps if not s.name.startswith("sft"))
+    assert [s.name for s in steps if s.na] == ["comm 2gpu-vs-nccl"]
     assert all(s.timeout <= gr.DEFAULT_PHASE_BUDGET_S for s in steps)
 
 
@@ -139,7 +140,7 @@ def test_plan_uses_sft_pes_per_gpu_when_it_exists_and_every_gpu_on_eight(tmp_pat
     rows = "".join(H100.replace("0,", f"{i},", 1) for i in range(8))
     eight = gr.plan(["bench", "e2e"], gr.Machine(gpus=gr.parse_gpu_query(rows)), tmp_path)
     by = {s.name: s for s in eight}
-    assert by["comm 8gpu-vs-nccl"].skip is None and by["comm 8gpu-vs-nccl"].argv[4:6] == ["--nproc", "8"]
+    assert by["comm 8gpu-vs-nccl"].na is None and by["comm 8gpu-vs-nccl"].argv[4:6] == ["--nproc", "8"]
     assert not by["sft --comm odc, 4 PEs"].mps and "--pes-per-gpu" not in by["sft --comm odc, 4 PEs"].argv
 
 
@@ -182,6 +183,13 @@ def test_junit_skip_is_a_failure_unless_more_gpus_are_needed(tmp_path):
     assert numbers["survivors"] == 2 and numbers["max_raise_s"] == 13.1 and numbers["max_exit_s"] == 1.25
     # with 2 GPUs visible, a skip for "needs >= 2 GPUs" is no longer explained: a failure
     assert "test_needs_two_gpus" in gr.evaluate_junit(xml, 2, rc)[2]
+
+
+def test_junit_failures_with_one_reason_are_grouped(tmp_path):
+    source = "import pytest\n" + "".join(f"def test_{i}():\n    pytest.skip('no CUDA GPU')\n" for i in range(5))
+    xml, rc = _junit(tmp_path, source)
+    detail = "5 tests (test_0, test_1, ...): skipped (no CUDA GPU)"
+    assert gr.evaluate_junit(xml, 1, rc) == ("fail", {"skipped": 5}, detail)
 
 
 def test_junit_all_passed_or_not_applicable(tmp_path):
@@ -297,6 +305,15 @@ def test_steps_run_in_the_repository_with_the_extension_required_and_no_index(tm
     assert res.status == "pass", res.log_tail
 
 
+def test_steps_that_do_not_apply_are_na_and_skipped_ones_fail(tmp_path):
+    steps = [_step("needs 8 GPUs", "import sys; sys.exit(1)", na="needs >= 8 GPUs, 1 visible"),
+             _step("no GPU", "import sys; sys.exit(1)", skip="no NVIDIA GPU")]
+    results = gr.execute(steps, tmp_path, phase_budget=300, budget=None)
+    assert [(r.status, r.ok, r.detail) for r in results] == [
+        ("n/a", True, "needs >= 8 GPUs, 1 visible"), ("skip", False, "no NVIDIA GPU")]
+    assert not list(tmp_path.glob("*.log"))  # neither ran
+
+
 def test_a_step_without_time_left_is_not_run(tmp_path):
     results = gr.execute([_step("late", "print(1)")], tmp_path, phase_budget=gr.MIN_STEP_S / 2, budget=None)
     assert results[0].status == "timeout" and "phase's time budget" in results[0].detail
@@ -333,7 +350,8 @@ def _results() -> list:
 
 
 def _meta() -> dict:
-    return {"date": "2026-11-23 20:00 UTC", "commit": "abc123", "dirty": False, "no_gpu": None,
+    return {"command": ".ci/gpu tests", "date": "2026-11-23 20:00 UTC", "commit": "abc123", "dirty": False,
+            "no_gpu": None,
             "gpus": gr.parse_gpu_query(H100),
             "software": {"torch": "2.11.0+cu130", "torch_cuda": "13.0", "nvshmem_header": "3.4.5",
                          "torch_nvshmem_pin": ["cu13", "3.4.5"], "nvshmem_wheels": [["cu13", "3.4.5"]],
@@ -353,6 +371,7 @@ def test_report_writer_md_and_json(tmp_path):
     assert "| build _C for 90-real | pass | 71.2 s | nvshmem=3.4.5, archs=90-real |" in md
     assert "| tests/gpu/test_fsdp_gpu.py | n/a | 3.0 s | n/a=2 |" in md
     assert "| GPU | 1 x NVIDIA H100 80GB HBM3 (sm_90, 81559 MiB) |" in md and "| driver | 580.159.04 |" in md
+    assert "| command | `.ci/gpu tests` |" in md
     assert "| NVSHMEM | 3.4.5 (torch pins cu13-3.4.5; wheels cu13-3.4.5) |" in md
     # the failure: its row (a "|" in the text escaped), then its section with the log tail
     assert "| tests/gpu/test_dead_peer_gpu.py | fail: test_x[push-2-mps]: rank 0 raised after 19 s | 200.5 s |" in md
@@ -367,6 +386,11 @@ def test_report_keeps_earlier_phases_and_replaces_rerun_ones(tmp_path):
     later_meta = {**_meta(), "date": "2026-11-23 21:00 UTC", "commit": "def456"}
     bench = [gr.Result("bench", "comm 1pe", "pass", 30.0), gr.Result("build", "build _C for 90-real", "pass", 2.0)]
     merged = gr.merge_report(json.loads(json.dumps(first)), later_meta, bench, ["build", "bench"])
+    md = gr.render_markdown(merged)
+    # build (def456), tests (abc123), bench (def456): each phase says its run
+    assert md.count("| commit | abc123 |") == 1 and md.count("| commit | def456 |") == 2
+    assert md.count("Same run as the phase above.") == 0
+    assert gr.render_markdown(first).count("Same run as the phase above.") == 1
     assert list(merged["phases"]) == ["build", "tests", "bench"]
     assert merged["phases"]["tests"] == json.loads(json.dumps(first["phases"]["tests"]))  # kept as it was
     assert merged["phases"]["build"]["meta"]["commit"] == "def456"
