@@ -413,7 +413,7 @@ def plan(phases: Sequence[str], machine: Machine, out: Path) -> list[Step]:
         for f in files:
             xml = logs / f"junit-{f.stem}.xml"
             rel = f.relative_to(REPO).as_posix()
-            steps.append(Step("tests", rel, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", rel,
+            steps.append(Step("tests", rel, [py, "-m", "pytest", "-v", "-p", "no:cacheprovider", rel,
                                              f"--junitxml={xml}", "-o", "junit_logging=system-out"],
                               480, evaluate=junit_evaluator(xml, ngpu), outputs=[xml]))
 
@@ -440,8 +440,8 @@ def plan(phases: Sequence[str], machine: Machine, out: Path) -> list[Step]:
         extra = ["--pes-per-gpu", str(SFT_PES)] if shared else []
         skip = None
         if shared and not _source_has("examples/sft.py", "--pes-per-gpu"):
-            skip = (f"examples/sft.py has no --pes-per-gpu: {SFT_PES} ranks cannot share {ngpu or 'one'} GPU(s) "
-                    "(it gives each rank its own GPU and NCCL)")
+            skip = (f"examples/sft.py has no --pes-per-gpu, so {SFT_PES} ranks cannot share {ngpu} GPU"
+                    f"{'s' if ngpu != 1 else ''} (it gives each rank its own GPU and NCCL)")
         paths = {c: logs / f"sft-{c}.json" for c in ("collective", "odc")}
         for comm_mode in ("collective", "odc"):
             argv = [py, "examples/sft.py", "--comm", comm_mode, "--nproc", str(SFT_PES), "--steps", str(SFT_STEPS),

@@ -232,6 +232,28 @@ def test_targets_pass_and_fail_against_the_issue_bounds(tmp_path):
         "target: locked push >= 150 GB/s (1 PE, 64 MiB)"]  # targets of runs not attempted are left out
 
 
+def test_a_real_comm_json_feeds_the_evaluation_targets_and_report(tmp_path, monkeypatch):
+    """The JSON bench/comm.py really writes (host transport, 2 ranks, one small size) has what the driver reads."""
+    path = tmp_path / "comm-1pe.json"
+    proc = subprocess.run([sys.executable, "bench/comm.py", "--backend", "host", "--nproc", "2", "--sizes", "64K",
+                           "--ops", "copy,add,fetch,push,sync", "--repeats", "2", "--warmup", "1", "--json", str(path),
+                           "--plot", "none"], cwd=ROOT, capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "ODC_TIMEOUT": "60"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    monkeypatch.setattr(gr, "TARGET_SIZE", 64 << 10)
+    status, numbers, _ = gr.comm_evaluator(path)(0, "")
+    assert status == "pass" and set(numbers) == {"fetch/local@64K", "push/local@64K"}
+    targets = {r.name.split(" (")[0].removeprefix("target: "): r for r in gr.check_targets(tmp_path, {"1pe"})}
+    for name in ("fetch >= 0.95 x copy_", "push >= 0.87 x add_", "fetch host us/call <= 1.3 x copy_",
+                 "push host us/call <= 1.3 x copy_"):
+        assert targets[name].status in ("pass", "fail") and targets[name].numbers["measured"] > 0, name
+    assert targets["sync on a busy stream <= 60 us"].detail.startswith("not measured")  # a GPU-only row
+    md = gr.render_markdown(gr.merge_report(None, _meta(), [gr.Result("bench", "comm 1pe", "pass", 1.0,
+                                                                      outputs=[str(path)])], ["bench"]))
+    for op in ("copy", "add", "fetch", "push", "sync"):
+        assert f"| 64K | {op} |" in md, op
+
+
 def test_comm_step_passes_only_with_exit_0_and_its_json(tmp_path):
     path = tmp_path / "comm-1pe.json"
     ev = gr.comm_evaluator(path)
