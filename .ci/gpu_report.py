@@ -63,6 +63,9 @@ TARGET_SIZE = 64 << 20
 SFT_PES = 4
 SFT_STEPS = 4
 SFT_REL_TOL = 1e-4  # fp32: the losses differ only by summation order
+# ODC_TIMEOUT of the bench and e2e runs (unless set): a hang there fails with the runtime's own error, naming the
+# operation and the missing ranks, well before the step's timeout kills it. tests/gpu set their own.
+RUN_ODC_TIMEOUT_S = "60"
 # Test files run first in this order (the core paths before the slow dead-peer matrix); others follow, sorted.
 TEST_ORDER = ("test_nvshmem_gpu.py", "test_hierarchy_gpu.py", "test_dead_peer_gpu.py")
 STATUSES = ("pass", "fail", "timeout", "skip", "n/a")
@@ -220,6 +223,7 @@ class Step:
     evaluate: Callable[[int, str], tuple[str, dict, str]] | None = None
     skip: str | None = None
     na: str | None = None  # why it does not apply to this machine (e.g. needs more GPUs): "n/a", not a failure
+    progress: Callable[[str], dict] | None = None  # numbers from the log of a run cut by its timeout
     outputs: list[Path] = field(default_factory=list)  # files it writes (removed before it runs: nothing stale)
 
     @property
@@ -306,6 +310,24 @@ def evaluate_junit(xml_path: Path, ngpu: int, rc: int) -> tuple[str, dict, str]:
     if rc not in (0, 5) and counts["passed"] + counts["n/a"] == total:
         return "fail", numbers, f"pytest exit status {rc}"
     return ("n/a" if counts["passed"] == 0 else "pass"), numbers, ""
+
+
+_PYTEST_VERBOSE = re.compile(r"^(\S+::\S+)[ \t]*(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)?", re.M)
+
+
+def pytest_progress(text: str) -> dict:
+    """From a ``pytest -v`` log cut short: how many tests ended how, and the test that was running."""
+    numbers: dict = {}
+    running = None
+    for test, outcome in _PYTEST_VERBOSE.findall(text):
+        if outcome:
+            numbers[outcome.lower()] = numbers.get(outcome.lower(), 0) + 1
+            running = None
+        else:
+            running = test
+    if running:
+        numbers["running"] = running
+    return numbers
 
 
 def _one_reason(reason: str, names: list[str]) -> str:
@@ -398,6 +420,7 @@ def plan(phases: Sequence[str], machine: Machine, out: Path) -> list[Step]:
     steps: list[Step] = []
     ngpu = machine.ngpu
     first_gpu = {"CUDA_VISIBLE_DEVICES": str(machine.gpus[0]["index"])} if machine.gpus else {}
+    deadline = {} if os.environ.get("ODC_TIMEOUT") else {"ODC_TIMEOUT": RUN_ODC_TIMEOUT_S}
 
     if "build" in phases:
         env = {"ODC_CUDA_ARCHS": machine.archs or "<visible GPU>", "PYTHON": py}
@@ -415,7 +438,7 @@ def plan(phases: Sequence[str], machine: Machine, out: Path) -> list[Step]:
             rel = f.relative_to(REPO).as_posix()
             steps.append(Step("tests", rel, [py, "-m", "pytest", "-v", "-p", "no:cacheprovider", rel,
                                              f"--junitxml={xml}", "-o", "junit_logging=system-out"],
-                              480, evaluate=junit_evaluator(xml, ngpu), outputs=[xml]))
+                              480, evaluate=junit_evaluator(xml, ngpu), outputs=[xml], progress=pytest_progress))
 
     if "bench" in phases:
         def comm(name: str, nproc: int, *extra: str, env: dict | None = None, mps: bool = False,
@@ -424,15 +447,18 @@ def plan(phases: Sequence[str], machine: Machine, out: Path) -> list[Step]:
             argv = [py, "bench/comm.py", "--backend", "nvshmem", "--nproc", str(nproc), "--sizes", sizes,
                     *extra, "--json", str(path), "--plot", "none"]
             na = f"needs >= {need} GPUs, {ngpu} visible" if ngpu < need else None
-            steps.append(Step("bench", f"comm {name}", argv, 240, env or {}, mps=mps, evaluate=comm_evaluator(path),
-                              na=na, outputs=[path]))
+            steps.append(Step("bench", f"comm {name}", argv, 240, {**deadline, **(env or {})}, mps=mps,
+                              evaluate=comm_evaluator(path), na=na, outputs=[path]))
 
+        # the targets' runs first, then the shared-GPU runs (each verifies its results exactly before timing)
+        locked = {**first_gpu, "ODC_NVSHMEM_PUSH": "locked"}
         comm("1pe", 1, env=first_gpu)
-        comm("1pe-locked", 1, "--ops", "copy,add,push,sync", env={**first_gpu, "ODC_NVSHMEM_PUSH": "locked"},
-             sizes="64M,256M")
-        comm("2pe-1gpu", 2, "--pes-per-gpu", "2", env=first_gpu, mps=True)
+        comm("1pe-locked", 1, "--ops", "copy,add,push,sync", env=locked, sizes="64M,256M")
         comm("4pe-1gpu", 4, "--pes-per-gpu", "4", env=first_gpu, mps=True)
+        comm("4pe-1gpu-locked", 4, "--pes-per-gpu", "4", "--ops", "copy,add,push,sync", env=locked, mps=True,
+             sizes="64M")  # the ticket lock contended by 4 PEs
         comm("4pe-1gpu-2nodes", 4, "--pes-per-gpu", "4", "--node-size", "2", env=first_gpu, mps=True, sizes="64M")
+        comm("2pe-1gpu", 2, "--pes-per-gpu", "2", env=first_gpu, mps=True)
         comm(f"{min(max(ngpu, 2), 8)}gpu-vs-nccl", min(max(ngpu, 2), 8), need=2)
 
     if "e2e" in phases:
@@ -447,15 +473,15 @@ def plan(phases: Sequence[str], machine: Machine, out: Path) -> list[Step]:
             argv = [py, "examples/sft.py", "--comm", comm_mode, "--nproc", str(SFT_PES), "--steps", str(SFT_STEPS),
                     "--odc-backend", "nvshmem", "--json", str(paths[comm_mode]), *extra]
             ref = paths["collective"] if comm_mode == "odc" else None
-            steps.append(Step("e2e", f"sft --comm {comm_mode}, {SFT_PES} PEs", argv, 240,
-                              first_gpu if shared else {}, mps=shared, evaluate=sft_evaluator(paths[comm_mode], ref),
-                              skip=skip, outputs=[paths[comm_mode]]))
+            env = {**deadline, **(first_gpu if shared else {})}
+            steps.append(Step("e2e", f"sft --comm {comm_mode}, {SFT_PES} PEs", argv, 240, env, mps=shared,
+                              evaluate=sft_evaluator(paths[comm_mode], ref), skip=skip, outputs=[paths[comm_mode]]))
         argv = [py, "bench/imbalance.py", "--quick", "--json", str(logs / "imbalance.json"), "--plot", "none"]
         gpu_backend = _source_has("bench/imbalance.py", "--backend")
         if gpu_backend:
             argv[3:3] = ["--backend", "nvshmem"]
         steps.append(Step("e2e", "imbalance --quick" + ("" if gpu_backend else " (host transport: no --backend)"),
-                          argv, 240, evaluate=_rc_only, outputs=[logs / "imbalance.json"]))
+                          argv, 240, dict(deadline), evaluate=_rc_only, outputs=[logs / "imbalance.json"]))
 
     if machine.no_gpu:
         for s in steps:
@@ -576,6 +602,9 @@ def run_step(step: Step, logs: Path, timeout: float) -> Result:
         text = log_path.read_text(errors="replace")
         if rc is None:
             status, detail = "timeout", f"killed after {timeout:.0f} s"
+            numbers = step.progress(text) if step.progress else {}
+            if numbers.get("running"):
+                detail += f" while running {numbers['running']}"
         else:
             status, numbers, detail = (step.evaluate or _rc_only)(rc, text)
     except MpsError as e:

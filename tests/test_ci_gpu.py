@@ -124,6 +124,9 @@ def test_plan_on_one_gpu(tmp_path, monkeypatch):
         "tests/gpu/test_nvshmem_gpu.py", "tests/gpu/test_dead_peer_gpu.py", "tests/gpu/test_zeta_gpu.py"]
     assert by["comm 4pe-1gpu"].mps and "--pes-per-gpu" in by["comm 4pe-1gpu"].argv
     assert by["comm 1pe-locked"].env["ODC_NVSHMEM_PUSH"] == "locked"
+    assert by["comm 4pe-1gpu-locked"].env["ODC_NVSHMEM_PUSH"] == "locked" and by["comm 4pe-1gpu-locked"].mps
+    assert [s.name for s in steps if s.phase == "bench"][:2] == ["comm 1pe", "comm 1pe-locked"]  # the targets' runs
+    assert all("ODC_TIMEOUT" not in s.env for s in steps if s.phase == "tests")  # tests/gpu choose their own
     assert by["comm 2gpu-vs-nccl"].na == "needs >= 2 GPUs, 1 visible" and by["comm 2gpu-vs-nccl"].skip is None
     sft = [s for s in steps if s.name.startswith("sft")]
     assert len(sft) == 2 and all("has no --pes-per-gpu" in s.skip for s in sft)
@@ -134,9 +137,13 @@ def test_plan_on_one_gpu(tmp_path, monkeypatch):
 
 def test_plan_uses_sft_pes_per_gpu_when_it_exists_and_every_gpu_on_eight(tmp_path, monkeypatch):
     _fake_repo(tmp_path, monkeypatch, sft_flag=True)
+    monkeypatch.delenv("ODC_TIMEOUT", raising=False)
     one = gr.plan(["e2e"], gr.Machine(gpus=gr.parse_gpu_query(H100)), tmp_path)
     assert [s.skip for s in one] == [None, None, None]
-    assert one[1].mps and one[1].argv[-2:] == ["--pes-per-gpu", "4"] and one[1].env == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert one[1].mps and one[1].argv[-2:] == ["--pes-per-gpu", "4"]
+    assert one[1].env == {"CUDA_VISIBLE_DEVICES": "0", "ODC_TIMEOUT": gr.RUN_ODC_TIMEOUT_S}
+    monkeypatch.setenv("ODC_TIMEOUT", "30")  # the user's deadline is kept
+    assert all("ODC_TIMEOUT" not in s.env for s in gr.plan(["bench", "e2e"], gr.Machine(gpus=[]), tmp_path))
     rows = "".join(H100.replace("0,", f"{i},", 1) for i in range(8))
     eight = gr.plan(["bench", "e2e"], gr.Machine(gpus=gr.parse_gpu_query(rows)), tmp_path)
     by = {s.name: s for s in eight}
@@ -334,6 +341,20 @@ def test_steps_that_do_not_apply_are_na_and_skipped_ones_fail(tmp_path):
     assert [(r.status, r.ok, r.detail) for r in results] == [
         ("n/a", True, "needs >= 8 GPUs, 1 visible"), ("skip", False, "no NVIDIA GPU")]
     assert not list(tmp_path.glob("*.log"))  # neither ran
+
+
+def test_a_pytest_step_cut_by_its_timeout_reports_its_progress(tmp_path):
+    source = ("import time\ndef test_a():\n    pass\ndef test_b():\n    assert False\n"
+              "def test_c():\n    time.sleep(120)\ndef test_d():\n    pass\n")
+    (tmp_path / "test_slow.py").write_text(source)
+    step = gr.Step("tests", "slow", [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
+                                     str(tmp_path / "test_slow.py"), "--rootdir", str(tmp_path), "-o", "addopts="],
+                   60, progress=gr.pytest_progress)
+    res = gr.run_step(step, tmp_path / "logs", 15)  # test_c sleeps past it; pytest reaches it well before
+    assert res.status == "timeout"
+    running = res.numbers.pop("running")
+    assert running.endswith("test_slow.py::test_c") and res.numbers == {"passed": 1, "failed": 1}
+    assert res.detail == f"killed after 15 s while running {running}"
 
 
 def test_a_step_without_time_left_is_not_run(tmp_path):
