@@ -15,11 +15,13 @@ Phases (each step runs as a child process with its own timeout; a failing step i
   runs before any other phase (a no-op when ``_C`` is up to date); ``--no-build`` leaves it out.
 - ``tests``: each ``tests/gpu/test_*.py`` under pytest with ``ODC_REQUIRE_EXTENSION=1``. A skipped test is a
   failure, except one that needs more GPUs than are visible ("needs >= N GPUs"), reported as ``n/a``.
-- ``bench``: ``bench/comm.py --backend nvshmem`` at 1, 64 and 256 MiB with 1 PE, with the locked push protocol,
-  with 2 and 4 PEs on one GPU (CUDA MPS, started and stopped here), as 2 virtual nodes of 2, and with every GPU
-  against NCCL when there are several; then the issue's targets (1 PE, 64 MiB) checked against its JSON.
-- ``e2e``: ``examples/sft.py --comm collective`` and ``--comm odc`` on 4 PEs (same losses, rel 1e-4), and
-  ``bench/imbalance.py --quick`` (the main job).
+- ``bench``: ``bench/comm.py --backend nvshmem`` (which verifies its results exactly before timing) at 1, 64 and
+  256 MiB with 1 PE, with the locked push protocol (1 PE, and 4 PEs contending), with 2 and 4 PEs on one GPU (CUDA
+  MPS, started and stopped here), as 2 virtual nodes of 2, and with every GPU (up to 8) against NCCL when there
+  are several; then the issue's targets (1 PE, 64 MiB) checked against its JSON (``TARGETS``).
+- ``e2e``: ``examples/sft.py --comm collective`` and ``--comm odc`` on 4 PEs (same losses, rel 1e-4; with fewer
+  than 4 GPUs the PEs share the first one, which needs ``examples/sft.py --pes-per-gpu``), and
+  ``bench/imbalance.py --quick`` (the main job; with ``--backend nvshmem`` once it has that flag).
 
 Output (``--out``, else ``ODC_GPU_REPORT_DIR``, else ``gpu-report/``): ``report.md`` (a table per phase:
 check, result, time, numbers; the targets; the benchmark rows; the log tail of every failure), ``report.json``
@@ -71,7 +73,7 @@ TEST_ORDER = ("test_nvshmem_gpu.py", "test_hierarchy_gpu.py", "test_dead_peer_gp
 STATUSES = ("pass", "fail", "timeout", "skip", "n/a")
 OK_STATUSES = ("pass", "n/a")
 
-log = print  # the driver's progress lines (stdout; the device tool returns its tail)
+log = print  # the driver's progress lines, on stdout
 
 
 # --------------------------------------------------------------------------------------------------- machine
