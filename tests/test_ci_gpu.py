@@ -97,6 +97,25 @@ def test_gpu_query_gives_the_visible_architectures_only(tmp_path):
     assert m.ngpu == 0 and "nvidia-smi not found" in m.no_gpu
 
 
+def test_software_probe_reads_this_environment():
+    import torch
+
+    m = gr.Machine()
+    gr.probe_software(m)
+    assert "probe_error" not in m.software, m.software
+    assert m.software["torch"] == torch.__version__ and m.software["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert isinstance(m.software["nvshmem_wheels"], list) and isinstance(m.software["nvshmem_homes"], list)
+
+
+def test_the_build_uses_the_nvshmem_wheel_torch_pins_only_when_it_is_installed():
+    home = os.path.join("/site", "nvidia", "nvshmem")
+    sw = {"torch_nvshmem_pin": ["cu13", "3.4.5"], "nvshmem_wheels": [["cu13", "3.4.5"]],
+          "nvshmem_homes": ["/opt/nvshmem", home]}
+    assert gr.nvshmem_home_for_build(sw) == home
+    assert gr.nvshmem_home_for_build({**sw, "nvshmem_wheels": [["cu13", "3.8.0"]]}) is None  # build_ext.sh decides
+    assert gr.nvshmem_home_for_build({**sw, "torch_nvshmem_pin": None}) is None
+
+
 # --------------------------------------------------------------------------------------------------- plan
 
 
