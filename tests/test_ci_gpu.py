@@ -369,11 +369,11 @@ def test_a_pytest_step_cut_by_its_timeout_reports_its_progress(tmp_path):
     step = gr.Step("tests", "slow", [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
                                      str(tmp_path / "test_slow.py"), "--rootdir", str(tmp_path), "-o", "addopts="],
                    60, progress=gr.pytest_progress)
-    res = gr.run_step(step, tmp_path / "logs", 15)  # test_c sleeps past it; pytest reaches it well before
+    res = gr.run_step(step, tmp_path / "logs", 10)  # test_c sleeps past it; pytest reaches it well before
     assert res.status == "timeout"
     running = res.numbers.pop("running")
     assert running.endswith("test_slow.py::test_c") and res.numbers == {"passed": 1, "failed": 1}
-    assert res.detail == f"killed after 15 s while running {running}"
+    assert res.detail == f"killed after 10 s while running {running}"
 
 
 def test_a_step_without_time_left_is_not_run(tmp_path):
