@@ -532,8 +532,8 @@ def check_targets(logs: Path, sources: set[str]) -> list[Result]:
                 row = next((r for r in _comm_rows(path) if r["op"] == t.op and r["bytes"] == TARGET_SIZE), None)
         value = None if row is None else (row["time_s"] * 1e6 if t.key == "time_us" else row.get(t.key))
         if value is None or (isinstance(value, float) and math.isnan(value)):
-            out.append(Result("bench", f"target: {t.name}", "fail", detail=f"not measured (no {t.op} row at 64M in "
-                                                                           f"{path.name})"))
+            why = f"no {t.op} row at 64M in {path.name}" if path.exists() else f"comm {t.source} wrote no results"
+            out.append(Result("bench", f"target: {t.name}", "fail", detail=f"not measured ({why})"))
             continue
         ok = value >= t.bound if t.cmp == ">=" else value <= t.bound
         out.append(Result("bench", f"target: {t.name}", "pass" if ok else "fail",
