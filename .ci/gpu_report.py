@@ -49,6 +49,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator, Sequence
@@ -551,22 +552,23 @@ class MpsError(RuntimeError):
 
 @contextlib.contextmanager
 def mps_daemon(workdir: Path) -> Iterator[dict[str, str]]:
-    """A private CUDA MPS control daemon (pipe and log directories under ``workdir``) for the duration; yields the
-    environment its clients need. Raises MpsError saying why it could not start."""
+    """A private CUDA MPS control daemon for the duration (its logs in ``workdir``; its pipes in a short temporary
+    directory, since a socket path is limited to 107 bytes); yields the environment its clients need. Raises
+    MpsError saying why it could not start."""
     control = shutil.which("nvidia-cuda-mps-control")
     if control is None:
         raise MpsError("nvidia-cuda-mps-control not found: cannot share one GPU between several PEs")
-    env = {"CUDA_MPS_PIPE_DIRECTORY": str(workdir / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(workdir / "log")}
-    for d in env.values():
-        os.makedirs(d, exist_ok=True)
-    full = {**os.environ, **env}
-    started = subprocess.run([control, "-d"], env=full, capture_output=True, text=True, timeout=30)
-    if started.returncode != 0:
-        raise MpsError(f"could not start CUDA MPS ({(started.stderr or started.stdout).strip()})")
-    try:
-        yield env
-    finally:
-        subprocess.run([control], input="quit\n", env=full, capture_output=True, text=True, timeout=30)
+    with tempfile.TemporaryDirectory(prefix="odc-mps-") as pipes:
+        env = {"CUDA_MPS_PIPE_DIRECTORY": pipes, "CUDA_MPS_LOG_DIRECTORY": str(workdir)}
+        workdir.mkdir(parents=True, exist_ok=True)
+        full = {**os.environ, **env}
+        started = subprocess.run([control, "-d"], env=full, capture_output=True, text=True, timeout=30)
+        if started.returncode != 0:
+            raise MpsError(f"could not start CUDA MPS ({(started.stderr or started.stdout).strip()})")
+        try:
+            yield env
+        finally:
+            subprocess.run([control], input="quit\n", env=full, capture_output=True, text=True, timeout=30)
 
 
 def base_env() -> dict[str, str]:

@@ -390,6 +390,39 @@ def test_a_step_that_needs_mps_fails_with_the_reason_when_mps_cannot_start(tmp_p
     assert res.status == "fail" and "nvidia-cuda-mps-control not found" in res.detail
 
 
+def _fake_mps(tmp_path: Path, start_rc: int) -> tuple[str, Path]:
+    """A fake ``nvidia-cuda-mps-control`` that appends what it was asked (and its pipe directory) to a record."""
+    d = tmp_path / "mpsbin"
+    d.mkdir()
+    record = tmp_path / "mps.record"
+    script = d / "nvidia-cuda-mps-control"
+    script.write_text(f'#!/bin/sh\nif [ "$1" = "-d" ]; then echo "start $CUDA_MPS_PIPE_DIRECTORY" >> {record}; '
+                      f'echo "cannot start: no GPU" >&2; exit {start_rc}; fi\n'
+                      f'read cmd; echo "$cmd $CUDA_MPS_PIPE_DIRECTORY" >> {record}\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return f"{d}{os.pathsep}{_path_without_smi()}", record
+
+
+def test_a_step_that_shares_a_gpu_runs_under_its_own_mps_daemon_which_is_stopped(tmp_path, monkeypatch):
+    path, record = _fake_mps(tmp_path, 0)
+    monkeypatch.setenv("PATH", path)
+    seen = tmp_path / "seen"
+    code = f"import os; open({str(seen)!r}, 'w').write(os.environ['CUDA_MPS_PIPE_DIRECTORY'])"
+    res = gr.run_step(_step("shared", code, mps=True), tmp_path / "logs", 30)
+    assert res.status == "pass", res.log_tail
+    pipes = seen.read_text()
+    assert record.read_text().splitlines() == [f"start {pipes}", f"quit {pipes}"]  # started, used, stopped
+    assert len(os.path.join(pipes, "control")) < 100 and not os.path.exists(pipes)  # socket-sized, removed
+
+
+def test_a_step_fails_with_the_reason_when_mps_cannot_start(tmp_path, monkeypatch):
+    path, record = _fake_mps(tmp_path, 1)
+    monkeypatch.setenv("PATH", path)
+    res = gr.run_step(_step("shared", "print(1)", mps=True), tmp_path / "logs", 30)
+    assert res.status == "fail" and res.detail == "could not start CUDA MPS (cannot start: no GPU)"
+    assert len(record.read_text().splitlines()) == 1  # never stopped what did not start; the step did not run
+
+
 def test_stale_outputs_are_removed_before_a_step_runs(tmp_path):
     stale = tmp_path / "comm-1pe.json"
     _comm_json(stale, {("fetch", 64 << 20): {"vs_local": 0.99}})
