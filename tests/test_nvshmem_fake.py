@@ -56,6 +56,14 @@ def _fake_ext(calls: list) -> types.SimpleNamespace:
         def __init__(self) -> None:
             self.epochs: list[int] = []
             self.abort = False
+            self.waits = 0
+            self.watched: list[tuple[int, float]] = []
+
+        def watch(self, stream, timeout_s) -> None:
+            self.watched.append((stream, timeout_s))
+
+        def aborted(self) -> bool:
+            return self.abort
 
         def barrier(self, epoch, stream) -> None:
             self.epochs.append(epoch)
@@ -67,8 +75,8 @@ def _fake_ext(calls: list) -> types.SimpleNamespace:
         def set_abort(self) -> None:
             self.abort = True
 
-        def barrier_gave_up(self) -> bool:
-            return self.abort
+        def barrier_gave_up(self) -> int:
+            return self.epochs[-1] if self.abort and self.epochs else 0
 
         def heard(self) -> list[int]:
             return [99, 0]
@@ -77,11 +85,13 @@ def _fake_ext(calls: list) -> types.SimpleNamespace:
             calls.append(("put_signal", list(remote), list(local), list(nbytes), list(pe), list(near), list(sig),
                           stream))
 
-        def wait_signal(self, sig, value, stream) -> None:
+        def wait_signal(self, sig, value, stream) -> int:
             calls.append(("wait_signal", sig, value, stream))
+            self.waits += 1
+            return self.waits
 
-        def wait_gave_up(self) -> bool:
-            return self.abort
+        def wait_gave_up(self) -> int:
+            return self.waits if self.abort else 0
 
         def wait_seen(self) -> int:
             return 5
@@ -104,6 +114,8 @@ def _install(
     it, as on the GPU), so the heap-membership check of cross-node puts can be exercised."""
     from odc_runtime import api, config
     from odc_runtime.transport import nvshmem
+    from odc_runtime.transport.nvshmem import memory as nv_memory
+    from odc_runtime.transport.nvshmem import plans as nv_plans
 
     current = FakeStream(1000)
     made = iter(range(2000, 3000))
@@ -111,7 +123,7 @@ def _install(
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(nvshmem, "_raw_stream", lambda index: current.cuda_stream)
+    monkeypatch.setattr(nv_plans, "raw_stream", lambda index: current.cuda_stream)
 
     def wrap(ptr, nbytes, device):
         # Like torch with __cuda_array_interface__: the tensor (and every view) keeps `owner` alive.
@@ -126,12 +138,12 @@ def _install(
         def wrap(ptr, nbytes, device):  # the backed variant
             return memory[ptr - arena : ptr - arena + nbytes], _Owner()
 
-    monkeypatch.setattr(nvshmem, "_wrap", wrap)
-    monkeypatch.setattr(nvshmem, "_record", lambda t, stream: None)
+    monkeypatch.setattr(nv_memory, "wrap", wrap)
+    monkeypatch.setattr(nv_plans, "record", lambda t, stream: None)
     calls: list = []
     ext = _fake_ext(calls)
     transport = nvshmem.NvshmemTransport(
-        ext, 0, world, torch.device("cpu"), 5.0, settings=config.NvshmemSettings(fetch=fetch), slots=4,
+        ext, 0, world, torch.device("cpu"), 5.0, settings=config.NvshmemSettings(fetch=fetch), scratch_slots=4,
         capacity=1 << 20, arena=arena, peer_bases=peer_bases, engine=ext.Engine(), atomic_push=atomic, node=node,
     )
     api._runtime = api._Runtime(transport=transport, generation=next(api._generations), shards=itertools.count())
@@ -175,7 +187,7 @@ def _rank_fake_nvshmem(rank: int, world: int) -> None:
         calls.clear()
         handle = odc.push(st, torch.ones(2, 5), async_op=True)
         run = next(c for c in calls if c[0] == "run")
-        assert run[5] == transport._side.cuda_stream and current in transport._side.waits
+        assert run[5] == transport._streams.side.cuda_stream and current in transport._streams.side.waits
         handle.wait()
         assert current.waits and isinstance(current.waits[-1], FakeEvent)
 
@@ -227,10 +239,13 @@ def _rank_fake_far(rank: int, world: int) -> None:
         odc.push(st, torch.ones(7))
         plans = [c[1] for c in calls if c[0] == "plan"]
         assert [p[0] for p in plans] == [2, 4], plans
-        assert plans[0][1] == [ARENA + st._param.handle.offset] and plans[1][1] == [ARENA + st._grad.handle.offset]
+        # network plans name the owner's range by its symmetric offset (the same on every PE), never an address
+        assert plans[0][1] == [st._param.handle.offset] and plans[1][1] == [st._grad.handle.offset]
         runs = [c for c in calls if c[0] == "run"]
-        assert all(r[5] == transport._remote.cuda_stream for r in runs), runs
-        assert current in transport._remote.waits and isinstance(current.waits[-1], FakeEvent)
+        remote = transport._streams.remote
+        assert all(r[5] == remote.cuda_stream for r in runs), runs
+        assert current in remote.waits and isinstance(current.waits[-1], FakeEvent)
+        assert (remote.cuda_stream, 5.0) in [(s, round(t)) for s, t in transport._engine.watched]  # C++ deadline
         assert any(p.op == "push" for p in transport._watchdog.outstanding())
         view = st.local
         odc.finalize()  # waits (bounded) for the outstanding barrier and push, then drops all state
@@ -242,7 +257,7 @@ def _rank_fake_far(rank: int, world: int) -> None:
             transport.barrier("late")
         from odc_runtime.transport import nvshmem
 
-        assert nvshmem._initialized_once  # NVSHMEM cannot start twice in a process: create() refuses
+        assert nvshmem.extension.started  # NVSHMEM cannot start twice in a process: create() refuses
     finally:
         monkeypatch.undo()
 
@@ -268,13 +283,13 @@ def _rank_fake_mixed(rank: int, world: int) -> None:
         plans = [c[1] for c in calls if c[0] == "plan"]
         off = st._param.handle.offset
         # owners in rotated order 1, 2, 0; near (copy engines) for 2 and 0, far (staged) for 1
-        assert plans == [(0, [p2 + off, p0 + off], [8, 0], [2, 4], [2, 0]), (2, [ARENA + off], [4], [4], [1])], plans
+        assert plans == [(0, [p2 + off, p0 + off], [8, 0], [2, 4], [2, 0]), (2, [off], [4], [4], [1])], plans
         calls.clear()
         odc.push(st, torch.ones(10))
         plans = [c[1] for c in calls if c[0] == "plan"]
         goff = st._grad.handle.offset
         # locked protocol for the whole job: every owner, those with peer pointers included, in one far plan
-        assert plans == [(4, [ARENA + goff] * 3, [4, 8, 0], [4, 2, 4], [1, 2, 0])], plans
+        assert plans == [(4, [goff] * 3, [4, 8, 0], [4, 2, 4], [1, 2, 0])], plans
         odc.api._runtime = None
         transport._finalized = True
     finally:
@@ -295,10 +310,9 @@ def _rank_fake_hierarchy(rank: int, world: int) -> None:
         # PE 0 of 4: PEs 0 and 1 share a node (peer pointers), 2 and 3 are on another one; atomic push is off
         # (multi-node job), so accumulates take the locked plan. The arena is real memory (backed).
         transport, calls, current = _install(monkeypatch, 4, [1, 1, 0, 0], atomic=False, node=2, backed=True)
-        p0, p1 = transport._arena + (1 << 41), transport._arena + (1 << 42)
-        transport._peer_bases[:2] = [p0, p1]
+        p0, p1 = transport._heap.arena + (1 << 41), transport._heap.arena + (1 << 42)
+        transport._plans.peer_bases[:2] = [p0, p1]
         assert transport.node_size() == 2
-        arena = transport._arena
         buf = transport.alloc(40, torch.float32, "staging")
         sig = transport.alloc(3, torch.int64, "signal")
         off, soff = buf.handle.offset, sig.handle.offset
@@ -309,19 +323,19 @@ def _rank_fake_hierarchy(rank: int, world: int) -> None:
         transport.get(buf, [GetRequest(1, dst[:4], 30), GetRequest(2, dst[4:], 7)])
         plans = [c[1] for c in calls if c[0] == "plan"]
         rel = dst.data_ptr() // 4
-        assert plans == [(0, [p1 + off + 30 * 4], [rel], [4], [1]), (2, [arena + off + 7 * 4], [rel + 4], [2], [2])]
+        assert plans == [(0, [p1 + off + 30 * 4], [rel], [4], [1]), (2, [off + 7 * 4], [rel + 4], [2], [2])]
         calls.clear()
         grad = torch.ones(5, dtype=torch.bfloat16)
         transport.accumulate(buf, [AccumulateRequest(1, grad[:3], 37), AccumulateRequest(3, grad[3:], 0)], 0.5)
         plans = [c[1] for c in calls if c[0] == "plan"]
         grel = grad.data_ptr() // 2
-        assert plans == [(4, [arena + off + 37 * 4, arena + off], [grel, grel + 3], [3, 2], [1, 3])], plans
+        assert plans == [(4, [off + 37 * 4, off], [grel, grel + 3], [3, 2], [1, 3])], plans
         flat = torch.zeros(9)
         calls.clear()
         plan = transport.plan(buf, "get", [Piece(1, 0, 5, 35), Piece(2, 5, 4, 1)])
         plan.run(flat)
         plans = [c[1] for c in calls if c[0] == "plan"]
-        assert plans == [(0, [p1 + off + 35 * 4], [0], [5], [1]), (2, [arena + off + 4], [5], [4], [2])], plans
+        assert plans == [(0, [p1 + off + 35 * 4], [0], [5], [1]), (2, [off + 4], [5], [4], [2])], plans
         assert [c[2] for c in calls if c[0] == "run"] == [flat.data_ptr(), flat.data_ptr()]
 
         # Out of range (offset + numel > numel, negative offset, bad peer): typed error, nothing issued.
@@ -345,12 +359,12 @@ def _rank_fake_hierarchy(rank: int, world: int) -> None:
         (call,) = calls
         assert call == (
             "put_signal",
-            [p1 + off + 16 * 4, arena + off + 4 * 4, arena + off],
+            [p1 + off + 16 * 4, off + 4 * 4, off],
             [rows.data_ptr(), rows.data_ptr() + 32, rows[:0].data_ptr()],  # (torch: 0 for an empty view)
             [32, 16, 0],
             [1, 2, 3],
             [True, False, False],
-            [arena + soff, arena + soff + 16, arena + soff + 8],
+            [soff, soff + 16, soff + 8],
             current.cuda_stream,
         ), call
         calls.clear()
@@ -381,17 +395,17 @@ def _rank_fake_hierarchy(rank: int, world: int) -> None:
 
         monkeypatch.setattr(torch.cuda, "Event", PendingEvent)
         transport.wait_signal(sig, 2, 7, "sync (hierarchical push)", [2, 3])
-        assert calls == [("wait_signal", arena + soff + 16, 7, current.cuda_stream)], calls
+        assert calls == [("wait_signal", soff + 16, 7, current.cuda_stream)], calls
         entry = transport._watchdog.outstanding()[-1]
-        assert entry.wait == (2, 7, (2, 3)) and entry.op == "sync (hierarchical push)"
-        assert transport._failure is None and not engine.abort
+        assert entry.wait == (2, 7, (2, 3)) and entry.op == "sync (hierarchical push)" and entry.wait_id == 1
+        assert transport.failure is None and not engine.abort
         with pytest.raises(odc.OdcUsageError, match="negative"):
             transport.wait_signal(sig, 0, -1, "w", [])
         # Past the deadline the watchdog (its own thread) raises the abort, which releases the wait kernel, and
         # records the error; the next call into the transport raises it.
         entry.deadline = 0.0
         end = time.monotonic() + 30
-        while transport._failure is None and time.monotonic() < end:
+        while transport.failure is None and time.monotonic() < end:
             time.sleep(0.01)
         assert engine.abort, "the wait was not released"
         pattern = r"odc sync \(hierarchical push\): rank 0 .*rank\(s\) 2, 3: signal word 2 reached 5 of 7"
@@ -437,8 +451,8 @@ def _rank_fake_node_atomics(rank: int, world: int) -> None:
         # is locked; after it, pushes inside the node are atomics through the peer pointer and a push across
         # nodes is refused before anything is issued (mixing the protocols on the same words loses updates).
         transport, calls, _ = _install(monkeypatch, 4, [1, 1, 0, 0], atomic=False, node=2, backed=True)
-        p1 = transport._arena + (1 << 42)
-        transport._peer_bases[:2] = [transport._arena + (1 << 41), p1]
+        p1 = transport._heap.arena + (1 << 42)
+        transport._plans.peer_bases[:2] = [transport._heap.arena + (1 << 41), p1]
         buf = transport.alloc(8, torch.float32, "acc")
         src = torch.ones(4)
         calls.clear()
