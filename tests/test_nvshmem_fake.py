@@ -475,3 +475,121 @@ def _rank_fake_node_atomics(rank: int, world: int) -> None:
 
 def test_nvshmem_intra_node_atomics_once_the_hierarchy_is_on() -> None:
     run_ranks(_rank_fake_node_atomics, 1, timeout=60)
+
+
+# -- issue 22: the locked push with PEs whose heap bases differ; finalize after a failure ---------------------
+def _run_locked_kernel(runs: list, owner: torch.Tensor, cell_bytes: int) -> None:
+    """Executes queued locked-push launches the way ``csrc/cells.cu`` does, one step of each launch in turn (the
+    most hostile interleaving of two pushers): per cell of the owner's arena, taken from the numbers the plan was
+    given, lock -> get -> add -> put -> release. ``owner`` is PE 2's arena (fp32); a plan's ``addr`` is the
+    symmetric offset of the owner's range, the kernel's only input for cells and locks."""
+    import ctypes
+
+    held: dict[int, object] = {}
+
+    def launch(spec: tuple, base: int, scale: float):
+        _, addr, rel, numel, _ = spec
+        for a, r, n in zip(addr, rel, numel, strict=True):
+            src = torch.frombuffer((ctypes.c_float * n).from_address(base + r * 4), dtype=torch.float32)
+            begin, end = a, a + 4 * n
+            for cell in range(begin // cell_bytes, (end - 1) // cell_bytes + 1):  # the kernel's cells
+                lo, hi = max(begin, cell * cell_bytes), min(end, (cell + 1) * cell_bytes)
+                while held.setdefault(cell, spec) is not spec:  # ticket lock of this cell (lock ~ cell)
+                    yield
+                yield
+                slot = owner[lo // 4 : hi // 4].clone()  # get
+                yield
+                slot += src[(lo - begin) // 4 : (hi - begin) // 4] * scale  # add
+                yield
+                owner[lo // 4 : hi // 4] = slot  # put
+                yield
+                del held[cell]  # release
+
+    steps = [launch(spec, base, scale) for spec, base, scale in runs]
+    while steps:
+        for s in list(steps):
+            if next(s, StopIteration) is StopIteration:
+                steps.remove(s)
+
+
+def _rank_locked_push_different_heap_bases(rank: int, world: int) -> None:
+    from odc_runtime import config
+    from odc_runtime.transport import nvshmem
+    from odc_runtime.transport.base import AccumulateRequest
+
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        # PEs 0 and 1 push into PE 2 over the network (no peer pointers: the locked protocol). Each process reserved
+        # its own virtual range for the heap, so the arenas of PE 0 and PE 1 start at different addresses.
+        transport0, _, _ = _install(monkeypatch, 3, [0, 0, 0], atomic=False, backed=True)
+        runs: list = []
+
+        class Plan:
+            def __init__(self, engine, kind, addr, rel, numel, pe) -> None:
+                self.spec = (kind, list(addr), list(rel), list(numel), list(pe))
+
+            def run(self, base, dtype, scale, stream) -> None:
+                runs.append((self.spec, base, scale))
+
+        transport0._C.Plan = Plan
+        other = torch.zeros(1 << 20, dtype=torch.uint8)  # PE 1's arena: another base address
+        transport1 = nvshmem.NvshmemTransport(
+            transport0._C, 1, 3, torch.device("cpu"), 5.0, settings=config.NvshmemSettings(), scratch_slots=4,
+            capacity=1 << 20, arena=other.data_ptr(), peer_bases=[0, 0, 0], engine=transport0._C.Engine(),
+            atomic_push=False, node=1,
+        )
+        assert transport0._heap.arena != transport1._heap.arena
+        cell = transport0.settings.cell_bytes
+        bufs = []
+        for t in (transport0, transport1):
+            t.alloc(cell // 4 - 3, torch.float32, "pad")  # the accumulator below straddles a cell boundary
+            bufs.append(t.alloc(64, torch.float32, "acc"))
+        assert bufs[0].handle.offset == bufs[1].handle.offset  # same allocation sequence: same symmetric offset
+        grads = [torch.full((64,), 1.0), torch.full((64,), 2.0)]
+        for t, buf, g in zip((transport0, transport1), bufs, grads, strict=True):
+            t.accumulate(buf, [AccumulateRequest(2, g, 0)], 1.0)
+        (spec0, _, _), (spec1, _, _) = runs
+        assert spec0[0] == spec1[0] == 4, "locked plans"
+        # The kernels derive the owner's cells and ticket locks from what the plan gives them: both pushers must
+        # name PE 2's range by the same number, or they take different locks for the same cell.
+        assert spec0[1] == spec1[1], f"PE 0 and PE 1 name PE 2's accumulator differently: {spec0[1]} vs {spec1[1]}"
+        owner = torch.zeros((1 << 20) // 4)
+        _run_locked_kernel(runs, owner, cell)
+        off = bufs[0].handle.offset // 4
+        assert torch.equal(owner[off : off + 64], torch.full((64,), 3.0)), "an update was lost"
+        odc.api._runtime = None
+        transport0._finalized = transport1._finalized = True
+    finally:
+        monkeypatch.undo()
+
+
+def test_locked_push_from_pes_with_different_heap_bases_loses_no_update() -> None:
+    run_ranks(_rank_locked_push_different_heap_bases, 1, timeout=60)
+
+
+def _rank_finalize_after_failure(rank: int, world: int) -> None:
+    from odc_runtime.transport.nvshmem import watchdog
+
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        transport, calls, _ = _install(monkeypatch, 2, [1 << 41, 1 << 42], atomic=True)
+        monkeypatch.setattr(watchdog, "ABORT_GRACE_S", 0.05)
+        st = odc.shard(torch.zeros(4), name="w")
+        odc.sync()
+        FakeEvent.done = False  # a peer never arrived at that barrier: it is late when the next sync waits for it
+        transport._last_barrier.deadline = 0.0
+        with pytest.raises(odc.OdcTimeoutError):
+            odc.sync()
+        assert isinstance(transport.failure, odc.OdcTimeoutError)  # the contract's failure state
+        calls.clear()
+        odc.finalize()  # documented: after a failure it releases the local state and returns
+        assert transport._finalized and st._param.freed
+        assert not [c for c in calls if c[0] == "barrier"], "finalize must not wait for the peers again"
+        assert odc.api._runtime is None
+    finally:
+        FakeEvent.done = True
+        monkeypatch.undo()
+
+
+def test_finalize_after_a_failure_releases_and_returns() -> None:
+    run_ranks(_rank_finalize_after_failure, 1, timeout=60)
