@@ -355,3 +355,48 @@ def test_several_pes_on_one_gpu_without_mps_are_refused(caplog) -> None:
     with caplog.at_level("WARNING", logger="odc_runtime"):
         nvshmem.check_gpu_sharing(sharing, {0: -1, 1: 1, 2: 0})  # the runtime cannot tell: allowed, warned
     assert "cannot tell whether MPS is on" in caplog.text
+
+
+# -- init failure (issue 22, finding 3) -------------------------------------------------------------------------
+def _rank_init_fails_on_one_rank(rank: int, world: int) -> None:
+    import types
+
+    import torch
+
+    from odc_runtime.transport.nvshmem import bootstrap, extension
+
+    entered: list[int] = []
+
+    def init(uid: bytes, r: int, n: int, device: int) -> None:
+        if r == 1:  # what _C.init raises when nvshmemx_init_status() says the common init failed
+            raise RuntimeError("init: NVSHMEM did not finish initialising (nvshmemx_init_status() = 1, expected >= "
+                               "NVSHMEM_STATUS_IS_INITIALIZED)")
+
+    def malloc(nbytes: int) -> int:  # a collective: on a GPU, a rank whose init failed never enters it (a hang)
+        entered.append(nbytes)
+        raise RuntimeError("nvshmem_malloc entered although a rank's init failed")
+
+    ext = types.SimpleNamespace(
+        nvshmem_version_compiled=lambda: (3, 8, 0), nvshmem_version_runtime=lambda: (3, 8, 0),
+        mps_enabled=lambda index: 1, get_unique_id=lambda: b"u" * 16, init=init, malloc=malloc,
+    )
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        monkeypatch.setattr(extension, "load_extension", lambda: ext)
+        monkeypatch.setattr(extension, "started", False)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(
+            torch.cuda, "get_device_properties",
+            lambda index: types.SimpleNamespace(multi_processor_count=8, uuid=f"gpu{rank}"),
+        )
+        # Every rank raises OdcBackendError carrying rank 1's cause, and no rank enters the next collective.
+        with pytest.raises(odc.OdcBackendError, match=r"nvshmemx_init_status\(\) = 1"):
+            bootstrap.create(timeout=10.0)
+        assert entered == [], "a rank went on into nvshmem_malloc after another rank's init failed"
+    finally:
+        monkeypatch.undo()
+
+
+def test_init_failure_on_one_rank_raises_backend_error_on_every_rank() -> None:
+    run_ranks(_rank_init_fails_on_one_rank, 2, timeout=60)
