@@ -40,6 +40,13 @@ def test_put_signal_and_wait_signal_between_two_pes(tmp_path) -> None:
     assert res["result"] == "ok", res["result"]
 
 
+def test_put_signal_and_wait_signal_among_four_pes(tmp_path) -> None:
+    # issue 22: every PE waits for three others' signalled puts, rows at unaligned offsets (2- and 4-byte copies),
+    # signal words named by symmetric offset while the four processes' heaps may sit at different addresses.
+    res = _run(4, tmp_path, "signal")
+    assert res["result"] == "ok", res["result"]
+
+
 def test_signal_wait_past_the_deadline_is_released_and_raised(tmp_path) -> None:
     res = _run(1, tmp_path, "signal_timeout", env={"ODC_TIMEOUT": str(TIMEOUT_S)})
     assert res["result"] == "ok", res["result"]
