@@ -94,7 +94,7 @@ def test_init_without_gpu_raises_instead_of_exiting(extension):
         assert C.mps_enabled(0) in (-1, 0)
         for call in (lambda: C.init(b"\\0" * 128, 0, 1, 0), C.get_unique_id, lambda: C.malloc(16),
                      lambda: C.ptr(4096, 0), C.p2p_atomics,
-                     lambda: C.Engine(0, 1, 4096, 8192, 1024, 16384, 1, 65536, True)):
+                     lambda: C.Engine(0, 1, 4096, 8192, 1024, 16384, 1, 65536, True, 1 << 30, 1 << 20)):
             try:
                 call()
             except C.NvshmemError as e:

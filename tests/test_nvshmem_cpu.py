@@ -118,6 +118,9 @@ class _Engine:
     def barrier_gave_up(self) -> int:
         return (self._epoch or 0) if self.abort_raised else 0
 
+    def wait_gave_up(self) -> int:
+        return 0
+
     def heard(self) -> list[int]:
         return self._heard
 

@@ -593,3 +593,40 @@ def _rank_finalize_after_failure(rank: int, world: int) -> None:
 
 def test_finalize_after_a_failure_releases_and_returns() -> None:
     run_ranks(_rank_finalize_after_failure, 1, timeout=60)
+
+
+def _rank_deadline_thread_abort(rank: int, world: int) -> None:
+    from odc_runtime.transport.nvshmem import watchdog
+
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        transport, _, _ = _install(monkeypatch, 2, [1 << 41, 1 << 42], atomic=True)
+        monkeypatch.setattr(watchdog, "ABORT_GRACE_S", 0.05)
+        engine = transport._engine
+        st = odc.shard(torch.zeros(4), name="w")
+        odc.sync()
+        transport._watchdog.stop()  # this test plays the Python watchdog's part itself
+
+        def refuse(self, *args) -> None:  # _C.Plan.run once the abort word is up
+            if engine.abort:
+                raise RuntimeError("the transport was aborted after a timeout; restart the job")
+
+        monkeypatch.setattr(transport._C.Plan, "run", refuse)
+        FakeEvent.done = False  # rank 1 died: the barrier just issued waits for it on the stream ...
+        engine.abort = True  # ... and the engine's deadline thread (C++, no Python) raised the abort word
+        # The next launch is refused by the extension; the caller gets the timeout naming the dead rank (the late
+        # barrier), not a backend error about a refused launch.
+        with pytest.raises(odc.OdcTimeoutError, match=r"rank\(s\) 1 did not arrive at barrier"):
+            odc.push(st, torch.ones(4))
+        with pytest.raises(odc.OdcTimeoutError, match="did not arrive"):
+            odc.fetch(st)
+        FakeEvent.done = True
+        odc.api._runtime = None
+        transport._finalized = True
+    finally:
+        FakeEvent.done = True
+        monkeypatch.undo()
+
+
+def test_abort_raised_by_the_deadline_thread_surfaces_as_the_timeout() -> None:
+    run_ranks(_rank_deadline_thread_abort, 1, timeout=60)

@@ -5,7 +5,8 @@
 Every rank shards a tensor, pushes and syncs once (a good minibatch). Then the last rank kills itself (SIGKILL,
 like an OOM kill) and the survivors run SCENARIO: ``push`` (push + sync + sync), ``fetch`` (fetch + sync + sync) or
 ``sync`` (sync + sync) or ``queued`` (sync, then 20000 pushes and fetches queued behind the barrier that waits for
-the dead rank: the launch queue fills and launches block inside the driver, then sync). The second sync waits for the first, so the survivors must raise OdcTimeoutError within
+the dead rank: the launch queue fills and launches block inside the driver, then sync). The second sync waits for
+the first, so the survivors must raise OdcTimeoutError within
 ODC_TIMEOUT + a margin. Each survivor writes RESULT_DIR/rank<r>.json with the error, the seconds it took and the
 wall-clock time it finished, then exits (the test measures how long the exit takes).
 

@@ -4,7 +4,8 @@ The survivors must raise OdcTimeoutError in push, fetch and sync within ODC_TIME
 keep a usable CUDA context, and then exit within 5 s. Mismatched protocol settings must raise on every rank.
 Scenario ``queued`` launches thousands of operations behind the barrier that waits for the dead rank (issue 22):
 the launch queue fills and a launch blocks inside the driver; the GIL must be released there and the engine's
-deadline thread must raise the abort without Python. Runs with CUDA MPS (started by this test when ``nvidia-cuda-mps-control`` exists) and without: several PEs on one
+deadline thread must raise the abort without Python. Runs with CUDA MPS (started by this test when
+``nvidia-cuda-mps-control`` exists) and without: several PEs on one
 GPU without MPS must then be refused at init with OdcUsageError on every rank (unless a system-wide MPS daemon is
 already running, in which case the dead-peer checks apply). Ranks are plain processes (not torchrun, whose agent
 would kill the survivors as soon as one rank dies).
@@ -88,7 +89,7 @@ def test_dead_peer_raises_within_timeout(scenario: str, world: int, mps: bool, t
         assert res["error"] and res["error"].startswith("OdcTimeoutError"), f"rank {r}: {res}\n{log}"
         # The ranks named before "did not arrive" (not any digit of the message: "after 12 s" holds a 1 and a 2).
         named = re.search(r"rank\(s\) ([0-9, ]+) did not arrive", res["error"])
-        assert named and victim in [int(x) for x in named.group(1).split(", ")], f"rank {r} does not name {victim}: {res}"
+        assert named and victim in [int(x) for x in named.group(1).split(", ")], f"rank {r}: no rank {victim}: {res}"
         assert res["seconds"] <= TIMEOUT_S + 5, f"rank {r} raised after {res['seconds']:.1f} s: {res}"
         assert res["context_ok"] is True, f"rank {r}: CUDA context unusable after the error: {res}"
         assert r in exited and exited[r] - res["finished_at"] <= 5, f"rank {r} took too long to exit\n{log}"

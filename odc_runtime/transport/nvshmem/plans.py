@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from odc_runtime import config
-from odc_runtime.errors import OdcBackendError, OdcUsageError
+from odc_runtime.errors import OdcUsageError
 from odc_runtime.transport.base import Piece, SymmetricBuffer, TransferPlan, Work
 from odc_runtime.transport.nvshmem.extension import backend_call
 from odc_runtime.transport.nvshmem.memory import Handle
@@ -159,14 +159,20 @@ class Streams:
             for t in tensors:  # allocated on the caller's stream, used on the side stream
                 record(t, target)
         if near is not None:
-            backend_call(kind, near.run, base, code, scale, target.cuda_stream)  # type: ignore[attr-defined]
+            try:
+                near.run(base, code, scale, target.cuda_stream)  # type: ignore[attr-defined]
+            except RuntimeError as exc:
+                transport._launch_failed(kind, exc)
         if far is not None:
             # Scratch users run on the internal stream only, so no two kernels ever share a scratch slot.
             remote = self.remote
             remote.wait_stream(target)
             for t in tensors:
                 record(t, remote)
-            backend_call(kind, far.run, base, code, scale, remote.cuda_stream)  # type: ignore[attr-defined]
+            try:
+                far.run(base, code, scale, remote.cuda_stream)  # type: ignore[attr-defined]
+            except RuntimeError as exc:
+                transport._launch_failed(kind, exc)
             ev = torch.cuda.Event()
             ev.record(remote)
             self.remote_event = ev
@@ -212,5 +218,5 @@ class NvshmemPlan(TransferPlan):
         try:
             self._near.run(tensor.data_ptr(), code, scale, self._stream_ptr)  # type: ignore[union-attr]
         except RuntimeError as exc:
-            raise OdcBackendError(f"nvshmem {self.kind}: {exc}") from exc
+            transport._launch_failed(self.kind, exc)
         return None

@@ -42,11 +42,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from types import ModuleType
+from typing import NoReturn
 
 import torch
 
 from odc_runtime import config
-from odc_runtime.errors import OdcError, OdcNotInitializedError, OdcUsageError
+from odc_runtime.errors import OdcBackendError, OdcError, OdcNotInitializedError, OdcUsageError
 from odc_runtime.transport.base import (
     AccumulateRequest,
     GetRequest,
@@ -112,6 +113,15 @@ class NvshmemTransport(Transport):
             raise type(self.failure)(str(self.failure))
         if self._finalized:
             raise OdcNotInitializedError(f"nvshmem transport: {op} after finalize")
+
+    def _launch_failed(self, op: str, exc: RuntimeError) -> NoReturn:
+        """A launch raised. If the abort word is up (the engine's deadline thread raised it: the extension refuses
+        launches from then on), the error is the timeout of the late operation, not this refusal."""
+        if self._engine.aborted():  # type: ignore[attr-defined]
+            self._watchdog.settle(self)
+        if self.failure is not None:
+            raise type(self.failure)(str(self.failure)) from exc
+        raise OdcBackendError(f"nvshmem {op}: {exc}") from exc
 
     def _check(self, op: str) -> None:
         if self.failure is not None or self._finalized:

@@ -164,6 +164,17 @@ class Watchdog:
                 return self._pending[0]
         return None
 
+    def _blame(self, engine: object, default: Pending) -> Pending:
+        """After the kernels left: the entry whose kernel recorded that it gave up (the first barrier / signal wait
+        that did), else ``default``. Entries that completed just before the abort may still be listed (the poll
+        drops them lazily), so the records, not the list order, say which operation was waiting."""
+        epoch, wait_id = engine.barrier_gave_up(), engine.wait_gave_up()  # type: ignore[attr-defined]
+        with self._cond:
+            for e in self._pending:
+                if (e.epoch and e.epoch == epoch) or (e.wait_id and e.wait_id == wait_id):
+                    return e
+        return default
+
     # -- failure ------------------------------------------------------------------------------------------
     def fail(self, transport: NvshmemTransport, error: OdcError) -> None:
         if transport.failure is None:
@@ -187,6 +198,7 @@ class Watchdog:
                 except RuntimeError:
                     break
                 time.sleep(1e-3)
+            entry = self._blame(engine, entry)
             if entry.wait is not None:
                 index, value, peers = entry.wait
                 mine = entry.wait_id != 0 and engine.wait_gave_up() == entry.wait_id  # type: ignore[attr-defined]
@@ -200,6 +212,12 @@ class Watchdog:
                 missing = missing_peers(engine.heard(), entry.epoch)  # type: ignore[attr-defined]
             text = timeout_message(entry.op, transport.rank, transport.timeout, entry.epoch, missing, left)
             self.fail(transport, OdcTimeoutError(text))
+
+    def settle(self, transport: NvshmemTransport) -> None:
+        """The abort word is up (raised by the engine's deadline thread): record the error of the late entry now."""
+        late = self.poll(transport._engine)
+        if late is not None:
+            self.abort(transport, late)
 
     def wait(self, transport: NvshmemTransport, entry: Pending) -> None:
         """Host wait for ``entry`` with short polling (keeps the GPU fed), bounded by its deadline."""
