@@ -403,3 +403,17 @@ def _rank_init_fails_on_one_rank(rank: int, world: int) -> None:
 
 def test_init_failure_on_one_rank_raises_backend_error_on_every_rank() -> None:
     run_ranks(_rank_init_fails_on_one_rank, 2, timeout=60)
+
+
+# -- hot path (issue 22, finding 8) -------------------------------------------------------------------------------
+def test_triton_fold_does_not_autotune_inside_the_training_loop() -> None:
+    # Triton's autotuner benchmarks every config (device-wide synchronisations) at the first call of each shape,
+    # i.e. at the first sync of each shard size, inside a training step: the fold kernels take a fixed config.
+    pytest.importorskip("triton")
+    from triton.runtime.autotuner import Autotuner
+
+    from odc_runtime.kernels import _triton
+
+    for kernel in (_triton._accumulate_kernel, _triton._accumulate_slots_kernel):
+        assert not isinstance(kernel, Autotuner), kernel
+    assert _triton._config(1000) == (1024, 4) and _triton._config(1 << 24)[0] >= 1024
