@@ -191,7 +191,7 @@ class Streams:
 class NvshmemPlan(TransferPlan):
     """Precomputed extension plans ``near`` and ``far`` with the stream handle they were made for."""
 
-    __slots__ = ("_far", "_near", "_stream_ptr")
+    __slots__ = ("_codes", "_far", "_fast", "_near", "_stream_ptr")
 
     def __init__(
         self, transport: NvshmemTransport, buf: SymmetricBuffer, kind: str, pieces: Sequence[Piece],
@@ -201,14 +201,25 @@ class NvshmemPlan(TransferPlan):
         self._near = near
         self._far = far
         self._stream_ptr = stream_key
+        self._codes = transport._codes
+        # peer pointers only: one extension call on the caller's stream, nothing else to order
+        self._fast = near.run if far is None and near is not None else None  # type: ignore[attr-defined]
 
     def run(self, tensor: torch.Tensor, scale: float = 1.0, *, async_op: bool = False) -> Work | None:
         # The hot path: `tensor` is contiguous (the caller's plan key says so), so its address and dtype are all
-        # the kernels need; one check of the failure state, one dict lookup, one extension call.
+        # the kernels need: one flag for the failure state, one dict lookup, one extension call.
         transport: NvshmemTransport = self.transport  # type: ignore[assignment]
-        if transport.failure is not None or transport._finalized:
-            transport._raise_failure()
-        code = transport._codes.get(tensor.dtype)
+        fast = self._fast
+        if transport._healthy and fast is not None and not async_op:
+            code = self._codes.get(tensor.dtype)
+            if code is not None:
+                try:
+                    fast(tensor.data_ptr(), code, scale, self._stream_ptr)
+                except RuntimeError as exc:
+                    transport._launch_failed(self.kind, exc)
+                return None
+        transport._check(self.kind)
+        code = self._codes.get(tensor.dtype)
         if code is None:
             raise OdcUsageError(f"nvshmem {self.kind}: dtype {tensor.dtype} not supported (use fp32/bf16/fp16)")
         if async_op or self._far is not None:

@@ -93,6 +93,8 @@ class NvshmemTransport(Transport):
         self.settings = settings
         self.scratch_slots = scratch_slots
         self.failure: OdcError | None = None  # the contract's failure state: set once, never cleared
+        self._healthy = True  # failure is None and not finalized (one flag for the hot path)
+        self._device_index = device.index
         self._engine = engine
         self._node = node
         self._finalized = False
@@ -139,7 +141,7 @@ class NvshmemTransport(Transport):
         return torch.cuda.current_stream(self.device)
 
     def stream_key(self) -> object:
-        return plans.raw_stream(self.device.index)
+        return plans.raw_stream(self._device_index)
 
     def _check_local(self, what: str, t: object, dtypes: Sequence[torch.dtype]) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
@@ -358,6 +360,7 @@ class NvshmemTransport(Transport):
             error = exc
         finally:
             self._finalized = True
+            self._healthy = False
             extension.started = True
             self._watchdog.stop()
             self._heap.drop_all()

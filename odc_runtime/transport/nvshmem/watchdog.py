@@ -180,6 +180,7 @@ class Watchdog:
         if transport.failure is None:
             log.error("%s", error)
             transport.failure = error
+            transport._healthy = False
 
     def abort(self, transport: NvshmemTransport, entry: Pending) -> None:
         """``entry`` is late (or the abort is up): raise the abort word, let the kernels leave, record the error."""
