@@ -10,7 +10,7 @@ Results are verified before timing (the fetch returns the shard, the push accumu
 with the caller's buffer). Each figure is the median over ``--runs`` runs of ``--calls`` calls, the three
 operations interleaved run by run so that machine noise hits them alike.
 
-    python bench/hostcost.py [--runs 7] [--calls 5000] [--json bench/results/hostcost.json]
+    python bench/hostcost.py [--runs 7] [--calls 5000] [--json PATH] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -187,12 +187,37 @@ def _nvshmem_fake(runs_: int, calls: int) -> dict[str, float]:
             setattr(m, n, v)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--calls", type=int, default=5000)
-    parser.add_argument("--json", default=str(_common.RESULTS_DIR / "hostcost.json"))
-    args = parser.parse_args()
+    parser.add_argument("--runs", type=int, default=7, help="runs per figure (the median is reported)")
+    parser.add_argument("--calls", type=int, default=5000, help="calls per run")
+    _common.add_output_args(parser, "hostcost")
+    return parser
+
+
+def _draw(results: dict[str, dict[str, float]]) -> Callable[[object, str], None]:
+    def draw(plots: object, path: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 2.8))
+        names = list(results)
+        for i, op in enumerate(("copy_", "fetch", "push")):
+            ax.barh([j + 0.27 * i for j in range(len(names))], [results[n][op] for n in names], height=0.25, label=op)
+        ax.set_yticks([j + 0.27 for j in range(len(names))], names)
+        ax.set_xlabel("host µs per call (4 KiB)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+
+    return draw
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     import torch
     import torch.distributed as dist
@@ -234,12 +259,12 @@ def main() -> None:
         },
         title="where odc.fetch's host time goes (nvshmem, fake extension)",
     )
-    _common.write_json(args.json, {
+    _common.write_outputs(args, "hostcost", {
         "fetch_breakdown_us": parts,
         "machine": _common.machine_info(), "runs": args.runs, "calls": args.calls, "numel": NUMEL,
         "results_us": results,
         "ratios": {k: {"fetch": r["fetch"] / r["copy_"], "push": r["push"] / r["copy_"]} for k, r in results.items()},
-    })
+    }, _draw(results))
 
 
 if __name__ == "__main__":
