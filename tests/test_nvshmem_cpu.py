@@ -1,6 +1,7 @@
 """CPU tests of the nvshmem transport's host-side logic (no GPU, no extension needed): settings parsing and
-agreement across ranks, the barrier/abort state machine (watchdog, deadline, missing peers, the error), and the
-free-quarantine that keeps symmetric offsets identical on every rank while views are alive."""
+agreement across ranks, the barrier/abort state machine (watchdog, deadline, missing peers, facts only from the
+kernels' records, the error), the free-quarantine that keeps symmetric offsets identical on every rank while views
+are alive, an init failure agreed on every rank, and the Triton fold's fixed launch config."""
 
 from __future__ import annotations
 

@@ -4,7 +4,9 @@ reuses them, that barriers are numbered and at most one is in flight, the side/i
 cross-node operations, allocation offsets and the free quarantine, and the failure state after an abort; the
 transport calls of the hierarchical protocol (element offsets into peers' regions, put_signal, wait_signal with
 its deadline, release and error, node_size). No data moves (the fake Plan and Engine record their calls); the
-GPU tests check the values."""
+GPU tests check the values. Issue 22: network plans name owners' ranges by symmetric offset, and a locked push
+from two PEs whose heap bases differ is executed through the most hostile interleaving; an abort raised by the
+engine's deadline thread surfaces as the late operation's timeout; finalize after a failure returns."""
 
 from __future__ import annotations
 
