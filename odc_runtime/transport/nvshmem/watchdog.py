@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from odc_runtime.errors import OdcBackendError, OdcError, OdcTimeoutError
+from odc_runtime.transport.nvshmem.extension import backend_call
 
 if TYPE_CHECKING:
     from odc_runtime.transport.nvshmem.transport import NvshmemTransport
@@ -129,7 +130,8 @@ class Watchdog:
         """Watch ``entry`` (recorded on ``stream``): the engine's deadline thread gets it too."""
         transport = self._transport()
         if transport is not None:
-            transport._engine.watch(stream, max(0.0, entry.deadline - time.monotonic()))  # type: ignore[attr-defined]
+            timeout = max(0.0, entry.deadline - time.monotonic())
+            backend_call(entry.op, transport._engine.watch, stream, timeout)  # type: ignore[attr-defined]
         with self._cond:
             self._pending.append(entry)
             if self._thread is None:
