@@ -1,5 +1,10 @@
-// pybind11 bindings of odc_runtime._C. Compiled by the host compiler; everything CUDA/NVSHMEM lives in
-// odc_nvshmem.cu. odc::Error becomes odc_runtime._C.NvshmemError (a RuntimeError subclass).
+// pybind11 bindings of odc_runtime._C. Compiled by the host compiler; everything CUDA/NVSHMEM lives in the .cu
+// files. odc::Error becomes odc_runtime._C.NvshmemError (a RuntimeError subclass).
+//
+// GIL: every binding that can wait releases it (`release`): a kernel launch or event record blocks inside the
+// driver when the stream's launch queue is full (behind a barrier that waits for a dead peer, for instance),
+// and holding the GIL there would stop every Python thread, the watchdog included. tests/test_extension.py
+// checks this list against the bindings. Only the non-blocking reads of host-mapped words keep the GIL.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -9,6 +14,7 @@
 #include "odc_version.h"
 
 namespace py = pybind11;
+using release = py::call_guard<py::gil_scoped_release>;
 
 PYBIND11_MODULE(_C, m) {
     m.doc() = "odc_runtime NVSHMEM extension: symmetric memory, own barrier with abort, fetch and push plans";
@@ -30,34 +36,44 @@ PYBIND11_MODULE(_C, m) {
     m.def("device_count", &odc::device_count, "CUDA devices visible to this process (0 without GPU/driver)");
     m.def("mps_enabled", &odc::mps_enabled, py::arg("device"),
           "1 if contexts on the device are shared via CUDA MPS, 0 if not, -1 if the runtime cannot tell");
-    m.def("get_unique_id", []() { return py::bytes(odc::get_unique_id()); });
+    m.def("get_unique_id", []() {
+        std::string uid;
+        {
+            py::gil_scoped_release nogil;
+            uid = odc::get_unique_id();
+        }
+        return py::bytes(uid);
+    });
     m.def("init", [](py::bytes uid, int rank, int nranks, int device) {
         odc::init(std::string(uid), rank, nranks, device);
-    }, py::arg("uid"), py::arg("rank"), py::arg("nranks"), py::arg("device"), py::call_guard<py::gil_scoped_release>());
-    m.def("malloc", &odc::malloc_, py::arg("bytes"), py::call_guard<py::gil_scoped_release>());
+    }, py::arg("uid"), py::arg("rank"), py::arg("nranks"), py::arg("device"), release());
+    m.def("malloc", &odc::malloc_, py::arg("bytes"), release());
     m.def("ptr", &odc::ptr, py::arg("addr"), py::arg("pe"));
-    m.def("p2p_atomics", &odc::p2p_atomics);
+    m.def("p2p_atomics", &odc::p2p_atomics, release());
 
     py::class_<odc::Engine, std::shared_ptr<odc::Engine>>(m, "Engine")
-        .def(py::init<int, int, uint64_t, uint64_t, int, uint64_t, int, uint64_t, bool>(), py::arg("rank"),
-             py::arg("npes"), py::arg("epochs"), py::arg("locks"), py::arg("nlocks"), py::arg("scratch"),
-             py::arg("slots"), py::arg("cell_bytes"), py::arg("vector_atomics"))
-        .def("barrier", &odc::Engine::barrier, py::arg("epoch"), py::arg("stream"))
-        .def("quiet", &odc::Engine::quiet, py::arg("stream"))
+        .def(py::init<int, int, uint64_t, uint64_t, int, uint64_t, int, uint64_t, bool, uint64_t, uint64_t>(),
+             py::arg("rank"), py::arg("npes"), py::arg("epochs"), py::arg("locks"), py::arg("nlocks"),
+             py::arg("scratch"), py::arg("scratch_slots"), py::arg("cell_bytes"), py::arg("vector_atomics"),
+             py::arg("heap_base"), py::arg("heap_bytes"), release())
+        .def("barrier", &odc::Engine::barrier, py::arg("epoch"), py::arg("stream"), release())
+        .def("quiet", &odc::Engine::quiet, py::arg("stream"), release())
+        .def("watch", &odc::Engine::watch, py::arg("stream"), py::arg("timeout_s"), release())
         .def("set_abort", &odc::Engine::set_abort)
         .def("aborted", &odc::Engine::aborted)
+        .def("deadline_passed", &odc::Engine::deadline_passed)
         .def("barrier_gave_up", &odc::Engine::barrier_gave_up)
         .def("heard", &odc::Engine::heard)
         .def("put_signal", &odc::Engine::put_signal, py::arg("remote"), py::arg("local"), py::arg("bytes"),
-             py::arg("pe"), py::arg("near"), py::arg("sig"), py::arg("stream"))
-        .def("wait_signal", &odc::Engine::wait_signal, py::arg("sig"), py::arg("value"), py::arg("stream"))
+             py::arg("pe"), py::arg("near"), py::arg("sig"), py::arg("stream"), release())
+        .def("wait_signal", &odc::Engine::wait_signal, py::arg("sig"), py::arg("value"), py::arg("stream"), release())
         .def("wait_gave_up", &odc::Engine::wait_gave_up)
         .def("wait_seen", &odc::Engine::wait_seen);
 
     py::class_<odc::Plan>(m, "Plan")
         .def(py::init<std::shared_ptr<odc::Engine>, int, std::vector<uint64_t>, std::vector<uint64_t>,
                       std::vector<uint64_t>, std::vector<int>>(),
-             py::arg("engine"), py::arg("kind"), py::arg("addr"), py::arg("rel"), py::arg("numel"), py::arg("pe"))
-        .def("run", &odc::Plan::run, py::arg("base"), py::arg("dtype"), py::arg("scale"), py::arg("stream"))
+             py::arg("engine"), py::arg("kind"), py::arg("addr"), py::arg("rel"), py::arg("numel"), py::arg("pe"), release())
+        .def("run", &odc::Plan::run, py::arg("base"), py::arg("dtype"), py::arg("scale"), py::arg("stream"), release())
         .def_property_readonly("kind", &odc::Plan::kind);
 }

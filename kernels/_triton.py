@@ -1,8 +1,13 @@
 """Triton implementations of the fused accumulation kernels. Imported lazily by ``odc_runtime.kernels``.
 
-Interpreter mode (``TRITON_INTERPRET=1``, set before this module is imported) runs them on CPU tensors:
-every load is upcast to fp32 right away (the interpreter's bf16 arithmetic is wrong) and autotuning uses a
-single config (the interpreter rejects several).
+No autotuning: these kernels run inside the training loop (the hierarchy's fold at every ``sync``), and Triton's
+autotuner benchmarks every config at the first call of each new shape, with device-wide synchronisations, i.e.
+inside a step. They are memory-bound streaming kernels, so the launch config is a fixed function of the size
+(:func:`_config`): 1024-element blocks with 4 warps for small tensors, 4096 with 8 warps once there are enough
+blocks to fill the GPU.
+
+Interpreter mode (``TRITON_INTERPRET=1``, set before this module is imported) runs them on CPU tensors: every
+load is upcast to fp32 right away (the interpreter's bf16 arithmetic is wrong).
 """
 
 from __future__ import annotations
@@ -15,18 +20,16 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-if INTERPRET:
-    _CONFIGS = [triton.Config({"BLOCK": 1024}, num_warps=4)]
-else:
-    _CONFIGS = [
-        triton.Config({"BLOCK": 1024}, num_warps=4),
-        triton.Config({"BLOCK": 2048}, num_warps=8),
-        triton.Config({"BLOCK": 4096}, num_warps=8),
-    ]
+_LARGE = 1 << 22  # elements from which 4096-element blocks still give >= 1024 blocks
 
 
-# In place: autotuning benchmarks each config, so the destination is restored between trials.
-@triton.autotune(configs=_CONFIGS, key=["n"], restore_value=["dst_ptr"])
+def _config(n: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for ``n`` elements; the interpreter runs one block size."""
+    if INTERPRET or n < _LARGE:
+        return 1024, 4
+    return 4096, 8
+
+
 @triton.jit
 def _accumulate_kernel(dst_ptr, src_ptr, n, scale, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
@@ -37,7 +40,6 @@ def _accumulate_kernel(dst_ptr, src_ptr, n, scale, BLOCK: tl.constexpr):
     tl.store(dst_ptr + offs, d + s * scale, mask=mask)
 
 
-@triton.autotune(configs=_CONFIGS, key=["n", "k"], restore_value=["dst_ptr"], reset_to_zero=["sumsq_ptr"])
 @triton.jit
 def _accumulate_slots_kernel(
     dst_ptr, slots_ptr, sumsq_ptr, n, k, slot_stride, scale, WITH_SUMSQ: tl.constexpr, BLOCK: tl.constexpr
@@ -65,14 +67,11 @@ def _accumulate_slots_kernel(
         tl.atomic_add(sumsq_ptr, tl.sum(sq, axis=0))
 
 
-def _grid(n: int):
-    return lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
-
-
 def accumulate_(dst: torch.Tensor, src: torch.Tensor, scale: float) -> torch.Tensor:
     n = dst.numel()
     if n:
-        _accumulate_kernel[_grid(n)](dst, src, n, float(scale))
+        block, warps = _config(n)
+        _accumulate_kernel[(triton.cdiv(n, block),)](dst, src, n, float(scale), BLOCK=block, num_warps=warps)
     return dst
 
 
@@ -82,15 +81,18 @@ def accumulate_slots_(
     n, k = dst.numel(), slots.shape[0]
     if n == 0:
         return dst
+    block, warps = _config(n)
+    grid = (triton.cdiv(n, block),)
     if sumsq_out is None:
-        # sumsq_ptr is unused, but it must not alias dst: the autotuner zeroes every reset_to_zero argument
-        # after benchmarking, right before the real launch, which would wipe the accumulator.
-        unused = torch.empty(1, dtype=torch.float32, device=dst.device)
-        _accumulate_slots_kernel[_grid(n)](dst, slots, unused, n, k, slots.stride(0), float(scale), WITH_SUMSQ=False)
+        # sumsq_ptr is unused (WITH_SUMSQ=False) but must be a valid pointer argument
+        _accumulate_slots_kernel[grid](
+            dst, slots, dst, n, k, slots.stride(0), float(scale), WITH_SUMSQ=False, BLOCK=block, num_warps=warps
+        )
         return dst
-    # Per-block partial sums are atomically added into a zeroed scratch word, then added to sumsq_out
-    # (autotuning may run the kernel several times; reset_to_zero keeps the scratch correct).
+    # Per-block partial sums are atomically added into a zeroed scratch word, then added to sumsq_out.
     part = torch.zeros(1, dtype=torch.float32, device=dst.device)
-    _accumulate_slots_kernel[_grid(n)](dst, slots, part, n, k, slots.stride(0), float(scale), WITH_SUMSQ=True)
+    _accumulate_slots_kernel[grid](
+        dst, slots, part, n, k, slots.stride(0), float(scale), WITH_SUMSQ=True, BLOCK=block, num_warps=warps
+    )
     sumsq_out += part.reshape(sumsq_out.shape)
     return dst

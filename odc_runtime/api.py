@@ -211,7 +211,7 @@ def finalize() -> None:
     try:
         # A transport that saw a peer die or a collective time out records it (``failure``): the error was
         # raised once already, and waiting for the peers again would only add another ODC_TIMEOUT.
-        failure = getattr(transport, "failure", None)
+        failure = transport.failure  # every transport declares it (None while healthy)
         if failure is None:
             transport.barrier("finalize")
         else:

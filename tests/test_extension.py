@@ -94,7 +94,7 @@ def test_init_without_gpu_raises_instead_of_exiting(extension):
         assert C.mps_enabled(0) in (-1, 0)
         for call in (lambda: C.init(b"\\0" * 128, 0, 1, 0), C.get_unique_id, lambda: C.malloc(16),
                      lambda: C.ptr(4096, 0), C.p2p_atomics,
-                     lambda: C.Engine(0, 1, 4096, 8192, 1024, 16384, 1, 65536, True)):
+                     lambda: C.Engine(0, 1, 4096, 8192, 1024, 16384, 1, 65536, True, 1 << 30, 1 << 20)):
             try:
                 call()
             except C.NvshmemError as e:
@@ -315,3 +315,49 @@ def test_setup_plan(setup_ns, monkeypatch, tmp_path):
     assert not p.build and p.explicit and "nvcc was not found" in p.reason and "ODC_BUILD_EXT=0" in p.reason
     monkeypatch.setenv("ODC_BUILD_EXT", "0")
     assert not plan().build and not plan().explicit
+
+
+# -- GIL (issue 22, finding 2) ----------------------------------------------------------------------------------
+# Bindings that only read host-mapped words or constants: they cannot wait, so they may keep the GIL.
+_NON_BLOCKING = {
+    "nvshmem_version_compiled", "nvshmem_version_runtime", "device_count", "mps_enabled", "ptr", "set_abort",
+    "aborted", "deadline_passed", "barrier_gave_up", "heard", "wait_gave_up", "wait_seen",
+}
+
+
+def _bindings() -> dict[str, str]:
+    """``csrc/bindings.cpp``'s definitions: qualified name (``Engine.barrier``, ``Plan.__init__``, ``init``) -> the
+    source text of its ``def(...)`` call."""
+    import re
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "csrc", "bindings.cpp")) as f:
+        src = f.read()
+    body = src[src.index("PYBIND11_MODULE") :]
+    out: dict[str, str] = {}
+    cls = ""
+    marks = list(re.finditer(r'py::class_<odc::(\w+)|\.def(?:_property_readonly)?\(\s*(?:"(\w+)"|py::init<)', body))
+    for i, m in enumerate(marks):
+        if m.group(1):
+            cls = m.group(1) + "."
+            continue
+        end = marks[i + 1].start() if i + 1 < len(marks) else len(body)
+        name = m.group(2) or "__init__"
+        qualified = name if (m.group(0).startswith(".def(\"") and body[m.start() - 1] == "m") else cls + name
+        out[qualified] = body[m.start() : end]
+    return out
+
+
+def test_every_binding_that_can_wait_releases_the_gil() -> None:
+    # A launch (kernel, event record, memcpy) blocks inside the driver when the stream's launch queue is full, e.g.
+    # behind a barrier kernel that waits for a dead peer; a binding holding the GIL there stops every Python thread,
+    # the watchdog included, and the job hangs. Every binding except pure reads must release it.
+    defs = _bindings()
+    holding = [
+        n for n, text in defs.items()
+        if n.split(".")[-1] not in _NON_BLOCKING and n != "Plan.kind" and "release()" not in text
+        and "gil_scoped_release" not in text
+    ]
+    assert not holding, f"bindings that can wait but hold the GIL: {holding}"
+    for name in ("init", "malloc", "Engine.barrier", "Engine.quiet", "Engine.put_signal", "Engine.wait_signal",
+                 "Engine.watch", "Plan.run", "Engine.__init__", "Plan.__init__", "get_unique_id", "p2p_atomics"):
+        assert name in defs, sorted(defs)  # the parse found them (a renamed binding is checked too)

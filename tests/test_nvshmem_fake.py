@@ -4,7 +4,9 @@ reuses them, that barriers are numbered and at most one is in flight, the side/i
 cross-node operations, allocation offsets and the free quarantine, and the failure state after an abort; the
 transport calls of the hierarchical protocol (element offsets into peers' regions, put_signal, wait_signal with
 its deadline, release and error, node_size). No data moves (the fake Plan and Engine record their calls); the
-GPU tests check the values."""
+GPU tests check the values. Issue 22: network plans name owners' ranges by symmetric offset, and a locked push
+from two PEs whose heap bases differ is executed through the most hostile interleaving; an abort raised by the
+engine's deadline thread surfaces as the late operation's timeout; finalize after a failure returns."""
 
 from __future__ import annotations
 
@@ -56,6 +58,14 @@ def _fake_ext(calls: list) -> types.SimpleNamespace:
         def __init__(self) -> None:
             self.epochs: list[int] = []
             self.abort = False
+            self.waits = 0
+            self.watched: list[tuple[int, float]] = []
+
+        def watch(self, stream, timeout_s) -> None:
+            self.watched.append((stream, timeout_s))
+
+        def aborted(self) -> bool:
+            return self.abort
 
         def barrier(self, epoch, stream) -> None:
             self.epochs.append(epoch)
@@ -67,8 +77,8 @@ def _fake_ext(calls: list) -> types.SimpleNamespace:
         def set_abort(self) -> None:
             self.abort = True
 
-        def barrier_gave_up(self) -> bool:
-            return self.abort
+        def barrier_gave_up(self) -> int:
+            return self.epochs[-1] if self.abort and self.epochs else 0
 
         def heard(self) -> list[int]:
             return [99, 0]
@@ -77,11 +87,13 @@ def _fake_ext(calls: list) -> types.SimpleNamespace:
             calls.append(("put_signal", list(remote), list(local), list(nbytes), list(pe), list(near), list(sig),
                           stream))
 
-        def wait_signal(self, sig, value, stream) -> None:
+        def wait_signal(self, sig, value, stream) -> int:
             calls.append(("wait_signal", sig, value, stream))
+            self.waits += 1
+            return self.waits
 
-        def wait_gave_up(self) -> bool:
-            return self.abort
+        def wait_gave_up(self) -> int:
+            return self.waits if self.abort else 0
 
         def wait_seen(self) -> int:
             return 5
@@ -104,6 +116,8 @@ def _install(
     it, as on the GPU), so the heap-membership check of cross-node puts can be exercised."""
     from odc_runtime import api, config
     from odc_runtime.transport import nvshmem
+    from odc_runtime.transport.nvshmem import memory as nv_memory
+    from odc_runtime.transport.nvshmem import plans as nv_plans
 
     current = FakeStream(1000)
     made = iter(range(2000, 3000))
@@ -111,7 +125,7 @@ def _install(
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(nvshmem, "_raw_stream", lambda index: current.cuda_stream)
+    monkeypatch.setattr(nv_plans, "raw_stream", lambda index: current.cuda_stream)
 
     def wrap(ptr, nbytes, device):
         # Like torch with __cuda_array_interface__: the tensor (and every view) keeps `owner` alive.
@@ -126,12 +140,12 @@ def _install(
         def wrap(ptr, nbytes, device):  # the backed variant
             return memory[ptr - arena : ptr - arena + nbytes], _Owner()
 
-    monkeypatch.setattr(nvshmem, "_wrap", wrap)
-    monkeypatch.setattr(nvshmem, "_record", lambda t, stream: None)
+    monkeypatch.setattr(nv_memory, "wrap", wrap)
+    monkeypatch.setattr(nv_plans, "record", lambda t, stream: None)
     calls: list = []
     ext = _fake_ext(calls)
     transport = nvshmem.NvshmemTransport(
-        ext, 0, world, torch.device("cpu"), 5.0, settings=config.NvshmemSettings(fetch=fetch), slots=4,
+        ext, 0, world, torch.device("cpu"), 5.0, settings=config.NvshmemSettings(fetch=fetch), scratch_slots=4,
         capacity=1 << 20, arena=arena, peer_bases=peer_bases, engine=ext.Engine(), atomic_push=atomic, node=node,
     )
     api._runtime = api._Runtime(transport=transport, generation=next(api._generations), shards=itertools.count())
@@ -175,7 +189,7 @@ def _rank_fake_nvshmem(rank: int, world: int) -> None:
         calls.clear()
         handle = odc.push(st, torch.ones(2, 5), async_op=True)
         run = next(c for c in calls if c[0] == "run")
-        assert run[5] == transport._side.cuda_stream and current in transport._side.waits
+        assert run[5] == transport._streams.side.cuda_stream and current in transport._streams.side.waits
         handle.wait()
         assert current.waits and isinstance(current.waits[-1], FakeEvent)
 
@@ -227,10 +241,13 @@ def _rank_fake_far(rank: int, world: int) -> None:
         odc.push(st, torch.ones(7))
         plans = [c[1] for c in calls if c[0] == "plan"]
         assert [p[0] for p in plans] == [2, 4], plans
-        assert plans[0][1] == [ARENA + st._param.handle.offset] and plans[1][1] == [ARENA + st._grad.handle.offset]
+        # network plans name the owner's range by its symmetric offset (the same on every PE), never an address
+        assert plans[0][1] == [st._param.handle.offset] and plans[1][1] == [st._grad.handle.offset]
         runs = [c for c in calls if c[0] == "run"]
-        assert all(r[5] == transport._remote.cuda_stream for r in runs), runs
-        assert current in transport._remote.waits and isinstance(current.waits[-1], FakeEvent)
+        remote = transport._streams.remote
+        assert all(r[5] == remote.cuda_stream for r in runs), runs
+        assert current in remote.waits and isinstance(current.waits[-1], FakeEvent)
+        assert (remote.cuda_stream, 5.0) in [(s, round(t)) for s, t in transport._engine.watched]  # C++ deadline
         assert any(p.op == "push" for p in transport._watchdog.outstanding())
         view = st.local
         odc.finalize()  # waits (bounded) for the outstanding barrier and push, then drops all state
@@ -242,7 +259,7 @@ def _rank_fake_far(rank: int, world: int) -> None:
             transport.barrier("late")
         from odc_runtime.transport import nvshmem
 
-        assert nvshmem._initialized_once  # NVSHMEM cannot start twice in a process: create() refuses
+        assert nvshmem.extension.started  # NVSHMEM cannot start twice in a process: create() refuses
     finally:
         monkeypatch.undo()
 
@@ -268,13 +285,13 @@ def _rank_fake_mixed(rank: int, world: int) -> None:
         plans = [c[1] for c in calls if c[0] == "plan"]
         off = st._param.handle.offset
         # owners in rotated order 1, 2, 0; near (copy engines) for 2 and 0, far (staged) for 1
-        assert plans == [(0, [p2 + off, p0 + off], [8, 0], [2, 4], [2, 0]), (2, [ARENA + off], [4], [4], [1])], plans
+        assert plans == [(0, [p2 + off, p0 + off], [8, 0], [2, 4], [2, 0]), (2, [off], [4], [4], [1])], plans
         calls.clear()
         odc.push(st, torch.ones(10))
         plans = [c[1] for c in calls if c[0] == "plan"]
         goff = st._grad.handle.offset
         # locked protocol for the whole job: every owner, those with peer pointers included, in one far plan
-        assert plans == [(4, [ARENA + goff] * 3, [4, 8, 0], [4, 2, 4], [1, 2, 0])], plans
+        assert plans == [(4, [goff] * 3, [4, 8, 0], [4, 2, 4], [1, 2, 0])], plans
         odc.api._runtime = None
         transport._finalized = True
     finally:
@@ -295,10 +312,9 @@ def _rank_fake_hierarchy(rank: int, world: int) -> None:
         # PE 0 of 4: PEs 0 and 1 share a node (peer pointers), 2 and 3 are on another one; atomic push is off
         # (multi-node job), so accumulates take the locked plan. The arena is real memory (backed).
         transport, calls, current = _install(monkeypatch, 4, [1, 1, 0, 0], atomic=False, node=2, backed=True)
-        p0, p1 = transport._arena + (1 << 41), transport._arena + (1 << 42)
-        transport._peer_bases[:2] = [p0, p1]
+        p0, p1 = transport._heap.arena + (1 << 41), transport._heap.arena + (1 << 42)
+        transport._plans.peer_bases[:2] = [p0, p1]
         assert transport.node_size() == 2
-        arena = transport._arena
         buf = transport.alloc(40, torch.float32, "staging")
         sig = transport.alloc(3, torch.int64, "signal")
         off, soff = buf.handle.offset, sig.handle.offset
@@ -309,19 +325,19 @@ def _rank_fake_hierarchy(rank: int, world: int) -> None:
         transport.get(buf, [GetRequest(1, dst[:4], 30), GetRequest(2, dst[4:], 7)])
         plans = [c[1] for c in calls if c[0] == "plan"]
         rel = dst.data_ptr() // 4
-        assert plans == [(0, [p1 + off + 30 * 4], [rel], [4], [1]), (2, [arena + off + 7 * 4], [rel + 4], [2], [2])]
+        assert plans == [(0, [p1 + off + 30 * 4], [rel], [4], [1]), (2, [off + 7 * 4], [rel + 4], [2], [2])]
         calls.clear()
         grad = torch.ones(5, dtype=torch.bfloat16)
         transport.accumulate(buf, [AccumulateRequest(1, grad[:3], 37), AccumulateRequest(3, grad[3:], 0)], 0.5)
         plans = [c[1] for c in calls if c[0] == "plan"]
         grel = grad.data_ptr() // 2
-        assert plans == [(4, [arena + off + 37 * 4, arena + off], [grel, grel + 3], [3, 2], [1, 3])], plans
+        assert plans == [(4, [off + 37 * 4, off], [grel, grel + 3], [3, 2], [1, 3])], plans
         flat = torch.zeros(9)
         calls.clear()
         plan = transport.plan(buf, "get", [Piece(1, 0, 5, 35), Piece(2, 5, 4, 1)])
         plan.run(flat)
         plans = [c[1] for c in calls if c[0] == "plan"]
-        assert plans == [(0, [p1 + off + 35 * 4], [0], [5], [1]), (2, [arena + off + 4], [5], [4], [2])], plans
+        assert plans == [(0, [p1 + off + 35 * 4], [0], [5], [1]), (2, [off + 4], [5], [4], [2])], plans
         assert [c[2] for c in calls if c[0] == "run"] == [flat.data_ptr(), flat.data_ptr()]
 
         # Out of range (offset + numel > numel, negative offset, bad peer): typed error, nothing issued.
@@ -345,12 +361,12 @@ def _rank_fake_hierarchy(rank: int, world: int) -> None:
         (call,) = calls
         assert call == (
             "put_signal",
-            [p1 + off + 16 * 4, arena + off + 4 * 4, arena + off],
+            [p1 + off + 16 * 4, off + 4 * 4, off],
             [rows.data_ptr(), rows.data_ptr() + 32, rows[:0].data_ptr()],  # (torch: 0 for an empty view)
             [32, 16, 0],
             [1, 2, 3],
             [True, False, False],
-            [arena + soff, arena + soff + 16, arena + soff + 8],
+            [soff, soff + 16, soff + 8],
             current.cuda_stream,
         ), call
         calls.clear()
@@ -381,17 +397,17 @@ def _rank_fake_hierarchy(rank: int, world: int) -> None:
 
         monkeypatch.setattr(torch.cuda, "Event", PendingEvent)
         transport.wait_signal(sig, 2, 7, "sync (hierarchical push)", [2, 3])
-        assert calls == [("wait_signal", arena + soff + 16, 7, current.cuda_stream)], calls
+        assert calls == [("wait_signal", soff + 16, 7, current.cuda_stream)], calls
         entry = transport._watchdog.outstanding()[-1]
-        assert entry.wait == (2, 7, (2, 3)) and entry.op == "sync (hierarchical push)"
-        assert transport._failure is None and not engine.abort
+        assert entry.wait == (2, 7, (2, 3)) and entry.op == "sync (hierarchical push)" and entry.wait_id == 1
+        assert transport.failure is None and not engine.abort
         with pytest.raises(odc.OdcUsageError, match="negative"):
             transport.wait_signal(sig, 0, -1, "w", [])
         # Past the deadline the watchdog (its own thread) raises the abort, which releases the wait kernel, and
         # records the error; the next call into the transport raises it.
         entry.deadline = 0.0
         end = time.monotonic() + 30
-        while transport._failure is None and time.monotonic() < end:
+        while transport.failure is None and time.monotonic() < end:
             time.sleep(0.01)
         assert engine.abort, "the wait was not released"
         pattern = r"odc sync \(hierarchical push\): rank 0 .*rank\(s\) 2, 3: signal word 2 reached 5 of 7"
@@ -437,8 +453,8 @@ def _rank_fake_node_atomics(rank: int, world: int) -> None:
         # is locked; after it, pushes inside the node are atomics through the peer pointer and a push across
         # nodes is refused before anything is issued (mixing the protocols on the same words loses updates).
         transport, calls, _ = _install(monkeypatch, 4, [1, 1, 0, 0], atomic=False, node=2, backed=True)
-        p1 = transport._arena + (1 << 42)
-        transport._peer_bases[:2] = [transport._arena + (1 << 41), p1]
+        p1 = transport._heap.arena + (1 << 42)
+        transport._plans.peer_bases[:2] = [transport._heap.arena + (1 << 41), p1]
         buf = transport.alloc(8, torch.float32, "acc")
         src = torch.ones(4)
         calls.clear()
@@ -461,3 +477,158 @@ def _rank_fake_node_atomics(rank: int, world: int) -> None:
 
 def test_nvshmem_intra_node_atomics_once_the_hierarchy_is_on() -> None:
     run_ranks(_rank_fake_node_atomics, 1, timeout=60)
+
+
+# -- issue 22: the locked push with PEs whose heap bases differ; finalize after a failure ---------------------
+def _run_locked_kernel(runs: list, owner: torch.Tensor, cell_bytes: int) -> None:
+    """Executes queued locked-push launches the way ``csrc/cells.cu`` does, one step of each launch in turn (the
+    most hostile interleaving of two pushers): per cell of the owner's arena, taken from the numbers the plan was
+    given, lock -> get -> add -> put -> release. ``owner`` is PE 2's arena (fp32); a plan's ``addr`` is the
+    symmetric offset of the owner's range, the kernel's only input for cells and locks."""
+    import ctypes
+
+    held: dict[int, object] = {}
+
+    def launch(spec: tuple, base: int, scale: float):
+        _, addr, rel, numel, _ = spec
+        for a, r, n in zip(addr, rel, numel, strict=True):
+            src = torch.frombuffer((ctypes.c_float * n).from_address(base + r * 4), dtype=torch.float32)
+            begin, end = a, a + 4 * n
+            for cell in range(begin // cell_bytes, (end - 1) // cell_bytes + 1):  # the kernel's cells
+                lo, hi = max(begin, cell * cell_bytes), min(end, (cell + 1) * cell_bytes)
+                while held.setdefault(cell, spec) is not spec:  # ticket lock of this cell (lock ~ cell)
+                    yield
+                yield
+                slot = owner[lo // 4 : hi // 4].clone()  # get
+                yield
+                slot += src[(lo - begin) // 4 : (hi - begin) // 4] * scale  # add
+                yield
+                owner[lo // 4 : hi // 4] = slot  # put
+                yield
+                del held[cell]  # release
+
+    steps = [launch(spec, base, scale) for spec, base, scale in runs]
+    while steps:
+        for s in list(steps):
+            if next(s, StopIteration) is StopIteration:
+                steps.remove(s)
+
+
+def _rank_locked_push_different_heap_bases(rank: int, world: int) -> None:
+    from odc_runtime import config
+    from odc_runtime.transport import nvshmem
+    from odc_runtime.transport.base import AccumulateRequest
+
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        # PEs 0 and 1 push into PE 2 over the network (no peer pointers: the locked protocol). Each process reserved
+        # its own virtual range for the heap, so the arenas of PE 0 and PE 1 start at different addresses.
+        transport0, _, _ = _install(monkeypatch, 3, [0, 0, 0], atomic=False, backed=True)
+        runs: list = []
+
+        class Plan:
+            def __init__(self, engine, kind, addr, rel, numel, pe) -> None:
+                self.spec = (kind, list(addr), list(rel), list(numel), list(pe))
+
+            def run(self, base, dtype, scale, stream) -> None:
+                runs.append((self.spec, base, scale))
+
+        transport0._C.Plan = Plan
+        other = torch.zeros(1 << 20, dtype=torch.uint8)  # PE 1's arena: another base address
+        transport1 = nvshmem.NvshmemTransport(
+            transport0._C, 1, 3, torch.device("cpu"), 5.0, settings=config.NvshmemSettings(), scratch_slots=4,
+            capacity=1 << 20, arena=other.data_ptr(), peer_bases=[0, 0, 0], engine=transport0._C.Engine(),
+            atomic_push=False, node=1,
+        )
+        assert transport0._heap.arena != transport1._heap.arena
+        cell = transport0.settings.cell_bytes
+        bufs = []
+        for t in (transport0, transport1):
+            t.alloc(cell // 4 - 3, torch.float32, "pad")  # the accumulator below straddles a cell boundary
+            bufs.append(t.alloc(64, torch.float32, "acc"))
+        assert bufs[0].handle.offset == bufs[1].handle.offset  # same allocation sequence: same symmetric offset
+        grads = [torch.full((64,), 1.0), torch.full((64,), 2.0)]
+        for t, buf, g in zip((transport0, transport1), bufs, grads, strict=True):
+            t.accumulate(buf, [AccumulateRequest(2, g, 0)], 1.0)
+        (spec0, _, _), (spec1, _, _) = runs
+        assert spec0[0] == spec1[0] == 4, "locked plans"
+        # The kernels derive the owner's cells and ticket locks from what the plan gives them: both pushers must
+        # name PE 2's range by the same number, or they take different locks for the same cell.
+        assert spec0[1] == spec1[1], f"PE 0 and PE 1 name PE 2's accumulator differently: {spec0[1]} vs {spec1[1]}"
+        owner = torch.zeros((1 << 20) // 4)
+        _run_locked_kernel(runs, owner, cell)
+        off = bufs[0].handle.offset // 4
+        assert torch.equal(owner[off : off + 64], torch.full((64,), 3.0)), "an update was lost"
+        odc.api._runtime = None
+        transport0._finalized = transport1._finalized = True
+    finally:
+        monkeypatch.undo()
+
+
+def test_locked_push_from_pes_with_different_heap_bases_loses_no_update() -> None:
+    run_ranks(_rank_locked_push_different_heap_bases, 1, timeout=60)
+
+
+def _rank_finalize_after_failure(rank: int, world: int) -> None:
+    from odc_runtime.transport.nvshmem import watchdog
+
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        transport, calls, _ = _install(monkeypatch, 2, [1 << 41, 1 << 42], atomic=True)
+        monkeypatch.setattr(watchdog, "ABORT_GRACE_S", 0.05)
+        st = odc.shard(torch.zeros(4), name="w")
+        odc.sync()
+        FakeEvent.done = False  # a peer never arrived at that barrier: it is late when the next sync waits for it
+        transport._last_barrier.deadline = 0.0
+        with pytest.raises(odc.OdcTimeoutError):
+            odc.sync()
+        assert isinstance(transport.failure, odc.OdcTimeoutError)  # the contract's failure state
+        calls.clear()
+        odc.finalize()  # documented: after a failure it releases the local state and returns
+        assert transport._finalized and st._param.freed
+        assert not [c for c in calls if c[0] == "barrier"], "finalize must not wait for the peers again"
+        assert odc.api._runtime is None
+    finally:
+        FakeEvent.done = True
+        monkeypatch.undo()
+
+
+def test_finalize_after_a_failure_releases_and_returns() -> None:
+    run_ranks(_rank_finalize_after_failure, 1, timeout=60)
+
+
+def _rank_deadline_thread_abort(rank: int, world: int) -> None:
+    from odc_runtime.transport.nvshmem import watchdog
+
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        transport, _, _ = _install(monkeypatch, 2, [1 << 41, 1 << 42], atomic=True)
+        monkeypatch.setattr(watchdog, "ABORT_GRACE_S", 0.05)
+        engine = transport._engine
+        st = odc.shard(torch.zeros(4), name="w")
+        odc.sync()
+        transport._watchdog.stop()  # this test plays the Python watchdog's part itself
+
+        def refuse(self, *args) -> None:  # _C.Plan.run once the abort word is up
+            if engine.abort:
+                raise RuntimeError("the transport was aborted after a timeout; restart the job")
+
+        monkeypatch.setattr(transport._C.Plan, "run", refuse)
+        FakeEvent.done = False  # rank 1 died: the barrier just issued waits for it on the stream ...
+        engine.abort = True  # ... and the engine's deadline thread (C++, no Python) raised the abort word
+        # The next launch is refused by the extension; the caller gets the timeout naming the dead rank (the late
+        # barrier), not a backend error about a refused launch.
+        with pytest.raises(odc.OdcTimeoutError, match=r"rank\(s\) 1 did not arrive at barrier"):
+            odc.push(st, torch.ones(4))
+        with pytest.raises(odc.OdcTimeoutError, match="did not arrive"):
+            odc.fetch(st)
+        FakeEvent.done = True
+        odc.api._runtime = None
+        transport._finalized = True
+    finally:
+        FakeEvent.done = True
+        monkeypatch.undo()
+
+
+def test_abort_raised_by_the_deadline_thread_surfaces_as_the_timeout() -> None:
+    run_ranks(_rank_deadline_thread_abort, 1, timeout=60)

@@ -4,7 +4,9 @@
 
 Every rank shards a tensor, pushes and syncs once (a good minibatch). Then the last rank kills itself (SIGKILL,
 like an OOM kill) and the survivors run SCENARIO: ``push`` (push + sync + sync), ``fetch`` (fetch + sync + sync) or
-``sync`` (sync + sync). The second sync waits for the first, so the survivors must raise OdcTimeoutError within
+``sync`` (sync + sync) or ``queued`` (sync, then 20000 pushes and fetches queued behind the barrier that waits for
+the dead rank: the launch queue fills and launches block inside the driver, then sync). The second sync waits for
+the first, so the survivors must raise OdcTimeoutError within
 ODC_TIMEOUT + a margin. Each survivor writes RESULT_DIR/rank<r>.json with the error, the seconds it took and the
 wall-clock time it finished, then exits (the test measures how long the exit takes).
 
@@ -67,6 +69,12 @@ def main() -> None:
             odc.push(st, g)
         elif scenario == "fetch":
             odc.fetch(st)
+        elif scenario == "queued":
+            odc.sync()  # its barrier waits for the dead rank on the stream; the host returns
+            out = torch.empty_like(st.local)
+            for _ in range(10000):
+                odc.push(st, g)
+                odc.fetch(st, out=out)
         odc.sync()
         odc.sync()
         torch.cuda.synchronize()

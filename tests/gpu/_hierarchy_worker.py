@@ -94,6 +94,9 @@ def scenario_signal_timeout() -> dict:
     torch.cuda.synchronize()
     start = time.monotonic()
     t.wait_signal(signal, 1, 1, "test wait", [0])  # nobody puts: the count never comes
+    # A second wait queued behind it, released by the same abort right after: it must not overwrite the first
+    # wait's record (issue 22: the first record wins; the message reports word 1, not word 0's count of 7).
+    t.wait_signal(signal, 0, 7, "test wait", [0])
     host_return = time.monotonic() - start  # the host does not block on the wait
     done = torch.cuda.Event()
     done.record()

@@ -40,11 +40,19 @@ def test_put_signal_and_wait_signal_between_two_pes(tmp_path) -> None:
     assert res["result"] == "ok", res["result"]
 
 
+def test_put_signal_and_wait_signal_among_four_pes(tmp_path) -> None:
+    # issue 22: every PE waits for three others' signalled puts, rows at unaligned offsets (2- and 4-byte copies),
+    # signal words named by symmetric offset while the four processes' heaps may sit at different addresses.
+    res = _run(4, tmp_path, "signal")
+    assert res["result"] == "ok", res["result"]
+
+
 def test_signal_wait_past_the_deadline_is_released_and_raised(tmp_path) -> None:
     res = _run(1, tmp_path, "signal_timeout", env={"ODC_TIMEOUT": str(TIMEOUT_S)})
     assert res["result"] == "ok", res["result"]
     assert res["error"] is not None, f"no OdcTimeoutError after the deadline: {res}"
-    assert "odc test wait" in res["error"] and "rank(s) 0" in res["error"] and "reached 0 of 1" in res["error"], res
+    assert "odc test wait" in res["error"] and "rank(s) 0" in res["error"], res
+    assert "signal word 1 reached 0 of 1" in res["error"], f"not the first wait's record: {res}"
     assert res["context_ok"] is True, res
     assert res["released_s"] is not None, f"the stream stayed blocked after the deadline: {res}"
     # The stream was released (synchronize returned) and the error raised within the deadline plus the margin of

@@ -98,3 +98,20 @@ def shared_gpu(tmp_path_factory):
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_four_pes_on_one_gpu(shared_gpu, scenario):
     assert shared_gpu[scenario] == "ok", shared_gpu[scenario]
+
+
+@pytest.fixture(scope="module")
+def locked_shared_gpu(tmp_path_factory):
+    """4 PEs on the first GPU (MPS) with the locked protocol: four pushers contend for every owner cell, each
+    process with its own heap mapping (issue 22: cells and ticket locks come from symmetric offsets; derived from
+    local addresses, pushers whose heap bases differ took different locks and lost updates)."""
+    _require_backend()
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    with mps_daemon(True, tmp_path_factory.mktemp("mps")) as env:
+        env = {"CUDA_VISIBLE_DEVICES": first, "ODC_NVSHMEM_PUSH": "locked", **env}
+        return _run(4, tmp_path_factory, env=env, scenarios=LOCKED_SCENARIOS)
+
+
+@pytest.mark.parametrize("scenario", LOCKED_SCENARIOS)
+def test_locked_push_four_pes_on_one_gpu(locked_shared_gpu, scenario):
+    assert locked_shared_gpu[scenario] == "ok", locked_shared_gpu[scenario]

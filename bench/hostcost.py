@@ -1,0 +1,271 @@
+"""Host cost of the fast path: microseconds of CPU per ``odc.fetch(st, out=...)`` and ``odc.push(st, grad)`` against
+a bare ``out.copy_(src)`` of the same 4 KiB, measured side by side in one process (no GPU needed).
+
+* ``nvshmem``: the nvshmem transport driven by a *fake* extension whose ``Plan.run`` is a no-op (and CPU stand-ins
+  for CUDA streams/events), so the figure is the Python and binding-free cost of the GPU fast path: what every
+  training step pays per tensor before the GPU sees a launch (the real ``Plan.run`` adds the C++ launch itself).
+* ``host``: the shared-memory transport at world size 1 (real data movement, CPU).
+
+Results are verified before timing (the fetch returns the shard, the push accumulates, the fake plan is called
+with the caller's buffer). Each figure is the median over ``--runs`` runs of ``--calls`` calls, the three
+operations interleaved run by run so that machine noise hits them alike.
+
+    python bench/hostcost.py [--runs 7] [--calls 5000] [--json PATH] [--plot PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import os
+import statistics
+import tempfile
+import time
+import types
+from collections.abc import Callable
+
+import _common
+
+NUMEL = 1024  # 4 KiB of fp32
+
+
+def _per_call_us(fn: Callable[[], object], calls: int) -> float:
+    gc.disable()
+    try:
+        start = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter_ns() - start) / calls / 1e3
+    finally:
+        gc.enable()
+
+
+def _measure(ops: dict[str, Callable[[], object]], runs: int, calls: int) -> dict[str, float]:
+    for fn in ops.values():  # warm-up: plan caches, allocator
+        _per_call_us(fn, max(100, calls // 10))
+    samples: dict[str, list[float]] = {k: [] for k in ops}
+    for _ in range(runs):
+        for name, fn in ops.items():
+            samples[name].append(_per_call_us(fn, calls))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def _ops(odc: object, st: object, out: object, grad: object, src: object) -> dict[str, Callable]:
+    """The three timed calls: bare copy_ (the reference), fetch into a preallocated buffer, push."""
+    return {
+        "copy_": lambda: out.copy_(src),  # type: ignore[attr-defined]
+        "fetch": lambda: odc.fetch(st, out=out),  # type: ignore[attr-defined]
+        "push": lambda: odc.push(st, grad),  # type: ignore[attr-defined]
+    }
+
+
+def _host(runs: int, calls: int) -> dict[str, float]:
+    import torch
+
+    import odc_runtime as odc
+
+    odc.init("host")
+    try:
+        full = torch.arange(NUMEL, dtype=torch.float32)
+        st = odc.shard(full.clone(), name="hostcost")
+        out, grad, src = torch.empty(NUMEL), torch.ones(NUMEL), torch.randn(NUMEL)
+        odc.fetch(st, out=out)
+        if not torch.equal(out, full):
+            raise RuntimeError("host fetch returned wrong values")
+        odc.push(st, grad)
+        odc.sync()
+        if not torch.equal(st.grad, grad):
+            raise RuntimeError("host push accumulated wrong values")
+        return _measure(_ops(odc, st, out, grad, src), runs, calls)
+    finally:
+        odc.finalize()
+
+
+class _Views:
+    """What a symmetric view keeps alive (weakly referenced by the free quarantine)."""
+
+
+class _FakeStream:
+    def __init__(self, ptr: int) -> None:
+        self.cuda_stream = ptr
+
+    def wait_stream(self, other: object) -> None:
+        pass
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+
+class _FakeEvent:
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _fake_extension(runs: list) -> types.SimpleNamespace:
+    class Plan:
+        def __init__(self, engine: object, kind: int, addr: list, rel: list, numel: list, pe: list) -> None:
+            self.kind = kind
+
+        def run(self, base: int, dtype: int, scale: float, stream: int) -> None:  # the launch: a no-op
+            if len(runs) < 4:
+                runs.append((self.kind, base, dtype, scale, stream))
+
+    class Engine:
+        def watch(self, stream: int, timeout_s: float) -> None: ...
+        def barrier(self, epoch: int, stream: int) -> None: ...
+        def quiet(self, stream: int) -> None: ...
+        def set_abort(self) -> None: ...
+        def aborted(self) -> bool:
+            return False
+
+    return types.SimpleNamespace(
+        DTYPE_FLOAT32=0, DTYPE_BFLOAT16=1, DTYPE_FLOAT16=2, PLAN_FETCH_COPY=0, PLAN_FETCH_KERNEL=1,
+        PLAN_FETCH_STAGED=2, PLAN_PUSH_ATOMIC=3, PLAN_PUSH_LOCKED=4, Plan=Plan, Engine=Engine,
+    )
+
+
+def _nvshmem_fake(runs_: int, calls: int) -> dict[str, float]:
+    import torch
+
+    import odc_runtime as odc
+    from odc_runtime import api, config
+    from odc_runtime.transport.nvshmem import memory, plans
+    from odc_runtime.transport.nvshmem.transport import NvshmemTransport
+
+    current = _FakeStream(1000)
+    made = itertools.count(2000)
+    arena = torch.zeros(1 << 20, dtype=torch.uint8)
+    base = arena.data_ptr()
+    saved = [(torch.cuda, "Stream"), (torch.cuda, "Event"), (torch.cuda, "current_stream"), (torch.cuda, "set_device"),
+             (plans, "raw_stream"), (plans, "record"), (memory, "wrap")]
+    old = [getattr(m, n) for m, n in saved]
+    torch.cuda.Stream = lambda device=None: _FakeStream(next(made))
+    torch.cuda.Event = _FakeEvent
+    torch.cuda.current_stream = lambda device=None: current
+    torch.cuda.set_device = lambda device: None
+    plans.raw_stream = lambda index: current.cuda_stream
+    plans.record = lambda t, stream: None
+    memory.wrap = lambda ptr, nbytes, device: (arena[ptr - base : ptr - base + nbytes], _Views())
+    launched: list = []
+    try:
+        ext = _fake_extension(launched)
+        transport = NvshmemTransport(
+            ext, 0, 1, torch.device("cpu"), 60.0, settings=config.NvshmemSettings(), scratch_slots=4,
+            capacity=1 << 20, arena=base, peer_bases=[base], engine=ext.Engine(), atomic_push=True, node=1,
+        )
+        api._runtime = api._Runtime(transport=transport, generation=next(api._generations), shards=itertools.count())
+        st = odc.shard(torch.zeros(NUMEL), name="hostcost")
+        out, grad, src = torch.empty(NUMEL), torch.ones(NUMEL), torch.randn(NUMEL)
+        odc.fetch(st, out=out)
+        odc.push(st, grad)
+        if [(k, b) for k, b, *_ in launched[:2]] != [(0, out.data_ptr()), (3, grad.data_ptr())]:
+            raise RuntimeError(f"the fake extension did not see the expected plans: {launched}")
+        result = _measure(_ops(odc, st, out, grad, src), runs_, calls)
+        # Where the fetch's time goes (same runs discipline): the pieces of api.fetch's fast path, in call order.
+        key = api._tensor_key("fetch", out, transport.stream_key())
+        plan = api._cached_plan(st, key)
+        fetch = api.fetch
+        parts = _measure({
+            "copy_": lambda: out.copy_(src),
+            "odc.fetch lookup": lambda: odc.fetch,  # the package's lazy __getattr__ (import + getattr) per call
+            "api.fetch direct": lambda: fetch(st, out=out),
+            "stream_key": transport.stream_key,
+            "_tensor_key": lambda: api._tensor_key("fetch", out, key[-1]),
+            "_cached_plan": lambda: api._cached_plan(st, key),
+            "plan.run (transport)": lambda: plan.run(out),  # type: ignore[union-attr]
+        }, runs_, calls)
+        result["breakdown"] = parts  # type: ignore[assignment]
+        api._runtime = None
+        transport._finalized = True
+        return result
+    finally:
+        for (m, n), v in zip(saved, old, strict=True):
+            setattr(m, n, v)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=7, help="runs per figure (the median is reported)")
+    parser.add_argument("--calls", type=int, default=5000, help="calls per run")
+    _common.add_output_args(parser, "hostcost")
+    return parser
+
+
+def _draw(results: dict[str, dict[str, float]]) -> Callable[[object, str], None]:
+    def draw(plots: object, path: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 2.8))
+        names = list(results)
+        for i, op in enumerate(("copy_", "fetch", "push")):
+            ax.barh([j + 0.27 * i for j in range(len(names))], [results[n][op] for n in names], height=0.25, label=op)
+        ax.set_yticks([j + 0.27 for j in range(len(names))], names)
+        ax.set_xlabel("host µs per call (4 KiB)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+
+    return draw
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = tempfile.mktemp(prefix="odc-hostcost-")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        results = {
+            "nvshmem (fake ext)": _nvshmem_fake(args.runs, args.calls),
+            "host (world 1)": _host(args.runs, args.calls),
+        }
+    finally:
+        dist.destroy_process_group()
+        if os.path.exists(store):
+            os.unlink(store)
+    rows = []
+    for name, r in results.items():
+        rows.append([name, r["copy_"], r["fetch"], r["push"], r["fetch"] / r["copy_"], r["push"] / r["copy_"]])
+    _common.print_table(
+        ["transport", "copy_ us", "fetch us", "push us", "fetch/copy_", "push/copy_"], rows,
+        {
+            "copy_ us": "host microseconds per bare out.copy_(src) of 4 KiB (median of runs)",
+            "fetch us": "host microseconds per odc.fetch(st, out=out), 4 KiB shard, steady state",
+            "push us": "host microseconds per odc.push(st, grad), 4 KiB gradient, steady state",
+            "fetch/copy_": "ratio, measured side by side in the same runs",
+            "push/copy_": "ratio, measured side by side in the same runs",
+            "transport": "nvshmem: fake extension (Plan.run a no-op, CPU tensors); host: shared memory, world 1",
+        },
+        title=f"host cost per call ({args.runs} runs x {args.calls} calls, medians)",
+    )
+    parts = results["nvshmem (fake ext)"].pop("breakdown")  # type: ignore[call-overload]
+    _common.print_table(
+        ["piece", "us", "x copy_"], [[k, v, v / parts["copy_"]] for k, v in parts.items()],
+        {
+            "piece": "part of odc.fetch(st, out=out) on the nvshmem fast path, timed alone (fake extension)",
+            "us": "host microseconds per call (median of runs)",
+            "x copy_": "ratio to a bare out.copy_(src) of 4 KiB in the same runs",
+        },
+        title="where odc.fetch's host time goes (nvshmem, fake extension)",
+    )
+    _common.write_outputs(args, "hostcost", {
+        "fetch_breakdown_us": parts,
+        "machine": _common.machine_info(), "runs": args.runs, "calls": args.calls, "numel": NUMEL,
+        "results_us": results,
+        "ratios": {k: {"fetch": r["fetch"] / r["copy_"], "push": r["push"] / r["copy_"]} for k, r in results.items()},
+    }, _draw(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Loading ``odc_runtime._C`` and checking its NVSHMEM version; the process-wide NVSHMEM state.
+
+Importing this module never needs a GPU or the extension. NVSHMEM is initialised at most once per process and
+never torn down (its teardown is a collective a dead peer would hang), so the engines made at init live for the
+process; at interpreter exit every engine's abort word is raised so that no kernel of ours keeps the CUDA
+teardown waiting.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+import torch
+
+from odc_runtime import _nvshmem_locate as _locate
+from odc_runtime.errors import OdcBackendError
+
+INSTALL_HINT = (
+    'build it with a CUDA toolkit and an NVSHMEM wheel: pip install -e ".[cu13]" (or ".[cu12]"), '
+    "or run .ci/build_ext.sh"
+)
+
+_ext: ModuleType | None = None
+_ext_error: str | None = None
+started = False  # NVSHMEM was initialised in this process (it cannot be initialised again)
+_engines: list[object] = []  # live for the process (see the module docstring)
+
+
+def _nvshmem_lib_dirs() -> list[str]:
+    """Where ``libnvshmem_host.so.3`` is looked for: ``$NVSHMEM_HOME/lib``, then the installed wheel(s)."""
+    return _locate.lib_dirs()
+
+
+def load_extension() -> ModuleType:
+    """Import ``odc_runtime._C``; raise :class:`OdcBackendError` saying why it is not usable.
+
+    ``libnvshmem_host.so.3`` is preloaded from ``NVSHMEM_HOME`` or the installed ``nvidia-nvshmem`` wheel unless
+    the process already has one (``import torch`` loads its own in torch CUDA builds; the same soname is then
+    reused, which is why :func:`check_version` compares versions before init).
+    """
+    global _ext, _ext_error
+    if _ext is not None:
+        return _ext
+    if _ext_error is not None:
+        raise OdcBackendError(_ext_error)
+    try:
+        if _locate.loaded_host_library() is None:
+            for d in _nvshmem_lib_dirs():
+                libs = _locate.host_libraries(d)
+                if libs:
+                    ctypes.CDLL(libs[0], mode=ctypes.RTLD_GLOBAL)
+                    break
+        from odc_runtime import _C
+    except (ImportError, OSError) as exc:
+        _ext_error = f"the NVSHMEM extension odc_runtime._C is not usable ({exc}); {INSTALL_HINT}"
+        raise OdcBackendError(_ext_error) from exc
+    _ext = _C
+    return _C
+
+
+def _fmt(v: Sequence[int]) -> str:
+    return ".".join(str(x) for x in v)
+
+
+def check_version(C: ModuleType) -> tuple[int, int, int]:
+    """Return the NVSHMEM version in use; raise :class:`OdcBackendError` if it is not the one ``C`` was built for.
+
+    ``C`` (``odc_runtime._C``) links NVSHMEM's device library statically but uses whichever
+    ``libnvshmem_host.so.3`` the process loaded first (torch's, in torch CUDA builds); device and host halves of
+    different releases share internal state layouts, so a mismatch is refused instead of run.
+    """
+    try:
+        built = tuple(int(x) for x in C.nvshmem_version_compiled())
+        running = tuple(int(x) for x in C.nvshmem_version_runtime())
+    except AttributeError as exc:
+        raise OdcBackendError(
+            "odc_runtime._C has no NVSHMEM version query (it was built from an older odc_runtime): rebuild it "
+            f"from this source tree; {INSTALL_HINT}"
+        ) from exc
+    if built != running:
+        lib = _locate.loaded_host_library() or "libnvshmem_host.so.3"
+        flavors = sorted({f for f, _ in _locate.installed_wheels()})
+        cu = flavors[0] if len(flavors) == 1 else "cu13"  # the wheel flavour installed here, if unambiguous
+        raise OdcBackendError(
+            f"odc_runtime._C was compiled against NVSHMEM {_fmt(built)}, but this process runs NVSHMEM "
+            f"{_fmt(running)} ({lib}; torch CUDA builds load the NVSHMEM they pin). Device code and host library "
+            f"must be the same release. Rebuild the extension against NVSHMEM {_fmt(running)}: in this environment, "
+            "with nvcc available, reinstall odc_runtime from its source tree (`pip install --force-reinstall "
+            f'--no-deps ".[{cu}]"`, or `pip install -e ".[{cu}]"`, or `.ci/build_ext.sh`); the build uses the NVSHMEM '
+            f"wheel installed here, so make sure it is {_fmt(running)} (pip install nvidia-nvshmem-{cu}=="
+            f"{_fmt(running)}), or point NVSHMEM_HOME at an NVSHMEM {_fmt(running)} install."
+        )
+    return running  # type: ignore[return-value]
+
+
+def is_available() -> bool:
+    """CUDA is present and ``odc_runtime._C`` imports. Never raises."""
+    try:
+        if not torch.cuda.is_available():
+            return False
+        load_extension()
+        return True
+    except Exception:
+        return False
+
+
+def backend_call(op: str, fn: Callable, *args: object) -> object:
+    """``fn(*args)`` with the extension's errors (``_C.NvshmemError``, CUDA errors) as OdcBackendError."""
+    try:
+        return fn(*args)
+    except RuntimeError as exc:
+        raise OdcBackendError(f"nvshmem {op}: {exc}") from exc
+
+
+def dtype_codes(ext: ModuleType) -> dict[torch.dtype, int]:
+    """torch dtype -> the extension's dtype code (exported by bindings.cpp, never duplicated here)."""
+    return {torch.float32: ext.DTYPE_FLOAT32, torch.bfloat16: ext.DTYPE_BFLOAT16, torch.float16: ext.DTYPE_FLOAT16}
+
+
+def keep_engine(engine: object) -> None:
+    """Keep ``engine`` for the life of the process (its abort word is raised at exit)."""
+    _engines.append(engine)
+
+
+@atexit.register
+def _abort_at_exit() -> None:
+    """At interpreter exit nothing will wait for our kernels any more: raise every abort word, so that a barrier or
+    lock spin still waiting for a dead peer leaves and the CUDA teardown does not wait for it. Our announcements
+    were made before waiting, so peers are not affected."""
+    for engine in _engines:
+        engine.set_abort()  # type: ignore[attr-defined]

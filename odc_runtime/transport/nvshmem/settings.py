@@ -1,0 +1,111 @@
+"""The nvshmem transport's settings and the facts every rank must agree on at init: protocol settings and heap
+size (parsed by :func:`odc_runtime.config.nvshmem_settings`), GPU sharing (MPS), and the node layout derived from
+peer-pointer reach. Pure functions of the exchanged data, so every rank takes the same decision."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import fields
+
+from odc_runtime import config
+from odc_runtime.agree import require_same
+from odc_runtime.errors import OdcUsageError
+
+log = logging.getLogger("odc_runtime")
+
+DEFAULT_HEAP = 1 << 30  # heap when neither heap_size nor NVSHMEM_SYMMETRIC_SIZE is given
+NLOCKS = 1024  # ticket locks per PE (two uint32 words each) guarding the locked protocol's cells
+ALIGN = 512  # NVSHMEM rounds every allocation to this; used to size NVSHMEM_SYMMETRIC_SIZE
+SLACK = 2 << 20  # extra NVSHMEM_SYMMETRIC_SIZE beyond our own allocations
+
+SETTING_ENV = {
+    "push": "ODC_NVSHMEM_PUSH",
+    "fetch": "ODC_NVSHMEM_FETCH",
+    "cell_bytes": "ODC_NVSHMEM_CELL_BYTES",
+    "scratch_slots": "ODC_NVSHMEM_SCRATCH_SLOTS",
+    "vector_atomics": "ODC_NVSHMEM_VECTOR_ATOMICS",
+}
+
+
+def round_up(n: int) -> int:
+    """``n`` rounded up to NVSHMEM's allocation granularity."""
+    return -(-n // ALIGN) * ALIGN
+
+
+def local_settings(heap_size: int | str | None) -> tuple[config.NvshmemSettings, int]:
+    """This rank's protocol settings and heap bytes (``heap_size``, else ``NVSHMEM_SYMMETRIC_SIZE``, else 1 GiB)."""
+    settings = config.nvshmem_settings()
+    if heap_size is not None:
+        capacity = config.parse_size(heap_size, what="heap_size")
+    elif os.environ.get("NVSHMEM_SYMMETRIC_SIZE"):
+        capacity = config.parse_size(os.environ["NVSHMEM_SYMMETRIC_SIZE"], what="NVSHMEM_SYMMETRIC_SIZE")
+    else:
+        capacity = DEFAULT_HEAP
+    return settings, capacity
+
+
+def agree_settings(infos: Sequence[tuple[config.NvshmemSettings, int, int]]) -> tuple[config.NvshmemSettings, int, int]:
+    """From every rank's ``(settings, heap bytes, SM count)`` (indexed by rank, the same list on every rank):
+    raise :class:`~odc_runtime.errors.OdcMismatchError` naming the first setting that differs and every rank's
+    value, else return ``(settings, heap bytes, scratch slots)``. Mixed push protocols would lose updates and the
+    scratch and heap are symmetric allocations, so nothing here may differ; the default scratch slot count is one
+    per SM of the largest GPU."""
+    for f in fields(config.NvshmemSettings):
+        require_same(
+            "init:", [getattr(info[0], f.name) for info in infos],
+            rule=f"setting {f.name} ({SETTING_ENV[f.name]}) must resolve to the same value on every rank",
+        )
+    require_same(
+        "init:", [info[1] for info in infos],
+        rule="the heap size (init(heap_size=...) / NVSHMEM_SYMMETRIC_SIZE) must resolve to the same bytes everywhere",
+    )
+    settings, capacity = infos[0][0], infos[0][1]
+    return settings, capacity, settings.scratch_slots or max(info[2] for info in infos)
+
+
+def check_gpu_sharing(sharing: dict[tuple[str, str], list[int]], mps: dict[int, int]) -> None:
+    """Refuse several PEs on one GPU without CUDA MPS (``sharing``: (host, GPU uuid) -> ranks; ``mps[r]``: 1
+    on, 0 off, -1 unknown). Every rank sees the same data, so every rank raises together, before NVSHMEM starts.
+
+    Without MPS the contexts of the PEs time-slice the GPU: a PE's waiting kernel (barrier, lock, signal wait)
+    holds its time slice while the PE it waits for cannot run, so every wait costs scheduler slices and progress
+    rests on the driver's time-slicing policy. When the runtime cannot tell (``-1``, an old driver), the job is
+    allowed with a warning."""
+    for (host, uuid), ranks in sorted(sharing.items()):
+        if len(ranks) < 2:
+            continue
+        states = {mps[r] for r in ranks}
+        if 0 in states:
+            raise OdcUsageError(
+                f"nvshmem transport: ranks {ranks} share GPU {uuid} on {host} without CUDA MPS; several NVSHMEM PEs "
+                "on one GPU need MPS (their waiting kernels would otherwise time-slice the GPU). Start the MPS "
+                "daemon before the job (`nvidia-cuda-mps-control -d`; stop it with `echo quit | "
+                "nvidia-cuda-mps-control`), or give every rank its own GPU"
+            )
+        if states != {1}:
+            log.warning(
+                "odc nvshmem: ranks %s share GPU %s on %s and this CUDA runtime cannot tell whether MPS is on; "
+                "without MPS (nvidia-cuda-mps-control -d) their kernels time-slice (slow).", ranks, uuid, host,
+            )
+
+
+def node_layout(reach: Sequence[Sequence[int]]) -> int | str:
+    """The node size from every rank's peer-pointer reach (``reach[r]`` = the ranks rank ``r`` reaches by
+    ``nvshmem_ptr``, itself included), or the text of the error ``NvshmemTransport.node_size`` raises when
+    the reach is not consecutive blocks of one size (the hierarchy's ``r // n`` numbering would be wrong)."""
+    world = len(reach)
+    n = len(reach[0]) if world else 0
+    bad = []
+    for r, peers in enumerate(reach):
+        first = (r // n) * n if n else 0
+        if n == 0 or world % n or sorted(peers) != list(range(first, first + n)):
+            bad.append(f"rank {r}: {sorted(peers)}")
+    if not bad:
+        return n
+    return (
+        "nvshmem node_size: the ranks reachable by peer pointer (NVLink / same host) are not consecutive blocks of "
+        f"one size, so the node cannot be derived ({'; '.join(bad[:4])}{'; ...' if len(bad) > 4 else ''}). "
+        "Number the ranks node by node, or declare the node size with ODC_NODE_SIZE (or odc.init(node_size=...))"
+    )
