@@ -284,8 +284,8 @@ def plan(
     most expensive first). The result is deterministic: no randomness, ties broken by index.
 
     ``"lb_mini"`` guarantees a per-rank maximum total cost no larger than that of ``"local_sort"``,
-    ``"verl_lb_micro"`` and ``"lb_micro"`` on the same input (it evaluates their rank assignments as candidates), and within
-    ``4/3 - 1/(3·world_size)`` of the optimum (it includes the LPT assignment, Graham's bound).
+    ``"verl_lb_micro"`` and ``"lb_micro"`` on the same input (it evaluates their rank assignments as
+    candidates), and within ``4/3 - 1/(3·world_size)`` of the optimum (it includes the LPT assignment, Graham's bound).
     """
     planner = get_policy(policy).planner
     world_size = _check_positive_int("world_size", world_size)
