@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from odc_runtime import balance, workloads
 from odc_runtime.balance import DEFAULT_COST_MODEL, POLICIES, POLICY_REGISTRY, CostModel, get_policy, imbalance, plan
 from odc_runtime.errors import OdcUsageError
-from odc_runtime.workloads import PRESETS, TARGET_MEANS, load_lengths, sample_lengths
+from odc_runtime.workloads import MAX_LENGTHS, PRESETS, TARGET_MEANS, load_lengths, sample_lengths
 
 COST_MODELS = [CostModel(1.0, 0.0), CostModel(0.0, 1.0), CostModel(1e-3, 1.0), DEFAULT_COST_MODEL]
 PROPERTY = settings(max_examples=60, deadline=None)
@@ -378,12 +378,15 @@ def test_preset_deterministic_bounded_and_mean(preset: str) -> None:
     assert lengths == sample_lengths(preset, 20_000, seed=7)
     assert lengths != sample_lengths(preset, 20_000, seed=8)
     assert all(isinstance(s, int) and s >= 1 for s in lengths)
-    assert max(lengths) <= {"rl_rollouts": 32768, "uniform": 8192}.get(preset, 131072)
+    assert max(lengths) <= MAX_LENGTHS[preset] <= 65536  # every sample fits the benchmarks' 64K micro-batch
+    assert max(lengths) > 0.9 * MAX_LENGTHS[preset]  # the stated range is the one drawn
     assert statistics.mean(lengths) == pytest.approx(TARGET_MEANS[preset], rel=0.15)
     assert "mean" in PRESETS[preset] and len(PRESETS[preset]) > 40
 
 
-def test_preset_stated_means() -> None:
+def test_preset_stated_means_and_ranges() -> None:
+    assert MAX_LENGTHS == {"longalign_sft": 65536, "swe_agentic": 65536, "rl_rollouts": 32768, "uniform": 8192}
+    assert min(sample_lengths("longalign_sft", 5000, seed=0)) >= 8192  # LongAlign-10k spans 8K to 64K
     assert TARGET_MEANS["longalign_sft"] == 16_500
     assert TARGET_MEANS["swe_agentic"] == 35_000
     assert 4_000 <= TARGET_MEANS["rl_rollouts"] <= 8_000
@@ -393,7 +396,7 @@ def test_scale_and_max_len() -> None:
     full = sample_lengths("longalign_sft", 5000, seed=3)
     small = sample_lengths("longalign_sft", 5000, seed=3, scale=1 / 16)
     assert statistics.mean(small) == pytest.approx(statistics.mean(full) / 16, rel=0.01)
-    assert max(small) <= 131072 // 16
+    assert max(small) <= 65536 // 16
     clipped = sample_lengths("longalign_sft", 5000, seed=3, max_len=4096)
     assert max(clipped) == 4096 and clipped == [min(s, 4096) for s in full]
 
