@@ -43,6 +43,10 @@ from schedule import COMMS, GPU_PEAK_FLOPS, MODELS, POLICIES, Schedule, build_sc
 
 Schedules = dict[tuple[str, str], Schedule]  # (comm, policy) → schedule
 
+#: The collective configurations every run is compared with: the naive baseline, what a veRL user runs today
+#: (dynamic batching, the paper's LB-Micro) and the best collective schedule this planner can make.
+BASELINES = ("local_sort", "verl_lb_micro", "lb_micro")
+
 # --quick picks the time scale that makes the whole grid's modelled compute last QUICK_BUDGET_S seconds,
 # so that it takes under a minute (with start-up and planning: 40-50 s measured on 2 busy cores) whatever the preset
 # or model.
@@ -80,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minibatch-size", type=int, default=None,
                    help=f"samples per minibatch, all ranks together (default {FULL['minibatch_size']})")
     p.add_argument("--max-tokens", type=int, default=65536,
-                   help="token cap of a micro-batch (longer samples run alone)")
+                   help="token cap of a micro-batch (a longer sample is refused unless --allow-oversized)")
     p.add_argument("--layers", type=int, default=None,
                    help=f"executed layers (FSDP units); the model's cost is split evenly over them "
                         f"(default {FULL['layers']}; --layers 0 = the model's layer count)")
@@ -121,7 +125,8 @@ def make_schedules(args: argparse.Namespace, batches: list[list[int]], world: in
     replicas = args.hsdp[0] if args.hsdp else 1
     return {
         (comm, policy): build_schedule(batches, world, comm=comm, policy=policy, cost=cost,
-                                       max_tokens=args.max_tokens, num_layers=args.layers, replicas=replicas)
+                                       max_tokens=args.max_tokens, num_layers=args.layers, replicas=replicas,
+                                       allow_oversized=args.allow_oversized)
         for comm, policy in grid(args.comms, args.policies)
     }
 
@@ -256,12 +261,14 @@ def summarize(schedules: Schedules, gathered: list[dict], world: int, time_scale
             "sim_compute_only_s": sim.time_s,
             "sim_utilization": sim.utilization,
         })
-    base = next((r for r in runs if (r["comm"], r["policy"]) == ("collective", "local_sort")), None)
-    lbm = next((r for r in runs if (r["comm"], r["policy"]) == ("collective", "lb_micro")), None)
+    by_key = {(r["comm"], r["policy"]): r for r in runs}
+    base = by_key.get(("collective", "local_sort"))
     for r in runs:
         r["speedup"] = base["wall_s"] / r["wall_s"] if base else None
         r["sim_speedup"] = base["sim_compute_only_s"] / r["sim_compute_only_s"] if base else None
-        r["speedup_vs_collective_lb_micro"] = lbm["wall_s"] / r["wall_s"] if lbm else None
+        for policy in BASELINES:
+            ref = by_key.get(("collective", policy))
+            r[f"speedup_vs_collective_{policy}"] = ref["wall_s"] / r["wall_s"] if ref else None
     return runs
 
 
@@ -277,12 +284,20 @@ LEGEND = {
                    "waiting for slower ranks)",
     "wall s": "sum over minibatches of first rank's start to last rank's end",
     "speedup": "wall time of collective + local_sort / this configuration's",
+    "× verl": "wall time of collective + verl_lb_micro (veRL's dynamic batching, the paper's LB-Micro: what a "
+              "veRL user runs) / this configuration's",
+    "× lb_micro": "wall time of collective + lb_micro (the best collective schedule this planner makes) / this "
+                  "configuration's",
     "sim speedup": "the same ratio predicted by bench/simulate.py from the schedule's compute alone (no "
                    "communication): the part of the speedup due to balancing",
     "sim util": "utilisation the same simulation predicts",
     "grads": "ok: every rank's gradient shard held exactly the expected sum after every minibatch (--hsdp: after "
              "the cross-replica all-reduce)",
 }
+
+
+def _ratio(x: float | None) -> str:
+    return f"{x:.3f}" if x else "-"
 
 
 def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict], world: int,
@@ -303,18 +318,23 @@ def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict],
         rows.append([
             r["comm"], r["policy"], r["tokens_per_s"], f"{r['utilization']:.1%}",
             f"{min(idle):.2f}-{max(idle):.2f}", f"{statistics.mean(r['comm_wait_s_per_rank']):.2f}",
-            r["wall_s"], f"{r['speedup']:.3f}" if r["speedup"] else "-",
+            r["wall_s"], *(_ratio(r[k]) for k in ("speedup", "speedup_vs_collective_verl_lb_micro",
+                                                   "speedup_vs_collective_lb_micro")),
             f"{r['sim_speedup']:.3f}" if r["sim_speedup"] else "-", f"{r['sim_utilization']:.1%}",
             "ok" if r["grad_check_ok"] else "WRONG",
         ])
     _common.print_table(list(LEGEND), rows, LEGEND)
+    sched = next(iter(schedules.values()))
+    note = _common.oversized_note(sched.oversized, n_mb * args.minibatch_size, args.max_tokens)
+    if note:
+        print(f"  NOTE: {note}")
     load_after = os.getloadavg()
     print(f"  executed in {run_s:.1f} s; load average {load_before[0]:.1f} → {load_after[0]:.1f} on "
           f"{os.cpu_count()} cores")
     config = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     config.update(world_size=world, source=source, model_name=spec.name, timeline_minibatch=timeline_k,
                   flops_per_second=GPU_PEAK_FLOPS[args.gpu] * args.mfu, run_s=run_s,
-                  load_average_before=load_before, load_average_after=load_after)
+                  load_average_before=load_before, load_average_after=load_after, oversized_samples=sched.oversized)
     payload = {"runs": runs, "config": config, "machine": _common.machine_info()}
     timelines = {
         f"{comm} + {policy}": [g[(comm, policy)][timeline_k]["events"] for g in gathered]
@@ -322,6 +342,8 @@ def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict],
         if (comm, policy) in schedules
     }
     title = f"{world} ranks, {source}, {spec.name} on {args.gpu.upper()} (×{args.time_scale:g} time)"
+    if note:
+        title += f"\n{note}"
     _common.write_outputs(
         args, "imbalance", payload,
         lambda plots, path: plots.plot_imbalance(runs, timelines, path, minibatch=timeline_k, title=title),
@@ -331,6 +353,8 @@ def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict],
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = resolve(parser.parse_args(argv))
+    batches, _ = _common.load_minibatches(args, args.minibatches, args.minibatch_size)
+    _common.check_cap(args, (s for b in batches for s in b))
     if args.hsdp and not _common.under_torchrun() and args.hsdp[0] * args.hsdp[1] != args.nproc:
         parser.error(f"--hsdp {args.hsdp[0]}x{args.hsdp[1]} needs --nproc {args.hsdp[0] * args.hsdp[1]}, "
                      f"got {args.nproc}")

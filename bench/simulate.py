@@ -166,7 +166,10 @@ LEGEND = {
     "s/minibatch": "predicted seconds per minibatch (compute + communication not hidden by overlap)",
     "tokens/s": "predicted tokens per second over all GPUs",
     "util": "predicted device utilisation: compute time / (GPUs × wall)",
-    "speedup": "time of the link's first configuration (collective + local_sort) / this one's",
+    "speedup": "time of the link's collective + local_sort / this one's",
+    "× verl": "time of the link's collective + verl_lb_micro (veRL's dynamic batching, what a veRL user runs) / "
+              "this one's",
+    "× lb_micro": "time of the link's collective + lb_micro (the best collective schedule) / this one's",
 }
 
 
@@ -176,20 +179,26 @@ def main(argv: list[str] | None = None) -> None:
     cost = spec.cost_model(GPU_PEAK_FLOPS[args.gpu] * args.mfu)
     mbs = args.minibatch_size or 16 * args.world
     batches, source = _common.load_minibatches(args, args.minibatches, mbs)
+    _common.check_cap(args, (s for b in batches for s in b))
     layer_bytes = 2 * spec.layer_params()
     rows = []
     for link_name in args.link:
         link = LINKS[link_name]
-        base = None
+        times = {}
         for comm, policy in grid(policies=POLICIES):
             sched = build_schedule(batches, args.world, comm=comm, policy=policy, cost=cost,
-                                   max_tokens=args.max_tokens, num_layers=spec.num_layers, replicas=args.replicas)
+                                   max_tokens=args.max_tokens, num_layers=spec.num_layers, replicas=args.replicas,
+                                   allow_oversized=args.allow_oversized)
             res = simulate(sched, layer_bytes=layer_bytes, link=link, overlap=not args.no_overlap,
                            replica_link=LINKS[args.replica_link])
-            base = base or res.time_s
+            times[comm, policy] = res.time_s
             rows.append({"link": link_name, "comm": comm, "policy": policy, "time_s": res.time_s,
                          "s_per_minibatch": res.time_s / len(batches), "tokens_per_s": res.tokens_per_s,
-                         "utilization": res.utilization, "speedup": base / res.time_s})
+                         "utilization": res.utilization})
+        for r in rows[-len(times):]:
+            for key, policy in (("speedup", "local_sort"), ("speedup_vs_collective_verl_lb_micro", "verl_lb_micro"),
+                                ("speedup_vs_collective_lb_micro", "lb_micro")):
+                r[key] = times[("collective", policy)] / r["time_s"]
     hsdp = f" (HSDP {args.replicas}×{args.world // args.replicas}, all-reduce over {args.replica_link})" \
         if args.replicas > 1 else ""
     print(f"\nSimulated: {args.world} × {args.gpu.upper()}{hsdp} at MFU {args.mfu:g}, {spec.name} "
@@ -198,11 +207,16 @@ def main(argv: list[str] | None = None) -> None:
     _common.print_table(
         list(LEGEND),
         [[r["link"], r["comm"], r["policy"], r["s_per_minibatch"], r["tokens_per_s"], f"{r['utilization']:.1%}",
-          f"{r['speedup']:.3f}"] for r in rows], LEGEND)
+          *(f"{r[k]:.3f}" for k in ("speedup", "speedup_vs_collective_verl_lb_micro",
+                                    "speedup_vs_collective_lb_micro"))] for r in rows], LEGEND)
+    note = _common.oversized_note(_common.oversized((s for b in batches for s in b), args.max_tokens),
+                                  len(batches) * mbs, args.max_tokens)
+    if note:
+        print(f"  NOTE: {note}")
     config = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     config.update(minibatch_size=mbs, layer_bytes=layer_bytes, links={k: vars(v) for k, v in LINKS.items()})
     first = rows[0]["link"]
-    title = f"simulated, {args.world}×{args.gpu} {first}, {spec.name}, {args.preset}"
+    title = f"simulated, {args.world}×{args.gpu} {first}, {spec.name}, {args.preset}" + (f"\n{note}" if note else "")
     _common.write_outputs(
         args, "simulate", {"runs": rows, "config": config, "machine": _common.machine_info()},
         lambda plots, path: plots.plot_simulation([r for r in rows if r["link"] == first], path, title=title),
