@@ -95,6 +95,19 @@ def init_distributed(device: str) -> tuple[int, int, torch.device]:
     return rank, world, torch.device("cpu")
 
 
+# --------------------------------------------------------------------------------------------------- collectives
+
+
+def tensor_collectives() -> tuple[Callable, Callable]:
+    """``(all_gather, reduce_scatter)`` of whole tensors from the public ``torch.distributed`` API: torch 2.13+
+    names them ``all_gather_single`` / ``reduce_scatter_single`` and warns on every call of the old names,
+    which are all that 2.9-2.12 have (same signatures)."""
+    import torch.distributed as dist
+
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
+            getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)
+
+
 # --------------------------------------------------------------------------------------------------- arguments
 
 
