@@ -1,15 +1,15 @@
 """Load imbalance: W real processes run a long-tailed minibatch stream with collectives or with ODC, with real
 communication and modelled (slept) compute: no model is trained.
 
-    python bench/imbalance.py --quick             # under a minute (40-50 s on 2 busy cores): spawns 4 ranks
+    python bench/imbalance.py --quick             # under a minute (45-50 s on 2 busy cores): spawns 4 ranks
     python bench/imbalance.py                     # fuller run
     torchrun --nproc-per-node 4 bench/imbalance.py --quick
     python bench/imbalance.py --preset swe_agentic --model 1.5b --json out.json --plot out.png
     python bench/imbalance.py --quick --hsdp 2x2     # HSDP: 2 replicas × shard groups of 2 ranks
 
-For each configuration of the grid {collective, odc} × {local_sort, lb_micro, lb_mini} (lb_mini only with odc:
-its ranks run different numbers of micro-batches, which collectives cannot do) the same minibatches are
-planned (:func:`odc_runtime.balance.plan`), laid out as a schedule (:mod:`schedule`: a pure function of the
+For each configuration of the grid {collective, odc} × {local_sort, verl_lb_micro, lb_micro, lb_mini} (lb_mini
+only with odc: its ranks run different numbers of micro-batches, which collectives cannot do) the same
+minibatches are planned (:func:`odc_runtime.balance.plan`), laid out as a schedule (:mod:`schedule`: a pure function of the
 lengths, the policy and the cost model) and executed (:mod:`executor`): every layer of every micro-batch
 really gathers its parameters and scatters its gradient between the processes (gloo collectives, or
 ``odc.fetch`` / ``odc.push`` on the host transport), while the compute of each layer is *modelled*: the
@@ -24,8 +24,9 @@ every rank's gradient shards across its replicate group, in both modes. The plan
 ranks (the all-reduce waits for the slowest replica), and the gradient check runs after the all-reduce.
 
 Reported per configuration: throughput (real tokens / wall seconds, at the scaled compute), device
-utilisation (time in compute / (ranks × wall)), idle seconds per rank (wall − compute), speedup over
-collective + local_sort, and what the simulator (:mod:`simulate`) predicts for the same schedule from the
+utilisation (time in compute / (ranks × wall)), idle seconds per rank (wall − compute), speedup over each
+collective baseline (local_sort; verl_lb_micro, veRL's dynamic batching, what a veRL user runs; lb_micro, the
+best collective schedule), and what the simulator (:mod:`simulate`) predicts for the same schedule from the
 compute alone (``sim``), which separates the effect of balancing from that of this machine's communication.
 """
 
@@ -48,10 +49,12 @@ Schedules = dict[tuple[str, str], Schedule]  # (comm, policy) → schedule
 BASELINES = ("local_sort", "verl_lb_micro", "lb_micro")
 
 # --quick picks the time scale that makes the whole grid's modelled compute last QUICK_BUDGET_S seconds,
-# so that it takes under a minute (with start-up and planning: 40-50 s measured on 2 busy cores) whatever the preset
-# or model.
-QUICK = {"minibatches": 6, "minibatch_size": 32, "time_scale": None, "layers": 4, "budget_s": 25.0}
-FULL = {"minibatches": 12, "minibatch_size": 64, "time_scale": 0.03, "layers": 8, "budget_s": None}
+# so that it takes under a minute (with start-up and planning: 45-50 s measured on 2 cores at load average 8-10)
+# whatever the preset or model. 2 layers of 0.25 MiB keep this CPU's gloo collectives (milliseconds each when
+# loaded) small next to the modelled compute, so the measured speedups track the compute-only prediction
+# instead of rewarding ODC for gloo's cost.
+QUICK = {"minibatches": 6, "minibatch_size": 32, "time_scale": None, "layers": 2, "layer_mb": 0.25, "budget_s": 25.0}
+FULL = {"minibatches": 12, "minibatch_size": 64, "time_scale": 0.03, "layers": 8, "layer_mb": 1.0, "budget_s": None}
 
 
 def parse_hsdp(text: str) -> tuple[int, int]:
@@ -69,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
     p.add_argument("--quick", action="store_true",
-                   help=f"short run (under a minute: 40-50 s on 2 busy cores): {QUICK}")
+                   help=f"short run (under a minute: 45-50 s on 2 busy cores): {QUICK}")
     _common.add_workload_args(p)
     p.add_argument("--model", default="7b", choices=sorted(MODELS), help="model whose compute is modelled")
     p.add_argument("--gpu", default="h100", choices=sorted(GPU_PEAK_FLOPS))
@@ -88,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None,
                    help=f"executed layers (FSDP units); the model's cost is split evenly over them "
                         f"(default {FULL['layers']}; --layers 0 = the model's layer count)")
-    p.add_argument("--layer-mb", type=float, default=1.0, help="MiB of fp32 parameters per executed layer")
+    p.add_argument("--layer-mb", type=float, default=None,
+                   help=f"MiB of fp32 parameters per executed layer (default {FULL['layer_mb']:g}; --quick "
+                        f"{QUICK['layer_mb']:g})")
     p.add_argument("--compute", choices=("sleep", "busy"), default="sleep")
     p.add_argument("--hsdp", type=parse_hsdp, default=None, metavar="RxS",
                    help="HSDP: R replicas × S-rank shard groups (R*S = ranks); shard within a group, all-reduce "
@@ -106,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Fill defaults: an explicit --time-scale wins, then --budget-s, then --quick's budget, then FULL's scale."""
     defaults = QUICK if args.quick else FULL
-    for key in ("minibatches", "minibatch_size", "layers"):
+    for key in ("minibatches", "minibatch_size", "layers", "layer_mb"):
         if getattr(args, key) is None:
             setattr(args, key, defaults[key])
     if args.time_scale is not None:
