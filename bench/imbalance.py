@@ -9,8 +9,8 @@ communication and modelled (slept) compute: no model is trained.
 
 For each configuration of the grid {collective, odc} × {local_sort, verl_lb_micro, lb_micro, lb_mini} (lb_mini
 only with odc: its ranks run different numbers of micro-batches, which collectives cannot do) the same
-minibatches are planned (:func:`odc_runtime.balance.plan`), laid out as a schedule (:mod:`schedule`: a pure function of the
-lengths, the policy and the cost model) and executed (:mod:`executor`): every layer of every micro-batch
+minibatches are planned (:func:`odc_runtime.balance.plan`), laid out as a schedule (:mod:`schedule`: a pure
+function of the lengths, the policy and the cost model) and executed (:mod:`executor`): every layer of every micro-batch
 really gathers its parameters and scatters its gradient between the processes (gloo collectives, or
 ``odc.fetch`` / ``odc.push`` on the host transport), while the compute of each layer is *modelled*: the
 micro-batch's cost on the chosen GPU (``CostModel.from_model_config`` of ``--model`` at ``--mfu`` of the
