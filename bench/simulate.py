@@ -31,7 +31,7 @@ per GPU: nothing to balance; the peak at 4-8 per GPU). It never predicts below 1
 to 0.80: ODC's own costs are what the model leaves out: it gives one-sided transfers the collectives'
 bandwidth and latency (``Link.p2p_GBps = collective_GBps``), while the paper measured them 3-4× slower than
 NCCL across nodes (see ``bench/netmodel.py``), and it has no per-operation software overhead. Its upper ends
-are 1.1-1.2× above the measured ones, more so across nodes: read it as an upper bound of the balancing gain.
+are 1.07× (one node) and 1.18× (two) the measured ones: read it as an upper bound of the balancing gain.
 """
 
 from __future__ import annotations
