@@ -343,7 +343,9 @@ def _plan_verl_lb_micro(job: _Job) -> Plan:
     2. each rank splits its own samples into ``k = min(samples, ceil(tokens / max_tokens))`` micro-batches
        (Karmarkar–Karp over cost into k parts), ``k`` all-reduced to the maximum over ranks so that every rank
        runs the same count (ranks with fewer samples than ``k`` run empty, padded micro-batches);
-    3. each rank runs its micro-batches most expensive first.
+    3. each rank runs its micro-batches most expensive first (veRL then moves the cheaper ones to both ends,
+       for pipeline bubbles; every rank applies the same permutation, so the steps pair up the same micro-batches
+       and the collective time is that of this order).
 
     Two deviations, both in the baseline's favour: costs come from the planner's cost model rather than veRL's
     fixed ``24576·s + s²``, and where a rank's part would exceed ``max_tokens`` (veRL does not check) ``k`` is
