@@ -343,7 +343,7 @@ def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict],
     payload = {"runs": runs, "config": config, "machine": _common.machine_info()}
     timelines = {
         f"{comm} + {policy}": [g[(comm, policy)][timeline_k]["events"] for g in gathered]
-        for comm, policy in (("collective", "local_sort"), ("collective", "lb_micro"), ("odc", "lb_mini"))
+        for comm, policy in (*(("collective", p) for p in BASELINES), ("odc", "lb_mini"))
         if (comm, policy) in schedules
     }
     title = f"{world} ranks, {source}, {spec.name} on {args.gpu.upper()} (×{args.time_scale:g} time)"
