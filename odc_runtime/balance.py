@@ -285,7 +285,8 @@ def plan(
 
     ``"lb_mini"`` guarantees a per-rank maximum total cost no larger than that of ``"local_sort"``,
     ``"verl_lb_micro"`` and ``"lb_micro"`` on the same input (it evaluates their rank assignments as
-    candidates), and within ``4/3 - 1/(3·world_size)`` of the optimum (it includes the LPT assignment, Graham's bound).
+    candidates), and within ``4/3 - 1/(3·world_size)`` of the optimum (it includes the LPT assignment,
+    Graham's bound).
     """
     planner = get_policy(policy).planner
     world_size = _check_positive_int("world_size", world_size)
@@ -533,8 +534,11 @@ def _karmarkar_karp(job: _Job, items: Iterable[int], k: int, *, equal_counts: bo
     partitions are the samples sorted by cost taken k at a time (one per part), so every merge adds one
     sample to each part and the parts' sample counts differ by at most one.
     """
-    order = sorted(items, key=lambda i: (job.costs[i], i))
-    groups = [order[j : j + k] for j in range(0, len(order), k)] if equal_counts else [[i] for i in order]
+    if equal_counts:
+        order = sorted(items, key=lambda i: (job.costs[i], i))
+        groups = [order[j : j + k] for j in range(0, len(order), k)]
+    else:
+        groups = [[i] for i in sorted(items, key=lambda i: (-job.costs[i], i))]
     heap = []
     for seq, group in enumerate(groups):
         parts = [[job.costs[i], [i]] for i in reversed(group)]
