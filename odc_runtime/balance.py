@@ -310,9 +310,9 @@ def _plan_lb_micro(job: _Job) -> Plan:
     number of steps ``S`` (the packed micro-batch count rounded up to a multiple of W, divided by W):
 
     - *packed*: few micro-batches (best-fit decreasing) grouped into steps of similar cost;
-    - *spread*: the samples balanced over ``S·W`` micro-batches (LPT under the cap, else Karmarkar–Karp where
-      it respects the cap), ``W`` of similar cost per step. With many small samples packing fills step 0 to
-      the cap while the last step is half empty, and no re-partition of a full step can balance it.
+    - *spread*: the samples balanced over ``S·W`` micro-batches by LPT (where that respects the cap), ``W`` of
+      similar cost per step. With many small samples packing fills step 0 to the cap while the last step is
+      half empty, and no re-partition of a full step can balance it.
 
     Each step's samples are then re-partitioned over the W ranks (Karmarkar–Karp or capped LPT where they
     respect the cap) and refined by moves/swaps under the cap. The result's collective time is never above
@@ -321,10 +321,10 @@ def _plan_lb_micro(job: _Job) -> Plan:
     bins = _by_cost_desc(job, _pack(job, range(len(job.lengths))))
     layouts = [bins]
     steps_needed = -(-len(bins) // w)
-    spread = _lpt(job, range(len(job.lengths)), steps_needed * w, cap=job.max_tokens)
-    if spread is None:
-        spread = _karmarkar_karp(job, range(len(job.lengths)), steps_needed * w)
-    if all(job.fits(p) for p in spread):
+    # LPT over S·W parts, kept where it respects the cap. Where it does not, the cap is nearly as tight as
+    # packing and the packed layout's steps are as full as they can be (a capped LPT there costs O(n·S·W)).
+    spread = _lpt(job, range(len(job.lengths)), steps_needed * w)
+    if spread is not None and all(job.fits(p) for p in spread):
         layouts.append(_by_cost_desc(job, spread))
     candidates = []
     for layout in layouts:
