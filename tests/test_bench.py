@@ -596,3 +596,17 @@ def test_benchmarks_use_public_odc_runtime_api_only():
                 continue
             private += [f"{path.name}: {n}" for n in names if any(p.startswith("_") for p in n.split("."))]
     assert not private
+
+
+@pytest.mark.parametrize("tool", ["imbalance", "simulate", "balance"])
+def test_benchmark_defaults_hold_only_trainable_samples(tool):
+    """Every preset a benchmark offers fits its default micro-batch cap, so no default run plans a sample that a
+    job could not train (over-cap samples need --allow-oversized, and are flagged)."""
+    import importlib
+
+    from odc_runtime.workloads import MAX_LENGTHS, PRESETS
+
+    defaults = importlib.import_module(tool).build_parser().parse_args([])
+    assert not defaults.allow_oversized
+    assert set(MAX_LENGTHS) == set(PRESETS)
+    assert max(MAX_LENGTHS.values()) <= defaults.max_tokens
