@@ -95,6 +95,19 @@ def init_distributed(device: str) -> tuple[int, int, torch.device]:
     return rank, world, torch.device("cpu")
 
 
+# --------------------------------------------------------------------------------------------------- collectives
+
+
+def tensor_collectives() -> tuple[Callable, Callable]:
+    """``(all_gather, reduce_scatter)`` of whole tensors from the public ``torch.distributed`` API: torch 2.13+
+    names them ``all_gather_single`` / ``reduce_scatter_single`` and warns on every call of the old names,
+    which are all that 2.9-2.12 have (same signatures)."""
+    import torch.distributed as dist
+
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
+            getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)
+
+
 # --------------------------------------------------------------------------------------------------- arguments
 
 
@@ -136,6 +149,33 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths-file", default=None, metavar="PATH",
                         help="real sequence lengths instead of a preset (JSON list, or one int per line)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the preset's sampler")
+    parser.add_argument("--allow-oversized", action="store_true",
+                        help="plan samples longer than --max-tokens, each alone in a micro-batch of its own (a job "
+                             "could not train them there; the tables flag them). Default: refuse them")
+
+
+def oversized(lengths: Iterable[int], max_tokens: int) -> int:
+    """How many samples are longer than ``max_tokens`` (each then needs ``--allow-oversized``)."""
+    return sum(1 for s in lengths if s > max_tokens)
+
+
+def oversized_note(count: int, total: int, max_tokens: int) -> str:
+    """What a table and legend say about samples planned over the cap; empty when there are none."""
+    if not count:
+        return ""
+    return (f"{count} of {total} samples ({count / total:.1%}) are longer than the {max_tokens}-token cap and ran "
+            "alone (--allow-oversized): a job could not train them")
+
+
+def check_cap(args: argparse.Namespace, lengths: Iterable[int]) -> None:
+    """``SystemExit`` naming the fix when samples exceed ``args.max_tokens`` and ``--allow-oversized`` is off."""
+    lengths = list(lengths)
+    count = oversized(lengths, args.max_tokens)
+    if count and not args.allow_oversized:
+        raise SystemExit(
+            f"{count} of {len(lengths)} samples are longer than --max-tokens {args.max_tokens} (the longest: "
+            f"{max(lengths)}): raise --max-tokens, clip the lengths, or pass --allow-oversized to plan each alone "
+            "(flagged in the tables)")
 
 
 def load_lengths(args: argparse.Namespace, n: int) -> tuple[list[int], str]:

@@ -216,8 +216,8 @@ def make_ops(
     import torch.distributed as dist
 
     import odc_runtime as odc
-    from odc_runtime.fsdp._compat import all_gather_tensor, reduce_scatter_tensor
 
+    all_gather_tensor, reduce_scatter_tensor = _common.tensor_collectives()
     numel = nbytes // 4
     shard_numel = -(-numel // world)
     gen = torch.Generator().manual_seed(nbytes)  # the same values on every rank: expected results are known
@@ -491,8 +491,7 @@ def report(args: argparse.Namespace, results: list[dict], world: int, collective
     ]
     print(flush=True)
     _common.print_table(list(LEGEND), rows, LEGEND, title=title)
-    from odc_runtime.fsdp._compat import all_gather_tensor, reduce_scatter_tensor
-
+    all_gather_tensor, reduce_scatter_tensor = _common.tensor_collectives()
     notes = [
         f"all_gather = torch.distributed.{all_gather_tensor.__name__} ({collective}); red_scatter = "
         f"{reduce_scatter_tensor.__name__} ({collective}, SUM).",

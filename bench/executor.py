@@ -38,9 +38,10 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from _common import tensor_collectives
 from schedule import Schedule, Task
 
-from odc_runtime.fsdp._compat import all_gather_tensor, reduce_scatter_tensor
+all_gather_tensor, reduce_scatter_tensor = tensor_collectives()
 
 LR = 1e-3
 

@@ -1,16 +1,16 @@
 """Load imbalance: W real processes run a long-tailed minibatch stream with collectives or with ODC, with real
 communication and modelled (slept) compute: no model is trained.
 
-    python bench/imbalance.py --quick             # under a minute (40-50 s on 2 busy cores): spawns 4 ranks
+    python bench/imbalance.py --quick             # under a minute (45-50 s on 2 busy cores): spawns 4 ranks
     python bench/imbalance.py                     # fuller run
     torchrun --nproc-per-node 4 bench/imbalance.py --quick
     python bench/imbalance.py --preset swe_agentic --model 1.5b --json out.json --plot out.png
     python bench/imbalance.py --quick --hsdp 2x2     # HSDP: 2 replicas × shard groups of 2 ranks
 
-For each configuration of the grid {collective, odc} × {local_sort, lb_micro, lb_mini} (lb_mini only with odc:
-its ranks run different numbers of micro-batches, which collectives cannot do) the same minibatches are
-planned (:func:`odc_runtime.balance.plan`), laid out as a schedule (:mod:`schedule`: a pure function of the
-lengths, the policy and the cost model) and executed (:mod:`executor`): every layer of every micro-batch
+For each configuration of the grid {collective, odc} × {local_sort, verl_lb_micro, lb_micro, lb_mini} (lb_mini
+only with odc: its ranks run different numbers of micro-batches, which collectives cannot do) the same
+minibatches are planned (:func:`odc_runtime.balance.plan`), laid out as a schedule (:mod:`schedule`: a pure
+function of the lengths, the policy and the cost model) and executed (:mod:`executor`): every layer of every micro-batch
 really gathers its parameters and scatters its gradient between the processes (gloo collectives, or
 ``odc.fetch`` / ``odc.push`` on the host transport), while the compute of each layer is *modelled*: the
 micro-batch's cost on the chosen GPU (``CostModel.from_model_config`` of ``--model`` at ``--mfu`` of the
@@ -24,8 +24,9 @@ every rank's gradient shards across its replicate group, in both modes. The plan
 ranks (the all-reduce waits for the slowest replica), and the gradient check runs after the all-reduce.
 
 Reported per configuration: throughput (real tokens / wall seconds, at the scaled compute), device
-utilisation (time in compute / (ranks × wall)), idle seconds per rank (wall − compute), speedup over
-collective + local_sort, and what the simulator (:mod:`simulate`) predicts for the same schedule from the
+utilisation (time in compute / (ranks × wall)), idle seconds per rank (wall − compute), speedup over each
+collective baseline (local_sort; verl_lb_micro, veRL's dynamic batching, what a veRL user runs; lb_micro, the
+best collective schedule), and what the simulator (:mod:`simulate`) predicts for the same schedule from the
 compute alone (``sim``), which separates the effect of balancing from that of this machine's communication.
 """
 
@@ -43,11 +44,19 @@ from schedule import COMMS, GPU_PEAK_FLOPS, MODELS, POLICIES, Schedule, build_sc
 
 Schedules = dict[tuple[str, str], Schedule]  # (comm, policy) → schedule
 
+#: The collective configurations every run is compared with: the naive baseline, what a veRL user runs today
+#: (dynamic batching, the paper's LB-Micro) and the best collective schedule this planner can make.
+BASELINES = ("local_sort", "verl_lb_micro", "lb_micro")
+
 # --quick picks the time scale that makes the whole grid's modelled compute last QUICK_BUDGET_S seconds,
-# so that it takes under a minute (with start-up and planning: 40-50 s measured on 2 busy cores) whatever the preset
-# or model.
-QUICK = {"minibatches": 6, "minibatch_size": 32, "time_scale": None, "layers": 4, "budget_s": 25.0}
-FULL = {"minibatches": 12, "minibatch_size": 64, "time_scale": 0.03, "layers": 8, "budget_s": None}
+# so that it takes under a minute (with start-up and planning: 45-50 s measured on 2 cores at load average 8-10)
+# whatever the preset or model. Both runs execute 2 layers of 0.25 MiB: this CPU's gloo collectives (milliseconds
+# each when loaded) then stay small next to the modelled compute, so the measured speedups track the compute-only
+# prediction instead of rewarding ODC for gloo's cost (8 layers of 1 MiB at load average 9-12: ODC + lb_micro
+# measured 1.29× collective + lb_micro where the schedule predicts 1.03×). The layer count does not change the
+# balancing: each micro-batch's cost is split evenly over the layers, so every layer's barrier waits the same share.
+QUICK = {"minibatches": 6, "minibatch_size": 32, "time_scale": None, "layers": 2, "layer_mb": 0.25, "budget_s": 25.0}
+FULL = {"minibatches": 12, "minibatch_size": 64, "time_scale": 0.03, "layers": 2, "layer_mb": 0.25, "budget_s": None}
 
 
 def parse_hsdp(text: str) -> tuple[int, int]:
@@ -65,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
     p.add_argument("--quick", action="store_true",
-                   help=f"short run (under a minute: 40-50 s on 2 busy cores): {QUICK}")
+                   help=f"short run (under a minute: 45-50 s on 2 busy cores): {QUICK}")
     _common.add_workload_args(p)
     p.add_argument("--model", default="7b", choices=sorted(MODELS), help="model whose compute is modelled")
     p.add_argument("--gpu", default="h100", choices=sorted(GPU_PEAK_FLOPS))
@@ -80,11 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minibatch-size", type=int, default=None,
                    help=f"samples per minibatch, all ranks together (default {FULL['minibatch_size']})")
     p.add_argument("--max-tokens", type=int, default=65536,
-                   help="token cap of a micro-batch (longer samples run alone)")
+                   help="token cap of a micro-batch (a longer sample is refused unless --allow-oversized)")
     p.add_argument("--layers", type=int, default=None,
                    help=f"executed layers (FSDP units); the model's cost is split evenly over them "
                         f"(default {FULL['layers']}; --layers 0 = the model's layer count)")
-    p.add_argument("--layer-mb", type=float, default=1.0, help="MiB of fp32 parameters per executed layer")
+    p.add_argument("--layer-mb", type=float, default=None,
+                   help=f"MiB of fp32 parameters per executed layer (default {FULL['layer_mb']:g}; --quick "
+                        f"{QUICK['layer_mb']:g})")
     p.add_argument("--compute", choices=("sleep", "busy"), default="sleep")
     p.add_argument("--hsdp", type=parse_hsdp, default=None, metavar="RxS",
                    help="HSDP: R replicas × S-rank shard groups (R*S = ranks); shard within a group, all-reduce "
@@ -102,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Fill defaults: an explicit --time-scale wins, then --budget-s, then --quick's budget, then FULL's scale."""
     defaults = QUICK if args.quick else FULL
-    for key in ("minibatches", "minibatch_size", "layers"):
+    for key in ("minibatches", "minibatch_size", "layers", "layer_mb"):
         if getattr(args, key) is None:
             setattr(args, key, defaults[key])
     if args.time_scale is not None:
@@ -121,7 +132,8 @@ def make_schedules(args: argparse.Namespace, batches: list[list[int]], world: in
     replicas = args.hsdp[0] if args.hsdp else 1
     return {
         (comm, policy): build_schedule(batches, world, comm=comm, policy=policy, cost=cost,
-                                       max_tokens=args.max_tokens, num_layers=args.layers, replicas=replicas)
+                                       max_tokens=args.max_tokens, num_layers=args.layers, replicas=replicas,
+                                       allow_oversized=args.allow_oversized)
         for comm, policy in grid(args.comms, args.policies)
     }
 
@@ -256,12 +268,14 @@ def summarize(schedules: Schedules, gathered: list[dict], world: int, time_scale
             "sim_compute_only_s": sim.time_s,
             "sim_utilization": sim.utilization,
         })
-    base = next((r for r in runs if (r["comm"], r["policy"]) == ("collective", "local_sort")), None)
-    lbm = next((r for r in runs if (r["comm"], r["policy"]) == ("collective", "lb_micro")), None)
+    by_key = {(r["comm"], r["policy"]): r for r in runs}
+    base = by_key.get(("collective", "local_sort"))
     for r in runs:
         r["speedup"] = base["wall_s"] / r["wall_s"] if base else None
         r["sim_speedup"] = base["sim_compute_only_s"] / r["sim_compute_only_s"] if base else None
-        r["speedup_vs_collective_lb_micro"] = lbm["wall_s"] / r["wall_s"] if lbm else None
+        for policy in BASELINES:
+            ref = by_key.get(("collective", policy))
+            r[f"speedup_vs_collective_{policy}"] = ref["wall_s"] / r["wall_s"] if ref else None
     return runs
 
 
@@ -277,12 +291,20 @@ LEGEND = {
                    "waiting for slower ranks)",
     "wall s": "sum over minibatches of first rank's start to last rank's end",
     "speedup": "wall time of collective + local_sort / this configuration's",
+    "× verl": "wall time of collective + verl_lb_micro (veRL's dynamic batching, the paper's LB-Micro: what a "
+              "veRL user runs) / this configuration's",
+    "× lb_micro": "wall time of collective + lb_micro (the best collective schedule this planner makes) / this "
+                  "configuration's",
     "sim speedup": "the same ratio predicted by bench/simulate.py from the schedule's compute alone (no "
                    "communication): the part of the speedup due to balancing",
     "sim util": "utilisation the same simulation predicts",
     "grads": "ok: every rank's gradient shard held exactly the expected sum after every minibatch (--hsdp: after "
              "the cross-replica all-reduce)",
 }
+
+
+def _ratio(x: float | None) -> str:
+    return f"{x:.3f}" if x else "-"
 
 
 def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict], world: int,
@@ -303,25 +325,32 @@ def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict],
         rows.append([
             r["comm"], r["policy"], r["tokens_per_s"], f"{r['utilization']:.1%}",
             f"{min(idle):.2f}-{max(idle):.2f}", f"{statistics.mean(r['comm_wait_s_per_rank']):.2f}",
-            r["wall_s"], f"{r['speedup']:.3f}" if r["speedup"] else "-",
+            r["wall_s"], *(_ratio(r[k]) for k in ("speedup", "speedup_vs_collective_verl_lb_micro",
+                                                   "speedup_vs_collective_lb_micro")),
             f"{r['sim_speedup']:.3f}" if r["sim_speedup"] else "-", f"{r['sim_utilization']:.1%}",
             "ok" if r["grad_check_ok"] else "WRONG",
         ])
     _common.print_table(list(LEGEND), rows, LEGEND)
+    sched = next(iter(schedules.values()))
+    note = _common.oversized_note(sched.oversized, n_mb * args.minibatch_size, args.max_tokens)
+    if note:
+        print(f"  NOTE: {note}")
     load_after = os.getloadavg()
     print(f"  executed in {run_s:.1f} s; load average {load_before[0]:.1f} → {load_after[0]:.1f} on "
           f"{os.cpu_count()} cores")
     config = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     config.update(world_size=world, source=source, model_name=spec.name, timeline_minibatch=timeline_k,
                   flops_per_second=GPU_PEAK_FLOPS[args.gpu] * args.mfu, run_s=run_s,
-                  load_average_before=load_before, load_average_after=load_after)
+                  load_average_before=load_before, load_average_after=load_after, oversized_samples=sched.oversized)
     payload = {"runs": runs, "config": config, "machine": _common.machine_info()}
     timelines = {
         f"{comm} + {policy}": [g[(comm, policy)][timeline_k]["events"] for g in gathered]
-        for comm, policy in (("collective", "local_sort"), ("collective", "lb_micro"), ("odc", "lb_mini"))
+        for comm, policy in (*(("collective", p) for p in BASELINES), ("odc", "lb_mini"))
         if (comm, policy) in schedules
     }
     title = f"{world} ranks, {source}, {spec.name} on {args.gpu.upper()} (×{args.time_scale:g} time)"
+    if note:
+        title += f"\n{note}"
     _common.write_outputs(
         args, "imbalance", payload,
         lambda plots, path: plots.plot_imbalance(runs, timelines, path, minibatch=timeline_k, title=title),
@@ -331,6 +360,8 @@ def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict],
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = resolve(parser.parse_args(argv))
+    batches, _ = _common.load_minibatches(args, args.minibatches, args.minibatch_size)
+    _common.check_cap(args, (s for b in batches for s in b))
     if args.hsdp and not _common.under_torchrun() and args.hsdp[0] * args.hsdp[1] != args.nproc:
         parser.error(f"--hsdp {args.hsdp[0]}x{args.hsdp[1]} needs --nproc {args.hsdp[0] * args.hsdp[1]}, "
                      f"got {args.nproc}")

@@ -104,27 +104,32 @@ def plot_simulation(rows: list[dict], path: str | Path, *, title: str = "") -> N
 
 
 def plot_balance(rows: list[dict], path: str | Path, *, title: str = "") -> None:
-    """Left: max/mean per-rank cost per policy, grouped by case. Right: median planning time (log scale)."""
+    """Per policy, grouped by case: the per-rank quality (max/mean per-rank cost, what ODC waits for), the
+    per-step quality (collective time / mean, what lockstep collectives wait for) and the median planning time
+    (log scale)."""
     cases = list(dict.fromkeys((r["world_size"], r["samples"]) for r in rows))
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     by = {(r["world_size"], r["samples"], r["policy"]): r for r in rows}
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (rank_ax, step_ax, right) = plt.subplots(1, 3, figsize=(15, 4))
     width = 0.8 / max(len(policies), 1)
     for j, policy in enumerate(policies):
         xs = [i + (j - (len(policies) - 1) / 2) * width for i in range(len(cases))]
         got = [by.get((*case, policy)) for case in cases]
-        left.bar(xs, [g["max_over_mean"] if g else 0 for g in got], width, label=policy)
+        rank_ax.bar(xs, [g["max_over_mean"] if g else 0 for g in got], width, label=policy)
+        step_ax.bar(xs, [g["step_over_mean"] if g else 0 for g in got], width, label=policy)
         right.bar(xs, [g["plan_seconds_median"] * 1e3 if g else 0 for g in got], width, label=policy)
     labels = [f"{w} ranks\n{n} samples" for w, n in cases]
-    for ax in (left, right):
+    for ax in (rank_ax, step_ax, right):
         ax.set_xticks(range(len(cases)), labels, fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
-    left.axhline(1.0, color="black", linewidth=0.8)
-    left.set_ylabel("max / mean per-rank cost (1 = balanced)")
-    left.set_ylim(bottom=min(0.95, min((r["max_over_mean"] for r in rows), default=1.0)))
+    for ax, key, label in ((rank_ax, "max_over_mean", "per rank: max / mean cost (ODC waits for this)"),
+                           (step_ax, "step_over_mean", "per step: collective time / mean (1 = ideal)")):
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_ylabel(label, fontsize=8)
+        ax.set_ylim(bottom=min(0.95, min((r[key] for r in rows), default=1.0)))
     right.set_yscale("log")
     right.set_ylabel("planning time (ms, median)")
-    left.legend(fontsize=8)
+    rank_ax.legend(fontsize=8)
     fig.suptitle(title or "load-balancing policies")
     _save(fig, path)
 

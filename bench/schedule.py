@@ -149,6 +149,7 @@ class Schedule:
     num_layers: int
     minibatches: tuple[Minibatch, ...]
     replicas: int = 1  # HSDP: replicate groups; 1 = parameters sharded over every rank
+    oversized: int = 0  # samples longer than the token cap, each planned alone (allow_oversized)
 
     @property
     def tokens(self) -> int:
@@ -192,12 +193,15 @@ def build_schedule(
     max_tokens: int,
     num_layers: int,
     replicas: int = 1,
+    allow_oversized: bool = False,
 ) -> Schedule:
     """Plan every minibatch with ``policy`` over all ``world_size`` ranks and lay it out for ``comm`` (see the
     module docstring); ``replicas`` > 1 is HSDP with shard groups of ``world_size // replicas`` ranks.
 
-    Samples longer than ``max_tokens`` get a micro-batch of their own (``allow_oversized``). The result is
-    checked (:func:`check_schedule`) before it is returned, so no benchmark times a wrong schedule.
+    A sample longer than ``max_tokens`` raises :class:`odc_runtime.errors.OdcUsageError` (a job could not train
+    it), or with ``allow_oversized`` gets a micro-batch of its own and is counted in ``Schedule.oversized`` so
+    that reports can flag it. The result is checked (:func:`check_schedule`) before it is returned, so no
+    benchmark times a wrong schedule.
     """
     if comm not in COMMS:
         raise ValueError(f"unknown comm {comm!r}; choose from {COMMS}")
@@ -208,7 +212,8 @@ def build_schedule(
     minibatches = []
     offset = 0
     for lengths in minibatch_lengths:
-        p = plan(list(lengths), world_size, max_tokens=max_tokens, policy=policy, cost=cost, allow_oversized=True)
+        p = plan(list(lengths), world_size, max_tokens=max_tokens, policy=policy, cost=cost,
+                 allow_oversized=allow_oversized)
         ranks = []
         for rank_mbs in p:
             mbs = [
@@ -227,7 +232,8 @@ def build_schedule(
             ranks = [r + [MicroBatch((), 0, 0.0)] * (depth - len(r)) for r in ranks]
         minibatches.append(Minibatch(tuple(tuple(r) for r in ranks)))
         offset += len(lengths)
-    schedule = Schedule(comm, policy, world_size, num_layers, tuple(minibatches), replicas)
+    over = sum(1 for lengths in minibatch_lengths for s in lengths if s > max_tokens)
+    schedule = Schedule(comm, policy, world_size, num_layers, tuple(minibatches), replicas, over)
     check_schedule(schedule, minibatch_lengths, max_tokens=max_tokens)
     return schedule
 

@@ -13,6 +13,10 @@ A plan is ``plan[rank][i] = [sample indices of rank's i-th micro-batch]``. Polic
     The baseline: samples dealt round robin (``rank r`` gets indices ``r, r + W, r + 2W, ...``, as
     ``torch.utils.data.DistributedSampler`` does without shuffling), each rank sorts and packs its own samples,
     then every rank is padded with empty micro-batches to the same count, as collectives require.
+``"verl_lb_micro"``
+    veRL's dynamic batching (the paper's LB-Micro, what a veRL user runs today): equal sample counts per rank
+    balanced by Karmarkar–Karp, each rank splits its own samples into micro-batches, the count all-reduced to
+    the maximum (padding), micro-batches most expensive first.
 ``"lb_micro"``
     Equal micro-batch counts, each step balanced across ranks (what the best collective schedule can do).
 ``"lb_mini"``
@@ -279,9 +283,10 @@ def plan(
     expensive first (for ``"lb_micro"`` the i-th micro-batches of all ranks form step i, and steps come
     most expensive first). The result is deterministic: no randomness, ties broken by index.
 
-    ``"lb_mini"`` guarantees a per-rank maximum total cost no larger than that of ``"local_sort"`` and
-    ``"lb_micro"`` on the same input (it evaluates their rank assignments as candidates), and within
-    ``4/3 - 1/(3·world_size)`` of the optimum (it includes the LPT assignment, Graham's bound).
+    ``"lb_mini"`` guarantees a per-rank maximum total cost no larger than that of ``"local_sort"``,
+    ``"verl_lb_micro"`` and ``"lb_micro"`` on the same input (it evaluates their rank assignments as
+    candidates), and within ``4/3 - 1/(3·world_size)`` of the optimum (it includes the LPT assignment,
+    Graham's bound).
     """
     planner = get_policy(policy).planner
     world_size = _check_positive_int("world_size", world_size)
@@ -301,27 +306,75 @@ def _plan_local_sort(job: _Job) -> Plan:
 
 
 def _plan_lb_micro(job: _Job) -> Plan:
-    """Few micro-batches (best-fit decreasing, rounded up to a multiple of W) grouped into steps of similar
-    cost, then each step's samples re-partitioned over the W ranks (Karmarkar–Karp or capped LPT where they
-    respect the cap, else the packed micro-batches), refined by moves/swaps under the cap."""
+    """Equal micro-batch counts, each step balanced across ranks; the cheaper of two layouts over the same
+    number of steps ``S`` (the packed micro-batch count rounded up to a multiple of W, divided by W):
+
+    - *packed*: few micro-batches (best-fit decreasing) grouped into steps of similar cost;
+    - *spread*: the samples balanced over ``S·W`` micro-batches by LPT (where that respects the cap), ``W`` of
+      similar cost per step. With many small samples packing fills step 0 to the cap while the last step is
+      half empty, and no re-partition of a full step can balance it.
+
+    Each step's samples are then re-partitioned over the W ranks (Karmarkar–Karp or capped LPT where they
+    respect the cap) and refined by moves/swaps under the cap. The result's collective time is never above
+    that of either layout."""
     w = job.world_size
     bins = _by_cost_desc(job, _pack(job, range(len(job.lengths))))
-    steps = [_balance_step(job, bins[i : i + w]) for i in range(0, len(bins), w)]
-    steps.sort(key=lambda parts: -job.max_cost(parts))
-    return _steps_to_ranks(job, steps)
+    layouts = [bins]
+    steps_needed = -(-len(bins) // w)
+    # LPT over S·W parts, kept where it respects the cap. Where it does not, the cap is nearly as tight as
+    # packing and the packed layout's steps are as full as they can be (a capped LPT there costs O(n·S·W)).
+    spread = _lpt(job, range(len(job.lengths)), steps_needed * w)
+    if spread is not None and all(job.fits(p) for p in spread):
+        layouts.append(_by_cost_desc(job, spread))
+    candidates = []
+    for layout in layouts:
+        steps = [_balance_step(job, layout[i : i + w]) for i in range(0, len(layout), w)]
+        steps.sort(key=lambda parts: -job.max_cost(parts))
+        candidates.append(steps)
+    best = min(candidates, key=lambda steps: math.fsum(job.max_cost(parts) for parts in steps))
+    return _steps_to_ranks(job, best)
+
+
+def _plan_verl_lb_micro(job: _Job) -> Plan:
+    """veRL's dynamic batching, the LB-Micro of the ODC paper (``verl/utils/seqlen_balancing.py`` and
+    ``RayPPOTrainer._balance_batch``, volcengine/verl, January 2026):
+
+    1. the driver deals samples to ranks with *equal sample counts*, balancing the ranks' total cost
+       (Karmarkar–Karp in its equal-size form: the samples sorted by cost, taken W at a time);
+    2. each rank splits its own samples into ``k = min(samples, ceil(tokens / max_tokens))`` micro-batches
+       (Karmarkar–Karp over cost into k parts), ``k`` all-reduced to the maximum over ranks so that every rank
+       runs the same count (ranks with fewer samples than ``k`` run empty, padded micro-batches);
+    3. each rank runs its micro-batches most expensive first (veRL then moves the cheaper ones to both ends,
+       for pipeline bubbles; every rank applies the same permutation, so the steps pair up the same micro-batches
+       and the collective time is that of this order).
+
+    Two deviations, both in the baseline's favour: costs come from the planner's cost model rather than veRL's
+    fixed ``24576·s + s²``, and where a rank's part would exceed ``max_tokens`` (veRL does not check) ``k`` is
+    raised for every rank until all parts fit, as a trainable plan must.
+    """
+    w, n = job.world_size, len(job.lengths)
+    ranks = [sorted(r) for r in _karmarkar_karp(job, range(n), w, equal_counts=True)]
+    depth = max(min(len(r), -(-sum(job.lengths[i] for i in r) // job.max_tokens)) for r in ranks)
+    while True:
+        parts = [_karmarkar_karp(job, r, min(depth, len(r))) if r else [] for r in ranks]
+        if all(job.fits(p) for rank in parts for p in rank):
+            break
+        depth += 1  # terminates: at depth = max samples per rank every part is one sample
+    return [_by_cost_desc(job, rank) + [[] for _ in range(depth - len(rank))] for rank in parts]
 
 
 def _plan_lb_mini(job: _Job) -> Plan:
     """Balance rank totals over the whole minibatch, then let each rank pack its own samples.
 
     Candidates: LPT and Karmarkar–Karp over sample costs, each refined by moves/swaps, and the rank
-    assignments local_sort and lb_micro induce; the cheapest (refined once more) wins, so lb_mini is never
-    worse than either baseline and keeps LPT's 4/3 bound.
+    assignments local_sort, verl_lb_micro and lb_micro induce; the cheapest (refined once more) wins, so
+    lb_mini is never worse than any baseline and keeps LPT's 4/3 bound.
     """
     n, w = len(job.lengths), job.world_size
     # Neither seed dominates: KK wins more often on small inputs, LPT carries the bound.
     candidates = [_refine(job, seed, cap=None) for seed in (_lpt(job, range(n), w), _karmarkar_karp(job, range(n), w))]
-    candidates += [_deal_round_robin(n, w), [_flatten(r) for r in _plan_lb_micro(job)]]
+    candidates += [_deal_round_robin(n, w)] + [[_flatten(r) for r in baseline(job)]
+                                               for baseline in (_plan_verl_lb_micro, _plan_lb_micro)]
     best = _refine(job, min(candidates, key=job.max_cost), cap=None)  # min keeps the first of equals
     return _pack_ranks(job, best)
 
@@ -354,6 +407,9 @@ POLICY_REGISTRY: Mapping[str, Policy] = MappingProxyType({
     for p in (
         Policy("local_sort", _plan_local_sort, equal_counts=True,
                summary="deal round robin, each rank sorts and packs its own samples; counts padded equal"),
+        Policy("verl_lb_micro", _plan_verl_lb_micro, equal_counts=True,
+               summary="veRL's dynamic batching: equal sample counts per rank (Karmarkar-Karp), each rank packs "
+                       "its own, count all-reduced to the max (what a veRL user runs today)"),
         Policy("lb_micro", _plan_lb_micro, equal_counts=True,
                summary="equal counts, each micro-batch step balanced across ranks (the best for collectives)"),
         Policy("lb_mini", _plan_lb_mini, equal_counts=False,
@@ -469,16 +525,24 @@ def _lpt(job: _Job, items: Iterable[int], k: int, cap: int | None = None) -> lis
     return parts
 
 
-def _karmarkar_karp(job: _Job, items: Iterable[int], k: int) -> list[list[int]]:
+def _karmarkar_karp(job: _Job, items: Iterable[int], k: int, *, equal_counts: bool = False) -> list[list[int]]:
     """k-way largest differencing: repeatedly merge the two partial partitions with the largest spread,
     pairing the dearest part of one with the cheapest of the other.
 
     A partial partition is a list of non-empty parts ``[cost, indices]``, dearest first; missing parts are
-    empty, so early merges of single samples cost O(1) rather than O(k).
+    empty, so early merges of single samples cost O(1) rather than O(k). With ``equal_counts`` the starting
+    partitions are the samples sorted by cost taken k at a time (one per part), so every merge adds one
+    sample to each part and the parts' sample counts differ by at most one.
     """
+    if equal_counts:
+        order = sorted(items, key=lambda i: (job.costs[i], i))
+        groups = [order[j : j + k] for j in range(0, len(order), k)]
+    else:
+        groups = [[i] for i in sorted(items, key=lambda i: (-job.costs[i], i))]
     heap = []
-    for seq, i in enumerate(sorted(items, key=lambda i: (-job.costs[i], i))):
-        heap.append((-job.costs[i], seq, [[job.costs[i], [i]]]))
+    for seq, group in enumerate(groups):
+        parts = [[job.costs[i], [i]] for i in reversed(group)]
+        heap.append((-(parts[0][0] - (parts[-1][0] if len(parts) == k else 0.0)), seq, parts))
     heapq.heapify(heap)
     seq = len(heap)
     while len(heap) > 1:

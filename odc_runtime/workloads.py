@@ -1,10 +1,12 @@
 """Sequence-length presets for planning, benchmarks and simulation.
 
 Each preset models one kind of post-training data; its docstring (also in :data:`PRESETS`) says what it
-models and how its parameters were chosen. No raw dataset is shipped or downloaded: the long-tailed presets
-are clipped log-normals *moment-matched* to a target mean (:data:`TARGET_MEANS`): the spread ``sigma`` is
-set by hand to give a long right tail, and ``mu`` is solved so that the mean *after clipping* equals the
-target. Use :func:`load_lengths` to plan with real lengths instead.
+models, where its range and mean come from and which parameters were chosen by hand. No raw dataset is
+shipped or downloaded: the long-tailed presets are clipped log-normals *moment-matched* to a target mean
+(:data:`TARGET_MEANS`): the spread ``sigma`` is set by hand to give a long right tail, and ``mu`` is solved so
+that the mean *after clipping* equals the target. Every preset's range (:data:`MAX_LENGTHS`) fits a 64K-token
+micro-batch, the benchmarks' default cap, so every sample it draws can be trained there. Use
+:func:`load_lengths` to plan with real lengths instead.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from odc_runtime.errors import OdcUsageError
 
-__all__ = ["PRESETS", "TARGET_MEANS", "load_lengths", "sample_lengths"]
+__all__ = ["MAX_LENGTHS", "PRESETS", "TARGET_MEANS", "load_lengths", "sample_lengths"]
 
 
 def _normal_cdf(z: float) -> float:
@@ -29,16 +31,21 @@ def _normal_cdf(z: float) -> float:
 
 @dataclass(frozen=True)
 class _ClippedLogNormal:
-    """``clip(exp(mu + sigma·Z), lo, hi)`` with ``mu`` solved so that the clipped mean is ``mean``."""
+    """``shift + clip(exp(mu + sigma·Z), lo, hi)`` with ``mu`` solved so that the mean is ``mean``."""
 
     mean: float
     sigma: float
     lo: float
     hi: float
+    shift: float = 0.0  # a floor under the whole distribution (e.g. a dataset's minimum length)
     mu: float = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mu", self._solve_mu())
+
+    @property
+    def max_length(self) -> float:
+        return self.shift + self.hi
 
     def clipped_mean(self, mu: float) -> float:
         """Closed form of E[clip(X, lo, hi)] for X log-normal(mu, sigma)."""
@@ -52,34 +59,38 @@ class _ClippedLogNormal:
         lo_mu, hi_mu = math.log(self.lo) - 10 * self.sigma, math.log(self.hi) + 10 * self.sigma
         for _ in range(200):
             mid = (lo_mu + hi_mu) / 2
-            lo_mu, hi_mu = (mid, hi_mu) if self.clipped_mean(mid) < self.mean else (lo_mu, mid)
+            lo_mu, hi_mu = (mid, hi_mu) if self.shift + self.clipped_mean(mid) < self.mean else (lo_mu, mid)
         return (lo_mu + hi_mu) / 2
 
     def draw(self, rng: random.Random) -> float:
-        return min(max(rng.lognormvariate(self.mu, self.sigma), self.lo), self.hi)
+        return self.shift + min(max(rng.lognormvariate(self.mu, self.sigma), self.lo), self.hi)
 
 
-_LONGALIGN = _ClippedLogNormal(mean=16_500, sigma=1.0, lo=256, hi=131_072)
-_SWE = _ClippedLogNormal(mean=35_000, sigma=0.8, lo=2_048, hi=131_072)
+_LONGALIGN = _ClippedLogNormal(mean=16_500, sigma=1.0, lo=1, hi=65_536 - 8_192, shift=8_192)
+_SWE = _ClippedLogNormal(mean=35_000, sigma=0.5, lo=2_048, hi=65_536)
 _RL_PROMPT = _ClippedLogNormal(mean=1_000, sigma=0.7, lo=64, hi=4_096)
 _RL_RESPONSE = _ClippedLogNormal(mean=5_000, sigma=1.0, lo=16, hi=28_672)
 _UNIFORM = (256, 8_192)
 
 
 def _longalign_sft(rng: random.Random) -> float:
-    """Long-context SFT (LongAlign-style long instruction data): mean ≈ 16.5K tokens, 256 to 128K (131,072).
+    """Long-context SFT (LongAlign-10k): mean ≈ 16.5K tokens, 8K to 64K (8,192 to 65,536).
 
-    Clipped log-normal, sigma = 1.0 (median ≈ 10K, about 0.5% of samples at the 128K cap); mu solved so the
-    clipped mean is 16.5K, the figure the project's design brief gives for this data.
+    The range is LongAlign-10k's: 10,000 long instruction samples of 8K to 64K tokens (Bai et al., "LongAlign:
+    A Recipe for Long Context Alignment of Large Language Models", 2024); the mean 16.5K is the figure the
+    project's design brief gives for this data. 8K plus a log-normal excess clipped at 56K, sigma = 1.0 chosen
+    by hand (median ≈ 13K, about 1% at the 64K top); mu solved for the mean.
     """
     return _LONGALIGN.draw(rng)
 
 
 def _swe_agentic(rng: random.Random) -> float:
-    """Agentic software-engineering traces (multi-turn tool use): mean ≈ 35K tokens, 2K to 128K (131,072).
+    """Agentic software-engineering traces (multi-turn tool use): mean ≈ 35K tokens, 2K to 64K (65,536).
 
-    Clipped log-normal, sigma = 0.8 (median ≈ 26K, about 2% of traces at the 128K context limit); mu
-    solved so the clipped mean is 35K, the figure the project's design brief gives for such traces.
+    The mean 35K is the figure the project's design brief gives for such traces; the 64K top is a training
+    context of 64K (longer traces are truncated to it, so about 8% sit at exactly 64K), chosen so that every
+    trace fits the benchmarks' 64K micro-batch, not measured. Clipped log-normal, sigma = 0.5 chosen by hand
+    (median ≈ 32K); mu solved so the clipped mean is 35K.
     """
     return _SWE.draw(rng)
 
@@ -108,6 +119,14 @@ _SAMPLERS: dict[str, Callable[[random.Random], float]] = {
 
 #: Preset name → what it models and how it was fitted (the sampler's docstring).
 PRESETS: dict[str, str] = {name: inspect.getdoc(fn) or "" for name, fn in _SAMPLERS.items()}
+
+#: Preset name → the longest sample it can draw (tokens, at ``scale=1``).
+MAX_LENGTHS: dict[str, int] = {
+    "longalign_sft": int(_LONGALIGN.max_length),
+    "swe_agentic": int(_SWE.max_length),
+    "rl_rollouts": int(_RL_PROMPT.hi + _RL_RESPONSE.hi),
+    "uniform": _UNIFORM[1],
+}
 
 #: Preset name → the mean length (tokens, at ``scale=1``) its parameters were matched to.
 TARGET_MEANS: dict[str, float] = {

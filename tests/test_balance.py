@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from odc_runtime import balance, workloads
 from odc_runtime.balance import DEFAULT_COST_MODEL, POLICIES, POLICY_REGISTRY, CostModel, get_policy, imbalance, plan
 from odc_runtime.errors import OdcUsageError
-from odc_runtime.workloads import PRESETS, TARGET_MEANS, load_lengths, sample_lengths
+from odc_runtime.workloads import MAX_LENGTHS, PRESETS, TARGET_MEANS, load_lengths, sample_lengths
 
 COST_MODELS = [CostModel(1.0, 0.0), CostModel(0.0, 1.0), CostModel(1e-3, 1.0), DEFAULT_COST_MODEL]
 PROPERTY = settings(max_examples=60, deadline=None)
@@ -92,7 +92,62 @@ def test_lb_mini_never_worse_than_the_baselines(problem: tuple) -> None:
     ratios = {p: imbalance(r, lengths, cost).max_over_mean for p, r in plans.items()}
     # Exact comparison: per-rank totals are correctly rounded sums, the mean is the same for all plans.
     assert ratios["lb_mini"] <= ratios["lb_micro"]
+    assert ratios["lb_mini"] <= ratios["verl_lb_micro"]
     assert ratios["lb_mini"] <= ratios["local_sort"]
+
+
+def lb_micro_ideal_ratio(lengths: list[int], w: int, max_tokens: int) -> float:
+    result = plan(lengths, w, max_tokens=max_tokens, policy="lb_micro")
+    imb = imbalance(result, lengths)
+    return imb.collective_time / imb.mean_cost
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lb_micro_spreads_many_small_samples_over_its_steps(seed: int) -> None:
+    # 8 ranks × 16 RL rollouts under a 64K cap: packing fills step 0 to the cap and leaves the last step half
+    # empty (1.09-1.14× the ideal); spreading the same samples over the same two steps is within 0.1%.
+    lengths = sample_lengths("rl_rollouts", 8 * 16, seed=seed)
+    assert lb_micro_ideal_ratio(lengths, 8, 65536) <= 1.02
+
+
+@PROPERTY
+@given(problems())
+def test_verl_lb_micro_is_verls_dynamic_batching(problem: tuple) -> None:
+    lengths, w, max_tokens, cost = problem
+    result = plan(lengths, w, max_tokens=max_tokens, policy="verl_lb_micro", cost=cost)
+    per_rank = [[i for mb in rank for i in mb] for rank in result]
+    # Equal sample counts per rank (veRL dispatches equal chunks); the remainder spread one per rank.
+    assert sorted(map(len, per_rank)) == sorted(len(range(r, len(lengths), w)) for r in range(w))
+    # Each rank needs at least ceil(tokens / cap) micro-batches (at most one per sample); every rank runs the
+    # maximum of that over ranks, padded with empty micro-batches only where it has fewer samples than that.
+    need = max(min(len(r), -(-sum(lengths[i] for i in r) // max_tokens)) for r in per_rank)
+    depth = len(result[0])
+    assert need <= depth <= max(map(len, per_rank))
+    for rank, samples in zip(result, per_rank, strict=True):
+        assert len(rank) == depth
+        assert sum(1 for mb in rank if not mb) == max(0, depth - len(samples))
+        costs = [cost.cost_of(lengths[i] for i in mb) for mb in rank]
+        assert costs == sorted(costs, reverse=True)
+
+
+def test_verl_lb_micro_by_hand() -> None:
+    # Token-linear cost. Equal-count KK starts from (1,2), (3,4), (5,6), (7,8), one sample per rank each, all
+    # of spread 1; merging pairs the dearest part of one with the cheapest of the other: (2+3 | 1+4) and
+    # (6+7 | 5+8), then 2+3+5+8 | 1+4+6+7 = 18 | 18. Each rank needs ceil(18 / 10) = 2 micro-batches, which
+    # 2-way KK splits 8+2 | 5+3 and 6+4 | 7+1 (no subset of either rank sums to 9).
+    lengths, linear = [1, 2, 3, 4, 5, 6, 7, 8], CostModel(0.0, 1.0)
+    result = plan(lengths, 2, max_tokens=10, policy="verl_lb_micro", cost=linear)
+    assert [[[lengths[i] for i in mb] for mb in rank] for rank in result] == [[[2, 8], [3, 5]], [[4, 6], [1, 7]]]
+    # Equal sample counts cost balance: 10, 10, 10 can only go 2 + 1, and the rank of 21 tokens needs 3
+    # micro-batches, so the other (12 tokens: 2 on its own) runs 3 as well: steps 10, 10, 1. lb_micro, free to
+    # move samples between ranks, needs two steps: 10 | 10, then 10 | 1+1+1.
+    lengths = [10, 10, 10, 1, 1, 1]
+    result = plan(lengths, 2, max_tokens=10, policy="verl_lb_micro", cost=linear)
+    assert sorted(sorted(lengths[i] for mb in rank for i in mb) for rank in result) == [[1, 1, 10], [1, 10, 10]]
+    assert [len(rank) for rank in result] == [3, 3]
+    assert imbalance(result, lengths, linear).collective_time == 10 + 10 + 1
+    lb = plan(lengths, 2, max_tokens=10, policy="lb_micro", cost=linear)
+    assert imbalance(lb, lengths, linear).collective_time == 10 + 10
 
 
 def brute_force_max(costs: list[float], w: int) -> float:
@@ -165,7 +220,8 @@ def test_oversized_sample(policy: str) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"policy": "lb_maxi"}, r"unknown policy 'lb_maxi'; valid policies: local_sort, lb_micro, lb_mini"),
+        ({"policy": "lb_maxi"},
+         r"unknown policy 'lb_maxi'; valid policies: local_sort, verl_lb_micro, lb_micro, lb_mini"),
         ({"world_size": 0}, "world_size must be a positive int"),
         ({"world_size": 2.0}, "world_size must be a positive int"),
         ({"max_tokens": 0}, "max_tokens must be a positive int"),
@@ -182,12 +238,13 @@ def test_bad_arguments(kwargs: dict, message: str) -> None:
 
 
 def test_policy_registry() -> None:
-    assert POLICIES == tuple(POLICY_REGISTRY) == ("local_sort", "lb_micro", "lb_mini")
+    assert POLICIES == tuple(POLICY_REGISTRY) == ("local_sort", "verl_lb_micro", "lb_micro", "lb_mini")
     assert {name: p.native_comm for name, p in POLICY_REGISTRY.items()} == {
-        "local_sort": "collective", "lb_micro": "collective", "lb_mini": "odc"}
+        "local_sort": "collective", "verl_lb_micro": "collective", "lb_micro": "collective", "lb_mini": "odc"}
     for name, entry in POLICY_REGISTRY.items():
         assert entry.name == name and entry.summary and get_policy(name) is entry
-    with pytest.raises(OdcUsageError, match="unknown policy 'nope'; valid policies: local_sort, lb_micro, lb_mini"):
+    valid = "local_sort, verl_lb_micro, lb_micro, lb_mini"
+    with pytest.raises(OdcUsageError, match=f"unknown policy 'nope'; valid policies: {valid}"):
         get_policy("nope")
     with pytest.raises(TypeError):
         POLICY_REGISTRY["x"] = POLICY_REGISTRY["lb_mini"]  # read-only: register by editing the registry
@@ -321,12 +378,15 @@ def test_preset_deterministic_bounded_and_mean(preset: str) -> None:
     assert lengths == sample_lengths(preset, 20_000, seed=7)
     assert lengths != sample_lengths(preset, 20_000, seed=8)
     assert all(isinstance(s, int) and s >= 1 for s in lengths)
-    assert max(lengths) <= {"rl_rollouts": 32768, "uniform": 8192}.get(preset, 131072)
+    assert max(lengths) <= MAX_LENGTHS[preset] <= 65536  # every sample fits the benchmarks' 64K micro-batch
+    assert max(lengths) > 0.9 * MAX_LENGTHS[preset]  # the stated range is the one drawn
     assert statistics.mean(lengths) == pytest.approx(TARGET_MEANS[preset], rel=0.15)
     assert "mean" in PRESETS[preset] and len(PRESETS[preset]) > 40
 
 
-def test_preset_stated_means() -> None:
+def test_preset_stated_means_and_ranges() -> None:
+    assert MAX_LENGTHS == {"longalign_sft": 65536, "swe_agentic": 65536, "rl_rollouts": 32768, "uniform": 8192}
+    assert min(sample_lengths("longalign_sft", 5000, seed=0)) >= 8192  # LongAlign-10k spans 8K to 64K
     assert TARGET_MEANS["longalign_sft"] == 16_500
     assert TARGET_MEANS["swe_agentic"] == 35_000
     assert 4_000 <= TARGET_MEANS["rl_rollouts"] <= 8_000
@@ -336,7 +396,7 @@ def test_scale_and_max_len() -> None:
     full = sample_lengths("longalign_sft", 5000, seed=3)
     small = sample_lengths("longalign_sft", 5000, seed=3, scale=1 / 16)
     assert statistics.mean(small) == pytest.approx(statistics.mean(full) / 16, rel=0.01)
-    assert max(small) <= 131072 // 16
+    assert max(small) <= 65536 // 16
     clipped = sample_lengths("longalign_sft", 5000, seed=3, max_len=4096)
     assert max(clipped) == 4096 and clipped == [min(s, 4096) for s in full]
 

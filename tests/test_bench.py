@@ -159,6 +159,7 @@ def test_imbalance_end_to_end_two_ranks(tmp_path):
     assert got == set(sch.grid())
     for r in data["runs"]:
         assert r["tokens_per_s"] > 0
+        assert all(r[f"speedup_vs_collective_{p}"] > 0 for p in ("local_sort", "verl_lb_micro", "lb_micro"))
         assert len(r["idle_s_per_rank"]) == 2
         assert 0 < r["utilization"] <= 1
         assert r["grad_check_ok"]
@@ -288,7 +289,7 @@ def _has_matplotlib() -> bool:
 # ----------------------------------------------------------------------------------------------- shared plumbing
 
 
-@pytest.mark.parametrize("tool", ["balance", "comm", "imbalance", "netmodel", "simulate"])
+@pytest.mark.parametrize("tool", ["balance", "comm", "hostcost", "imbalance", "netmodel", "simulate"])
 def test_every_benchmark_takes_json_and_plot(tool):
     """The README promises --json PATH and --plot PATH for every benchmark."""
     module = __import__(tool)
@@ -339,6 +340,36 @@ def test_schedule_grid_follows_the_policy_registry():
         assert (("collective", name) in sch.grid()) == policy.equal_counts
 
 
+def test_schedule_refuses_oversized_samples_unless_allowed():
+    from odc_runtime.errors import OdcUsageError
+
+    batches = [[100, 70_000, 200, 300], [400, 500, 600, 700]]
+    with pytest.raises(OdcUsageError, match="sample 1 has 70000 tokens"):
+        sch.build_schedule(batches, 2, comm="collective", policy="lb_micro", cost=COST, max_tokens=65536,
+                           num_layers=2)
+    s = sch.build_schedule(batches, 2, comm="collective", policy="lb_micro", cost=COST, max_tokens=65536,
+                           num_layers=2, allow_oversized=True)
+    assert s.oversized == 1
+    assert [1] in [list(mb.samples) for mbs in s.minibatches[0].ranks for mb in mbs]  # alone
+    assert _build("odc", "lb_mini", _batches()).oversized == 0
+
+
+def test_benchmarks_refuse_oversized_samples_and_flag_them_when_allowed(tmp_path, capsys):
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(["100", "5000", "300", "400"]))
+    argv = ["--world", "2", "--lengths-file", str(path), "--minibatches", "1", "--minibatch-size", "4",
+            "--max-tokens", "4096", "--link", "nvlink", "--plot", "none"]
+    with pytest.raises(SystemExit, match=r"1 of 4 samples are longer than --max-tokens 4096.*--allow-oversized"):
+        simulate.main(argv)
+    simulate.main([*argv, "--allow-oversized"])
+    assert "NOTE: 1 of 4 samples (25.0%) are longer than the 4096-token cap and ran alone" in capsys.readouterr().out
+    import imbalance
+
+    with pytest.raises(SystemExit, match="--allow-oversized"):  # refused before any rank is spawned
+        imbalance.main(["--lengths-file", str(path), "--minibatches", "1", "--minibatch-size", "4",
+                        "--max-tokens", "4096"])
+
+
 def test_load_minibatches_from_file_and_preset(tmp_path):
     import argparse
 
@@ -369,7 +400,9 @@ def test_balance_cli(tmp_path):
         (w, p) for w in (2, 4) for p in POLICY_REGISTRY]
     for r in data["results"]:
         assert r["native_schedule"] == POLICY_REGISTRY[r["policy"]].native_comm
-        assert r["max_over_mean"] >= 1.0
+        # Every step waits for its slowest rank, so the collective time is at least every rank's total.
+        assert r["step_over_mean"] >= r["max_over_mean"] >= 1.0
+        assert r["oversized_samples"] == 0
     if _has_matplotlib():
         assert plot.stat().st_size > 0
 
@@ -545,3 +578,35 @@ def test_check_gather_catches_wrong_parameters():
             check_gather(Corrupting(3, 4, 1, torch.device("cpu")), 3, 1)
     finally:
         dist.destroy_process_group()
+
+
+def test_benchmarks_use_public_odc_runtime_api_only():
+    """No bench module imports a private odc_runtime module or name (issue 23): what a benchmark measures, a user
+    can call."""
+    import ast
+
+    private = []
+    for path in sorted(BENCH.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("odc_runtime"):
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("odc_runtime")]
+            else:
+                continue
+            private += [f"{path.name}: {n}" for n in names if any(p.startswith("_") for p in n.split("."))]
+    assert not private
+
+
+@pytest.mark.parametrize("tool", ["imbalance", "simulate", "balance"])
+def test_benchmark_defaults_hold_only_trainable_samples(tool):
+    """Every preset a benchmark offers fits its default micro-batch cap, so no default run plans a sample that a
+    job could not train (over-cap samples need --allow-oversized, and are flagged)."""
+    import importlib
+
+    from odc_runtime.workloads import MAX_LENGTHS, PRESETS
+
+    defaults = importlib.import_module(tool).build_parser().parse_args([])
+    assert not defaults.allow_oversized
+    assert set(MAX_LENGTHS) == set(PRESETS)
+    assert max(MAX_LENGTHS.values()) <= defaults.max_tokens

@@ -11,6 +11,10 @@ What veRL does today (function names from its source, 2025–2026; this module c
   that many parts. Ranks with less work therefore run extra, smaller micro-batches, and every layer of every
   micro-batch still waits for the slowest rank. ``prepare_dynamic_batch`` (``DataParallelPPOActor``) and
   ``verl.workers.engine.utils.prepare_micro_batches`` (the FSDP engine's ``forward_backward_batch``) call it.
+  Together with the driver's ``_balance_batch`` (equal sample counts per rank, Karmarkar–Karp) this is the
+  planner this adapter replaces; ``odc_runtime.balance`` models it as the ``"verl_lb_micro"`` policy (the ODC
+  paper's LB-Micro), so ``plan(..., policy="verl_lb_micro")`` and the benchmarks show what a veRL user runs
+  today next to ODC's ``"lb_mini"``.
 - The FSDP engine normalises token-mean losses by the global token count times the data-parallel size (FSDP
   averages gradients over ranks) and may defer gradient sync with ``set_requires_gradient_sync(False)`` on all but
   the last micro-batch.
