@@ -41,6 +41,13 @@ def _eval_batch(step: int, i: int):
     return torch.randint(0, 37, (1, 6), generator=g)
 
 
+def _data(minibatches: int, counts: list[int]) -> list:
+    """``make_data`` with the per-rank counts rotated by one rank every minibatch: a rank without micro-batches in
+    one minibatch runs some in the next (what an explicit prefetch left pending must not leak into it)."""
+    data = h.make_data(minibatches, counts, seed=3)
+    return [d[-(k % len(counts)) :] + d[: -(k % len(counts))] if k % len(counts) else d for k, d in enumerate(data)]
+
+
 def _build(opts: dict, rank: int):
     """(sharded model, optimizer) of the idiom, and the reference (plain model, optimizer) with the same init."""
     import torch
@@ -92,7 +99,7 @@ def train(rank: int, world: int, opts: dict, counts: list[int], steps: int, odc_
     if odc_mode:
         ofsdp.enable(model)
     accumulate = opts.get("accumulate", 1)
-    data = h.make_data(steps * accumulate, counts, seed=3)
+    data = _data(steps * accumulate, counts)
     out: dict[str, list] = {"params": [], "loss": [], "norm": [], "eval": []}
     for step in range(steps):
         for k in range(accumulate):
@@ -150,7 +157,7 @@ def reference(rank: int, world: int, opts: dict, counts: list[int], steps: int) 
 
     _, _, ref, opt = _build(opts, rank)
     accumulate = opts.get("accumulate", 1)
-    data = h.make_data(steps * accumulate, counts, seed=3)
+    data = _data(steps * accumulate, counts)
     out: dict[str, list] = {"params": [], "loss": [], "norm": [], "eval": []}
     for step in range(steps):
         for k in range(accumulate):
