@@ -35,12 +35,19 @@ tensor serves both: its parameter buffer holds the published row and its fp32 ac
   which differ across torch versions, act on zeros). Parameters that got no gradient in a backward keep their
   columns: ``set_reduce_scatter_unused_params(True)`` where torch has it (>= 2.13), ODC's own tracking before
   (:mod:`._hooks`). A reduce-scatter outside a minibatch raises :class:`OdcUsageError`.
-- :func:`begin_minibatch` reshards every FSDP module (so the next forward gathers again), writes this rank's
+- :func:`begin_minibatch` reshards every FSDP module (so the next forward gathers again; after a refused
+  backward outside a minibatch it first resets FSDP and drops that backward's partial gradients), writes this rank's
   sharded parameters, cast to the all-gather dtype exactly as FSDP casts them (``MixedPrecisionPolicy
   .param_dtype``), into its row of the parameter buffers, and runs ``odc.sync()``.
-- :func:`end_minibatch` runs ``odc.sync()``, writes ``accumulator / divide_factor`` (cast to the parameter dtype)
-  into every ``sharded_param.grad`` (a DTensor, as FSDP makes it; added to an existing ``.grad`` as FSDP adds),
-  and zeroes the accumulators.
+- :func:`end_minibatch` returns every FSDP module to FSDP's normal sharded state (an explicit ``unshard()`` no
+  forward consumed, ``reshard_after_forward=False`` after a forward-only pass), runs ``odc.sync()``, agrees with
+  every rank in one 4-number all-reduce that no rank changed its parameters inside the minibatch (bitwise against
+  the published rows), that ``divide_factor`` is the same everywhere and that dividing by it overflows nowhere (else
+  every rank raises :class:`OdcUsageError`, the minibatch is discarded, the model stays usable), writes
+  ``accumulator / divide_factor`` (cast to the parameter dtype) into every ``sharded_param.grad`` (a DTensor, as
+  FSDP makes it; added to an existing ``.grad`` as FSDP adds), and zeroes the accumulators.
+- ``optimizer.step()`` (a global optimizer step pre-hook) and ``load_state_dict()`` (a pre-hook on the model) on an
+  ODC-enabled model inside a minibatch raise :class:`OdcUsageError` at the call.
 
 HSDP (2-D mesh ``(replicate, shard)``). FSDP's rows span the shard group, so each module's ODC buffers are sharded
 over it (``odc.shard(group=shard group)``: every rank calls it with its own shard group) and fetches and pushes stay
@@ -161,9 +168,10 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
 
     Args:
         model: the root module (normally itself passed to ``fully_shard``).
-        validate: compare FSDP's all-gather input with the published parameters at the first all-gather of every
-            module in every minibatch (default: only once after ``enable``). Catches parameters modified inside
-            a minibatch; costs one comparison of the local shard per module per minibatch.
+        validate: compare FSDP's all-gather input with the published parameters (bit patterns, NaN-safe) at the
+            first all-gather of every module in every minibatch (default: only once after ``enable``). Catches
+            parameters modified inside a minibatch at the next forward (``end_minibatch`` catches them anyway, at
+            the end); costs one comparison of the local shard per module per minibatch.
 
     HSDP (``fully_shard(mesh=<2-D mesh (replicate, shard)>)``) is supported: ODC shards each module's buffers over
     the shard group (``odc.shard(group=...)``), turns FSDP's per-backward cross-replica all-reduce off
