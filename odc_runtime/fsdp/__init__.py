@@ -353,17 +353,20 @@ def _refuse_load_inside(state: _State) -> object:
 
 
 def _changed_params(state: _State) -> str | None:
-    """The first parameter whose shard differs (bitwise) from what begin_minibatch published, described; or None."""
+    """The first parameter whose shard differs (bitwise) from what begin_minibatch published, described; or None.
+    One device-to-host read when nothing changed (the common case)."""
+    checks = []
     for unit in state.units:
         row = unit.st_ag.local
         for p in unit.params:
             local = p.sharded_param.to_local().reshape(-1)
             now = local.to(unit.ag_dtype)
             published = row[p.ag_offset : p.ag_offset + local.numel()]
-            same = _hooks.same_bits(now, published)
-            if not bool(same.all()):
-                return _hooks.describe_difference(p.fqn, now, published, same)
-    return None
+            checks.append((p, now, published, _hooks.same_bits(now, published)))
+    if not checks or bool(torch.stack([same.all() for *_, same in checks]).all()):
+        return None
+    p, now, published, same = next(c for c in checks if not bool(c[3].all()))
+    return _hooks.describe_difference(p.fqn, now, published, same)
 
 
 def _to_normal_state(state: _State) -> None:
@@ -520,7 +523,9 @@ def _unit_factor(state: _State, unit: _Unit, divide_factor: float | None) -> flo
 
 def _overflow(state: _State, divide_factor: float | None) -> str | None:
     """Where dividing a finite accumulator by the divide factor gives a non-finite gradient (e.g. a factor of
-    1e-45), described; None if nowhere. A non-finite accumulator (a NaN loss) is passed on as FSDP would."""
+    1e-45), described; None if nowhere. A non-finite accumulator (a NaN loss) is passed on as FSDP would. One
+    device-to-host read."""
+    found = []
     with torch.no_grad():
         for unit in state.units:
             st = unit.st_rs
@@ -528,14 +533,17 @@ def _overflow(state: _State, divide_factor: float | None) -> str | None:
                 continue
             factor = _unit_factor(state, unit, divide_factor)
             amax = st.grad.abs().max()
-            dtype = unit.params[0].sharded_param.dtype
-            if bool(torch.isfinite(amax)) and not bool(torch.isfinite(amax.div(factor).to(dtype))):
-                return (
-                    f"odc_runtime.fsdp: dividing the gradients of {unit.fqn!r} (largest |sum| {float(amax):.4g}) by "
-                    f"divide_factor {factor!r} overflows {dtype}; pass the divisor of the whole minibatch (e.g. its "
-                    "global token count, the same on every rank), not a per-rank or tiny value"
-                )
-    return None
+            dtype = next(p for p in unit.params if p.rs_offset is not None).sharded_param.dtype
+            bad = torch.isfinite(amax) & ~torch.isfinite(amax.div(factor).to(dtype))
+            found.append((unit, factor, amax, dtype, bad))
+    if not found or not bool(torch.stack([bad for *_, bad in found]).any()):
+        return None
+    unit, factor, amax, dtype, _ = next(f for f in found if bool(f[4]))
+    return (
+        f"odc_runtime.fsdp: dividing the gradients of {unit.fqn!r} (largest |sum| {float(amax):.4g}) by "
+        f"divide_factor {factor!r} overflows {dtype}; pass the divisor of the whole minibatch (e.g. its global "
+        "token count, the same on every rank), not a per-rank or tiny value"
+    )
 
 
 def _show_factor(value: float) -> str:
