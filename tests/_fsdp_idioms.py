@@ -48,6 +48,17 @@ def _data(minibatches: int, counts: list[int]) -> list:
     return [d[-(k % len(counts)) :] + d[: -(k % len(counts))] if k % len(counts) else d for k, d in enumerate(data)]
 
 
+def _schedule(opts: dict, counts: list[int], steps: int) -> list[list[tuple[list, int]]]:
+    """Per optimizer step, its minibatches (one, or ``accumulate``): each the per-rank micro-batches and the
+    minibatch's global number of targets."""
+    accumulate = opts.get("accumulate", 1)
+    data = _data(steps * accumulate, counts)
+    return [
+        [(mbs, sum(h.n_targets(m) for m in mbs)) for mbs in data[step * accumulate : (step + 1) * accumulate]]
+        for step in range(steps)
+    ]
+
+
 def _build(opts: dict, rank: int):
     """(sharded model, optimizer) of the idiom, and the reference (plain model, optimizer) with the same init."""
     import torch
@@ -98,13 +109,9 @@ def train(rank: int, world: int, opts: dict, counts: list[int], steps: int, odc_
     model, opt, _, _ = _build(opts, rank)
     if odc_mode:
         ofsdp.enable(model)
-    accumulate = opts.get("accumulate", 1)
-    data = _data(steps * accumulate, counts)
     out: dict[str, list] = {"params": [], "loss": [], "norm": [], "eval": []}
-    for step in range(steps):
-        for k in range(accumulate):
-            mbs = data[step * accumulate + k]
-            tokens = sum(h.n_targets(m) for m in mbs)
+    for step, minibatches in enumerate(_schedule(opts, counts, steps)):
+        for mbs, tokens in minibatches:
             loss_sum = torch.zeros(())
             with ofsdp.minibatch(model) if odc_mode else contextlib.nullcontext():
                 if opts.get("prefetch"):
@@ -156,13 +163,9 @@ def reference(rank: int, world: int, opts: dict, counts: list[int], steps: int) 
     import torch
 
     _, _, ref, opt = _build(opts, rank)
-    accumulate = opts.get("accumulate", 1)
-    data = _data(steps * accumulate, counts)
     out: dict[str, list] = {"params": [], "loss": [], "norm": [], "eval": []}
-    for step in range(steps):
-        for k in range(accumulate):
-            mbs = data[step * accumulate + k]
-            tokens = sum(h.n_targets(m) for m in mbs)
+    for step, minibatches in enumerate(_schedule(opts, counts, steps)):
+        for mbs, tokens in minibatches:
             if opts.get("eval_inside"):
                 out["eval"] += _evaluate(ref, step, range(rank))
             total = 0.0
