@@ -18,6 +18,7 @@ global number of target tokens, so the loss curves agree (up to float summation 
     torchrun --nproc-per-node 4 examples/sft.py --comm collective --steps 10
     torchrun --nproc-per-node 4 examples/sft.py --comm odc --steps 10
     python examples/sft.py --comm odc --mesh 2x2           # HSDP: 2 replicas x 2-rank shard groups
+    python examples/sft.py --comm odc --prefetch           # FSDP2's explicit prefetching, any count per rank
 
 ``--mesh RxS`` trains with HSDP: a 2-D device mesh ``(replicate, shard)`` of R replicas of S-rank shard groups
 (``R * S`` must be the number of ranks; without ``--mesh`` the mesh is 1-D over all ranks). The planning and the
@@ -149,6 +150,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
     p.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="FSDP2's explicit prefetching: model.unshard() at the start of every minibatch (on every "
+        "rank, also one without micro-batches) and set_modules_to_forward/backward_prefetch between the blocks",
+    )
+    p.add_argument(
         "--mesh",
         default=None,
         metavar="RxS",
@@ -200,6 +207,11 @@ def train(args: argparse.Namespace) -> None:
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp or MixedPrecisionPolicy())
     fully_shard(model, mesh=mesh, mp_policy=mp or MixedPrecisionPolicy())
+    if args.prefetch:  # each block gathers the next one's parameters before it runs (backward: the previous one)
+        blocks = list(model.blocks)
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 2])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - 1) : i])
     if args.comm == "odc":
         odc.init(args.odc_backend)
         odc_fsdp.enable(model)
@@ -233,6 +245,8 @@ def train(args: argparse.Namespace) -> None:
         loss_sum = torch.zeros((), device=device)
         if args.comm == "odc":
             with odc_fsdp.minibatch(model, divide_factor=global_targets):
+                if args.prefetch:  # a rank that runs no forward keeps it unsharded: end_minibatch reshards it
+                    model.unshard()
                 for samples in batches:
                     if not samples:  # a planner's padding micro-batch: ODC has no need to run it
                         continue
@@ -240,6 +254,8 @@ def train(args: argparse.Namespace) -> None:
                     loss.backward()
                     loss_sum += loss.detach()
         else:
+            if args.prefetch:
+                model.unshard()
             for samples in batches:
                 if samples:
                     loss, _ = micro_batch_loss(model, samples, device)

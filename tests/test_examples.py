@@ -55,6 +55,19 @@ def test_sft_example_same_losses_in_both_modes() -> None:
 
 
 @pytest.mark.timeout(300)
+def test_sft_example_explicit_prefetch_with_a_rank_without_micro_batches() -> None:
+    # --prefetch: model.unshard() on every rank at the start of every minibatch. One sample on 2 ranks:
+    # rank 1 runs no micro-batch in ODC mode (it unshards, never runs a forward) and must still clip and step.
+    small = ["--steps", "2", "--samples", "1", "--layers", "2", "--dim", "64", "--prefetch", "--nproc", "2"]
+    logs = {comm: _run(["examples/sft.py", "--comm", comm, *small]) for comm in ("collective", "odc")}
+    assert "micro-batches/rank [1, 0]" in logs["odc"], logs["odc"]
+    for key in ("loss", "grad_norm"):
+        values = {comm: [float(v) for v in re.findall(rf"{key} (\d+\.\d+)", out)] for comm, out in logs.items()}
+        assert len(values["odc"]) == 2, logs["odc"]
+        assert values["collective"] == pytest.approx(values["odc"], abs=1e-4)
+
+
+@pytest.mark.timeout(300)
 def test_sft_example_hsdp_same_losses_in_both_modes() -> None:
     # --mesh 2x2: 2 replicas x 2-rank shard groups on 4 ranks; the plans give unequal micro-batch counts in ODC mode
     launch = {

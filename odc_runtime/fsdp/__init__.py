@@ -35,12 +35,19 @@ tensor serves both: its parameter buffer holds the published row and its fp32 ac
   which differ across torch versions, act on zeros). Parameters that got no gradient in a backward keep their
   columns: ``set_reduce_scatter_unused_params(True)`` where torch has it (>= 2.13), ODC's own tracking before
   (:mod:`._hooks`). A reduce-scatter outside a minibatch raises :class:`OdcUsageError`.
-- :func:`begin_minibatch` reshards every FSDP module (so the next forward gathers again), writes this rank's
+- :func:`begin_minibatch` reshards every FSDP module (so the next forward gathers again; after a refused
+  backward outside a minibatch it first resets FSDP and drops that backward's partial gradients), writes this rank's
   sharded parameters, cast to the all-gather dtype exactly as FSDP casts them (``MixedPrecisionPolicy
   .param_dtype``), into its row of the parameter buffers, and runs ``odc.sync()``.
-- :func:`end_minibatch` runs ``odc.sync()``, writes ``accumulator / divide_factor`` (cast to the parameter dtype)
-  into every ``sharded_param.grad`` (a DTensor, as FSDP makes it; added to an existing ``.grad`` as FSDP adds),
-  and zeroes the accumulators.
+- :func:`end_minibatch` returns every FSDP module to FSDP's normal sharded state (an explicit ``unshard()`` no
+  forward consumed, ``reshard_after_forward=False`` after a forward-only pass), runs ``odc.sync()``, agrees with
+  every rank in one 4-number all-reduce that no rank changed its parameters inside the minibatch (bitwise against
+  the published rows), that ``divide_factor`` is the same everywhere and that dividing by it overflows nowhere (else
+  every rank raises :class:`OdcUsageError`, the minibatch is discarded, the model stays usable), writes
+  ``accumulator / divide_factor`` (cast to the parameter dtype) into every ``sharded_param.grad`` (a DTensor, as
+  FSDP makes it; added to an existing ``.grad`` as FSDP adds), and zeroes the accumulators.
+- ``optimizer.step()`` (a global optimizer step pre-hook) and ``load_state_dict()`` (a pre-hook on the model) on an
+  ODC-enabled model inside a minibatch raise :class:`OdcUsageError` at the call.
 
 HSDP (2-D mesh ``(replicate, shard)``). FSDP's rows span the shard group, so each module's ODC buffers are sharded
 over it (``odc.shard(group=shard group)``: every rank calls it with its own shard group) and fetches and pushes stay
@@ -76,6 +83,8 @@ import contextlib
 import itertools
 import logging
 import math
+import numbers
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -159,9 +168,10 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
 
     Args:
         model: the root module (normally itself passed to ``fully_shard``).
-        validate: compare FSDP's all-gather input with the published parameters at the first all-gather of every
-            module in every minibatch (default: only once after ``enable``). Catches parameters modified inside
-            a minibatch; costs one comparison of the local shard per module per minibatch.
+        validate: compare FSDP's all-gather input with the published parameters (bit patterns, NaN-safe) at the
+            first all-gather of every module in every minibatch (default: only once after ``enable``). Catches
+            parameters modified inside a minibatch at the next forward (``end_minibatch`` catches them anyway, at
+            the end); costs one comparison of the local shard per module per minibatch.
 
     HSDP (``fully_shard(mesh=<2-D mesh (replicate, shard)>)``) is supported: ODC shards each module's buffers over
     the shard group (``odc.shard(group=...)``), turns FSDP's per-backward cross-replica all-reduce off
@@ -269,6 +279,9 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
             m.set_reduce_scatter_unused_params(True, recurse=False)
         else:
             _hooks.install_unused_tracking(unit)
+    state.param_ids = frozenset(id(p.sharded_param) for unit in units for p in unit.params)
+    state.handles.append(model.register_load_state_dict_pre_hook(_refuse_load_inside(state)))
+    _install_step_guard()
     _STATES[model] = state
     for _, m in modules:
         _OWNER[m] = state
@@ -293,6 +306,80 @@ def _free_buffers(units: list[_Unit]) -> None:
         unit.st_ag = unit.st_rs = None
 
 
+# --------------------------------------------------------------------------------------------------- slip guards
+# Parameters must not change between begin_minibatch (which publishes them) and end_minibatch: a change would train
+# one minibatch behind (an optimizer step inside the minibatch uses the previous minibatch's gradients) or mix two
+# parameter versions across ranks. The two common slips are refused at the call; any other in-place change is
+# caught by end_minibatch's bitwise comparison with the published rows.
+
+_STEP_GUARD: list[object] = []  # the handle of the one global optimizer step pre-hook (installed at first enable)
+
+
+def _install_step_guard() -> None:
+    if not _STEP_GUARD:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _STEP_GUARD.append(register_optimizer_step_pre_hook(_refuse_step_inside))
+
+
+def _refuse_step_inside(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    open_states = [s for s in list(_STATES.values()) if s.in_minibatch]
+    if not open_states:
+        return
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for s in open_states:
+        if not ids.isdisjoint(s.param_ids):
+            raise OdcUsageError(
+                f"odc_runtime.fsdp: {type(optimizer).__name__}.step() inside a minibatch of an ODC-enabled model; "
+                "the gradients of this minibatch only arrive at end_minibatch, so this step would use the previous "
+                "minibatch's (training one minibatch behind). Call optimizer.step() and zero_grad() after the "
+                "`with odc_runtime.fsdp.minibatch(model):` block (or after end_minibatch)"
+            )
+
+
+def _refuse_load_inside(state: _State) -> object:
+    ref = weakref.ref(state)
+
+    def hook(module: nn.Module, *args: object) -> None:
+        s = ref()
+        if s is not None and s.in_minibatch:
+            raise OdcUsageError(
+                "odc_runtime.fsdp: load_state_dict() inside a minibatch of an ODC-enabled model; the parameters "
+                "were published at begin_minibatch and must not change until end_minibatch. Load between "
+                "minibatches"
+            )
+
+    return hook
+
+
+def _changed_params(state: _State) -> str | None:
+    """The first parameter whose shard differs (bitwise) from what begin_minibatch published, described; or None.
+    One device-to-host read when nothing changed (the common case)."""
+    checks = []
+    for unit in state.units:
+        row = unit.st_ag.local
+        for p in unit.params:
+            local = p.sharded_param.to_local().reshape(-1)
+            now = local.to(unit.ag_dtype)
+            published = row[p.ag_offset : p.ag_offset + local.numel()]
+            checks.append((p, now, published, _hooks.same_bits(now, published)))
+    if not checks or bool(torch.stack([same.all() for *_, same in checks]).all()):
+        return None
+    p, now, published, same = next(c for c in checks if not bool(c[3].all()))
+    return _hooks.describe_difference(p.fqn, now, published, same)
+
+
+def _to_normal_state(state: _State) -> None:
+    """Every FSDP module of the model back in FSDP's normal (sharded) state, whatever this rank ran: an explicit
+    prefetch (``unshard()``, ``async_op`` or not) that no forward consumed is finished and resharded, parameters
+    kept unsharded (``reshard_after_forward=False`` with a forward-only rank, ``set_reshard_after_backward(False)``)
+    are resharded. Local: no communication."""
+    for unit in state.units:
+        if _compat.pending_unshard(unit.group):
+            _compat.finish_unshard(unit.group)
+        unit.module.reshard()
+
+
 def disable(model: nn.Module) -> nn.Module:
     """Return ``model`` to plain FSDP2 (collective): restore the previous comms and settings, free the buffers.
 
@@ -311,6 +398,9 @@ def disable(model: nn.Module) -> nn.Module:
             _hooks.remove_unused_tracking(unit)
         else:
             m.set_reduce_scatter_unused_params(prev["unused"], recurse=False)
+    for handle in state.handles:
+        handle.remove()
+    state.handles.clear()
     _free_buffers(state.units)
     del _STATES[model]
     for m in [m for m, s in _OWNER.items() if s is state]:
@@ -319,6 +409,15 @@ def disable(model: nn.Module) -> nn.Module:
 
 
 # --------------------------------------------------------------------------------------------------- minibatch
+
+
+_MISSING_AT_BEGIN = (
+    "odc_runtime.fsdp.begin_minibatch: a rank named above did not reach this minibatch's start. With FSDP in ODC "
+    "mode the usual cause is a forward outside a minibatch (e.g. a validation forward) that not every rank runs: "
+    "outside a minibatch the all-gather is torch.distributed's collective, so a rank running it alone waits there "
+    "until the process-group timeout. Run such forwards on every rank together, or inside a minibatch, where they "
+    "fetch one-sidedly and any count per rank works"
+)
 
 
 def begin_minibatch(model: nn.Module) -> None:
@@ -344,11 +443,15 @@ def begin_minibatch(model: nn.Module) -> None:
                 "across micro-batches itself, keep gradient sync on"
             )
     try:
+        if state.aborted_backward and _compat.has_capability("reset_iter_state"):
+            state.model.reset_iter_state()  # the refused backward left FSDP mid-iteration
+        state.aborted_backward = False
+        _to_normal_state(state)  # and so the next forward must all-gather the newly published rows
         with torch.no_grad():
             for unit in state.units:
-                unit.module.reshard()  # the next forward must all-gather the newly published rows
-                for p in unit.params:  # unused-parameter tracking: drop marks left by an aborted backward
+                for p in unit.params:  # what an aborted backward left: unused-parameter marks, unsharded grads
                     p.used = False
+                    _compat.drop_unsharded_grad(p.fsdp_param)
                 row = unit.st_ag.local
                 for p in unit.params:
                     local = p.sharded_param.to_local().reshape(-1)
@@ -356,7 +459,10 @@ def begin_minibatch(model: nn.Module) -> None:
         _device_sync(state)
         # S1: every row is published before anyone fetches; every accumulator was zeroed before it. Nothing was
         # pushed since S2, so across nodes only the parameters move (gradients=False).
-        odc.sync(gradients=False)
+        try:
+            odc.sync(gradients=False)
+        except odc.OdcTimeoutError as e:
+            raise type(e)(f"{e}\n{_MISSING_AT_BEGIN}") from e
     except BaseException as e:
         state.broken = f"begin_minibatch: {type(e).__name__}: {e}"
         raise
@@ -375,24 +481,114 @@ def end_minibatch(model: nn.Module, *, divide_factor: float | None = None) -> No
     state = _state(model, "end_minibatch")
     if not state.in_minibatch:
         raise OdcUsageError("odc_runtime.fsdp.end_minibatch() without begin_minibatch()")
-    if divide_factor is not None and (
-        isinstance(divide_factor, bool)
-        or not isinstance(divide_factor, (int, float))
-        or not math.isfinite(divide_factor)
-        or divide_factor <= 0
-    ):
-        raise OdcUsageError(f"odc_runtime.fsdp: divide_factor must be a positive finite number, got {divide_factor!r}")
+    factor = _check_divide_factor(divide_factor)
     state.in_minibatch = False
     try:
+        _to_normal_state(state)
+        changed = _changed_params(state)
         _device_sync(state)
         # S2: every push of this minibatch is in its owner's accumulator. The parameters were published before S1
         # and do not change inside the minibatch, so across nodes only the gradients move (parameters=False).
         odc.sync(parameters=False)
         _all_reduce_replicas(state)
-        _write_grads(state, divide_factor)
+        overflow = _overflow(state, factor)
+        problem = _agree_or_explain(state, factor, overflow, changed)
+        if problem is None:
+            _write_grads(state, factor)
     except BaseException as e:
         state.broken = f"end_minibatch: {type(e).__name__}: {e}"
         raise
+    if problem is not None:  # every rank raises it together; the accumulators are zeroed, nothing was written
+        for unit in state.units:
+            if unit.st_rs is not None:
+                unit.st_rs.zero_grad()
+        raise OdcUsageError(problem)
+
+
+def _check_divide_factor(divide_factor: object) -> float | None:
+    """``divide_factor`` as a float, or None (the default); any real number type, as ``odc.push(scale=)`` takes."""
+    if divide_factor is None:
+        return None
+    value = None
+    if isinstance(divide_factor, numbers.Real) and not isinstance(divide_factor, bool):
+        value = float(divide_factor)
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise OdcUsageError(f"odc_runtime.fsdp: divide_factor must be a positive finite number, got {divide_factor!r}")
+    return value
+
+
+def _unit_factor(state: _State, unit: _Unit, divide_factor: float | None) -> float:
+    return float(divide_factor or _compat.gradient_divide_factor(unit.group) or state.world_size)
+
+
+def _overflow(state: _State, divide_factor: float | None) -> str | None:
+    """Where dividing a finite accumulator by the divide factor gives a non-finite gradient (e.g. a factor of
+    1e-45), described; None if nowhere. A non-finite accumulator (a NaN loss) is passed on as FSDP would. One
+    device-to-host read."""
+    found = []
+    with torch.no_grad():
+        for unit in state.units:
+            st = unit.st_rs
+            if st is None or st.grad is None or st.grad.numel() == 0:
+                continue
+            factor = _unit_factor(state, unit, divide_factor)
+            amax = st.grad.abs().max()
+            dtype = next(p for p in unit.params if p.rs_offset is not None).sharded_param.dtype
+            bad = torch.isfinite(amax) & ~torch.isfinite(amax.div(factor).to(dtype))
+            found.append((unit, factor, amax, dtype, bad))
+    if not found or not bool(torch.stack([bad for *_, bad in found]).any()):
+        return None
+    unit, factor, amax, dtype, _ = next(f for f in found if bool(f[4]))
+    return (
+        f"odc_runtime.fsdp: dividing the gradients of {unit.fqn!r} (largest |sum| {float(amax):.4g}) by "
+        f"divide_factor {factor!r} overflows {dtype}; pass the divisor of the whole minibatch (e.g. its global "
+        "token count, the same on every rank), not a per-rank or tiny value"
+    )
+
+
+def _show_factor(value: float) -> str:
+    return "None (the default)" if value == -1.0 else repr(value)
+
+
+def _agree_or_explain(
+    state: _State, divide_factor: float | None, overflow: str | None, changed: str | None
+) -> str | None:
+    """One small all-reduce (after S2, so every rank is here): the divide factor must be the same on every rank
+    (a per-rank value, e.g. a local token count, would divide each owner's rows differently), and an overflow or a
+    parameter changed inside the minibatch on any rank fails the minibatch on every rank, so none is left waiting.
+    Returns the error message for this rank, or None."""
+    device = state.units[0].device if state.units and state.units[0].device.type == "cuda" else "cpu"
+    mine = -1.0 if divide_factor is None else divide_factor
+    flags = torch.tensor([mine, -mine, float(overflow is not None), float(changed is not None)], dtype=torch.float64)
+    dist.all_reduce(flags_dev := flags.to(device), op=dist.ReduceOp.MAX)
+    hi, neg_lo, any_overflow, any_changed = flags_dev.tolist()
+    if changed is not None:
+        return (
+            f"odc_runtime.fsdp: parameters changed inside the minibatch: {changed}. The minibatch computed its "
+            "gradients with the parameters published at begin_minibatch; optimizer.step(), load_state_dict() and "
+            "in-place edits belong between minibatches. This minibatch's gradients were discarded on every rank"
+        )
+    if any_changed:
+        return (
+            "odc_runtime.fsdp: another rank changed its parameters inside the minibatch (see its error); this "
+            "minibatch's gradients were discarded on every rank"
+        )
+    if hi != -neg_lo:
+        return (
+            "odc_runtime.fsdp: end_minibatch(divide_factor=...) differs between ranks (from "
+            f"{_show_factor(-neg_lo)} to {_show_factor(hi)}; this rank passed {_show_factor(mine)}). Each owner "
+            "divides the sums it holds, so per-rank values "
+            "would scale the parameters' rows differently: pass the same global value on every rank (e.g. "
+            "all-reduce the token count). This minibatch's gradients were discarded on every rank"
+        )
+    if overflow is not None:
+        return overflow + ". This minibatch's gradients were discarded on every rank"
+    if any_overflow:
+        return (
+            "odc_runtime.fsdp: the divide factor made another rank's gradients non-finite (see its error); this "
+            "minibatch's gradients were discarded on every rank"
+        )
+    return None
 
 
 def _all_reduce_replicas(state: _State) -> None:
@@ -426,7 +622,7 @@ def _write_grads(state: _State, divide_factor: float | None) -> None:
             st = unit.st_rs
             if st is None:
                 continue
-            factor = float(divide_factor or _compat.gradient_divide_factor(unit.group) or state.world_size)
+            factor = _unit_factor(state, unit, divide_factor)
             acc = st.grad
             for p in unit.params:
                 if p.rs_offset is None:

@@ -5,10 +5,13 @@ The public surface ODC uses is ``fully_shard``, ``FSDPModule``'s methods (``set_
 ``AllGather`` / ``ReduceScatter`` base classes. To lay out the rows of the custom all-gather and reduce-scatter
 exactly as FSDP does, ODC must also *read* a few attributes of FSDP's per-module parameter group (parameter order,
 mixed-precision and offload policies, meshes, the divide factor) and, to restore a model on ``disable()``, the comm
-objects it replaces. Those reads, and nothing else private, live in this module. Each one goes through
-:func:`_attr`, which turns a missing attribute into an :class:`OdcUsageError` naming the torch version and the
-attribute, and ``tests/test_fsdp.py`` checks the whole surface (:func:`check_private_surface`) on every torch the
-compatibility run installs, so a change in torch fails loudly instead of silently mis-laying gradients.
+objects it replaces. Two actions FSDP takes itself are needed to bring every module back to FSDP's normal state at
+a minibatch boundary: :func:`finish_unshard` (consume a pending explicit-prefetch all-gather) and
+:func:`drop_unsharded_grad` (clear what an aborted backward left). Those, and nothing else private, live in this
+module. Each read goes through :func:`_attr`, which turns a missing attribute into an :class:`OdcUsageError` naming
+the torch version and the attribute, and ``tests/test_fsdp.py`` checks the whole surface
+(:func:`check_private_surface`) on every torch the compatibility run installs, so a change in torch fails loudly
+instead of silently mis-laying gradients.
 
 Capabilities are detected by feature, never by version number. :data:`CAPABILITIES` records, for the error
 messages (and a test that keeps the table honest), the oldest torch release known to have each one.
@@ -277,6 +280,29 @@ def unsharded_param(fsdp_param: FSDPParam) -> nn.Parameter | None:
     return _attr(fsdp_param, "unsharded_param", "FSDPParam")
 
 
+def pending_unshard(group: FSDPParamGroup) -> bool:
+    """Whether an ``unshard()`` (explicit prefetch, ``async_op=True`` or not yet consumed by a forward) left an
+    all-gather result that FSDP's next ``wait_for_unshard`` would copy out. ``reshard()`` does not drop it."""
+    return _attr(group, "_all_gather_result", "FSDPParamGroup") is not None
+
+
+def finish_unshard(group: FSDPParamGroup) -> None:
+    """Consume a pending all-gather result (what FSDP's pre-forward or ``UnshardHandle.wait()`` would do), so that
+    a following ``reshard()`` leaves the group in its normal sharded state with nothing stale to copy out later."""
+    wait = _attr(group, "wait_for_unshard", "FSDPParamGroup")
+    wait()
+
+
+def drop_unsharded_grad(fsdp_param: FSDPParam) -> bool:
+    """Drop the gradient an aborted backward left on the unsharded parameter (FSDP's post-backward would have
+    consumed it); a later backward would otherwise add into it. Returns whether there was one."""
+    up = unsharded_param(fsdp_param)
+    if up is None or up.grad is None:
+        return False
+    up.grad = None
+    return True
+
+
 # --------------------------------------------------------------------------------------------------- checks
 
 
@@ -319,6 +345,9 @@ def check_private_surface(module: nn.Module) -> list[str]:
                     problems.append("unsharded_param: missing after a forward")
                 elif not isinstance(up, nn.Parameter) or up.shape != sp.shape:
                     problems.append(f"unsharded_param: unexpected {type(up).__name__} of shape {tuple(up.shape)}")
+        probe("pending_unshard", lambda g=group: pending_unshard(g))
+        if not callable(getattr(group, "wait_for_unshard", None)):
+            problems.append("finish_unshard: FSDPParamGroup.wait_for_unshard is missing")
         if api.reduce_scatter_unused_params and not hasattr(group, "reduce_scatter_unused_params"):
             problems.append("reduce_scatter_unused_params: the setter exists but the group has no such attribute")
     return problems

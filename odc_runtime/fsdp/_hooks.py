@@ -90,17 +90,36 @@ def make_all_gather(base: type) -> type:
     return OdcAllGather
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: ``a`` and ``b`` (same dtype and shape) hold the same bit pattern. NaN-safe: a NaN equals itself,
+    so a model that trains on NaN (as collective FSDP would) is not mistaken for one whose parameters changed."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.reshape(-1).view(bits) == b.reshape(-1).view(bits)
+
+
+def describe_difference(fqn: str, now: torch.Tensor, published: torch.Tensor, same: torch.Tensor) -> str:
+    """What differs between ``now`` and ``published`` (flat, same dtype): count, first index, both values."""
+    diff = (~same).nonzero()
+    first = int(diff[0])
+    return (
+        f"{int(diff.numel())} of {same.numel()} elements of {fqn!r} differ in this rank's shard (first at local "
+        f"index {first}: {now[first].item()!r} now, {published[first].item()!r} published)"
+    )
+
+
 def check_published(unit: Unit, input_tensor: torch.Tensor) -> None:
-    """FSDP's all-gather input must equal the row published at ``begin_minibatch`` (layout and freshness check)."""
+    """FSDP's all-gather input must equal, bit for bit, the row published at ``begin_minibatch`` (layout and
+    freshness check)."""
     row = unit.st_ag.local
     for p in unit.params:
         n = p.sharded_param.to_local().numel()
         a, b = input_tensor[p.ag_offset : p.ag_offset + n], row[p.ag_offset : p.ag_offset + n]
-        if not torch.equal(a, b):
+        same = same_bits(a, b)
+        if not bool(same.all()):
             raise OdcUsageError(
-                f"odc_runtime.fsdp: FSDP's all-gather input for {p.fqn!r} differs from the parameters published at "
-                "the start of the minibatch; parameters must not change inside a minibatch (optimizer.step() "
-                "and load_state_dict() belong between minibatches)"
+                f"odc_runtime.fsdp: FSDP's all-gather input differs from the parameters published at the start of "
+                f"the minibatch: {describe_difference(p.fqn, a, b, same)}. Parameters must not change inside a "
+                "minibatch: optimizer.step(), load_state_dict() and in-place edits belong between minibatches"
             )
 
 
@@ -121,8 +140,10 @@ def make_reduce_scatter(base: type) -> type:
             state = self._check_group(group, "reduce-scatter")
             unit = self._unit
             if not state.in_minibatch:
+                state.aborted_backward = True
                 recover = (
-                    "call model.reset_iter_state() on the root model before going on"
+                    "ODC resets it (model.reset_iter_state()) and drops this backward's partial gradients at the "
+                    "next begin_minibatch, so the next minibatch is exact"
                     if _compat.has_capability("reset_iter_state")
                     else f"torch {torch.__version__} has no FSDPModule.reset_iter_state (torch >= 2.13): rebuild "
                     "the model (e.g. from a checkpoint) before going on"

@@ -88,6 +88,9 @@ class State:
     in_minibatch: bool = False
     broken: str | None = None
     minibatches: int = 0
+    aborted_backward: bool = False  # a backward outside a minibatch was refused: begin_minibatch resets FSDP
+    param_ids: frozenset[int] = frozenset()  # ids of the sharded parameters (the optimizer step guard)
+    handles: list[RemovableHandle] = field(default_factory=list)  # model-level hooks removed by disable()
 
 
 STATES: weakref.WeakKeyDictionary[nn.Module, State] = weakref.WeakKeyDictionary()

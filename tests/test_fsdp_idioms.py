@@ -1,0 +1,114 @@
+"""Trainer idioms in FSDP2 ODC mode, on 4 CPU ranks (the README's table "trainer idioms in ODC mode").
+
+Each idiom that works runs the same training loop three times: ODC mode and collective FSDP2 with equal micro-batch
+counts (they must agree step for step), and ODC mode with counts ``[0, 1, 2, 3]`` (rotated by one rank every
+minibatch, so a rank idle in one minibatch works in the next) against a single process that trains on every rank's
+micro-batches (zero included). Slips that cannot work are refused at the call with a typed
+error that says what to do; the model stays usable where the error says so. Scenarios: ``tests/_fsdp_idioms.py``.
+
+Tolerances as in tests/test_fsdp.py: fp32 sums in a different order differ by a few ulps per step (1e-5 leaves a
+wide margin; a scaling or layout mistake is off by 1e-2 or more). Adam divides by sqrt(v): a gradient component
+near zero turns its few-ulp difference into up to ~1e-5 in the parameter, hence 1e-4 there (its gradient norm,
+compared at 1e-5 relative, still catches any scaling mistake).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _fsdp_harness as h
+import _fsdp_idioms as idioms
+
+UNEQUAL = [0, 1, 2, 3]
+TOL = 1e-5
+ADAM_TOL = 1e-4
+GROUPS = {  # idioms sharing one spawned job (each job well under the 120 s test timeout on a loaded 2-core host)
+    "prefetching": ["explicit_prefetch", "prefetch_hooks", "no_reshard_after_backward"],
+    "resharding": ["raf_false_forward_only", "checkpoint_wrapper"],
+    "validation": ["eval_inside", "eval_outside"],
+    "steps": ["grad_accumulation", "meta_init_adam_clip"],
+}
+
+
+def test_groups_cover_every_idiom():
+    assert sorted(n for names in GROUPS.values() for n in names) == sorted(idioms.IDIOMS)
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_idioms_match_collective_and_reference(group):
+    names = GROUPS[group]
+    results = h.run(idioms.scenario_idioms, 4, names, 2, UNEQUAL, timeout=110)
+    for rank, res in enumerate(results):
+        for name in names:
+            opts = idioms.IDIOMS[name]
+            tol = ADAM_TOL if opts.get("adam") else TOL
+            for against, d in res[name].items():
+                where = f"{name} vs {against}, rank {rank}: {d}"
+                assert d["params"] < tol, where
+                assert d["loss"] < TOL, where
+                assert d["norm"] < TOL, where
+                assert d["eval"] < TOL, where
+            if opts.get("clip"):
+                assert res[name]["vs_reference"]["n_norm"] == 2
+            if opts.get("eval_inside"):  # rank r validated r batches inside each of the 2 minibatches
+                assert res[name]["vs_reference"]["n_eval"] == 2 * rank
+            if opts.get("forward_only"):  # only a rank without micro-batches runs a forward-only pass: counts
+                # [0, 1, 2, 3] then [3, 0, 1, 2] (rotated every minibatch), so rank 0 once, then rank 1 once
+                assert res[name]["vs_reference"]["n_eval"] == (1 if rank in (0, 1) else 0)
+
+
+def test_dcp_save_load_between_minibatches(tmp_path):
+    results = h.run(idioms.scenario_dcp, 4, str(tmp_path / "ckpt"), UNEQUAL, timeout=110)
+    for res in results:
+        assert res["moved"] > 1e-3, res  # training changed the parameters
+        assert res["again"] < TOL, res  # resumed from the DCP checkpoint: the same two steps again
+        assert res["vs_reference"] < TOL, res
+
+
+@pytest.mark.timeout(200)  # a cold inductor compile of one block, forward and backward, takes ~1 min on 2 cores
+def test_torch_compile_per_block():
+    env_key = "TORCHINDUCTOR_COMPILE_THREADS"
+    old = os.environ.get(env_key)
+    os.environ[env_key] = "1"  # the spawned ranks inherit it: no compile worker pool per rank
+    try:
+        results = h.run(idioms.scenario_compile, 2, 2, [0, 2], timeout=190)
+    finally:
+        if old is None:
+            os.environ.pop(env_key)
+        else:
+            os.environ[env_key] = old
+    for d in results:
+        assert d["params"] < TOL and d["loss"] < TOL, d
+
+
+def test_slips_are_refused_where_they_happen():
+    results = h.run(idioms.scenario_slips, 4, UNEQUAL, timeout=110)
+    for rank, res in enumerate(results):
+        assert "SGD.step() inside a minibatch" in res["step_inside"], res["step_inside"]
+        assert res["step_inside_unchanged"]
+        assert "load_state_dict() inside a minibatch" in res["load_inside"], res["load_inside"]
+        if rank == 1:  # the rank that edited a parameter is told what changed
+            assert "3 of 120 elements of 'head.weight' differ" in res["edit_inside"], res["edit_inside"]
+        else:
+            assert "another rank changed its parameters" in res["edit_inside"], res["edit_inside"]
+        assert res["edit_next_exact"] < TOL
+        assert "divide_factor=...) differs between ranks (from 1.0 to 4.0" in res["local_factor"], res["local_factor"]
+        assert res["local_factor_no_grads"]
+        assert res["local_factor_next_exact"] < TOL
+        assert "by divide_factor 1e-45 overflows torch.float32" in res["tiny_factor"], res["tiny_factor"]
+        assert res["np_float32_diff"] < 1e-6
+        assert "backward() ran outside a minibatch" in res["backward_outside"], res["backward_outside"]
+        if "backward_next_exact" in res:  # torch >= 2.13 (reset_iter_state): ODC cleans up by itself
+            assert "ODC resets it" in res["backward_outside"]
+            assert res["backward_next_exact"] < TOL
+        assert res["nan"] == "NO ERROR"  # NaN parameters are not "changed parameters"
+        assert res["nan_loss"]
+
+
+def test_lone_validation_forward_timeout_names_the_cause():
+    msg, _ = h.run(idioms.scenario_lone_eval, 2, timeout=100, init_odc=False)
+    assert "timed out" in msg and "a forward outside a minibatch" in msg, msg
