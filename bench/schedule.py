@@ -35,7 +35,11 @@ from dataclasses import dataclass
 
 from _common import check_plan  # _common also makes odc_runtime importable from a checkout
 
-from odc_runtime.balance import POLICIES, CostModel, get_policy, plan
+from odc_runtime.balance import POLICY_REGISTRY, CostModel, get_policy, plan
+
+#: The policies the executor and the simulator run: whole samples only (a split plan's gang micro-batches need the
+#: gang attention of odc_runtime.gang, not modelled here yet).
+POLICIES = tuple(name for name, p in POLICY_REGISTRY.items() if not p.splits)
 
 COMMS = ("collective", "odc")
 FORWARD_FRACTION = 1.0 / 3.0  # backward ≈ 2 × forward (activation and weight gradients)

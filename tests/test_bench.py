@@ -333,8 +333,11 @@ def test_schedule_check_catches_a_lost_sample():
 def test_schedule_grid_follows_the_policy_registry():
     from odc_runtime.balance import POLICY_REGISTRY
 
-    assert tuple(POLICY_REGISTRY) == sch.POLICIES
+    assert tuple(name for name, p in POLICY_REGISTRY.items() if not p.splits) == sch.POLICIES
     for name, policy in POLICY_REGISTRY.items():
+        if policy.splits:  # gang micro-batches: not executed or simulated yet
+            assert ("odc", name) not in sch.grid()
+            continue
         assert ("odc", name) in sch.grid()
         assert (("collective", name) in sch.grid()) == policy.equal_counts
 
