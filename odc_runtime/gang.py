@@ -137,9 +137,11 @@ class GangStep:
                                 f"exchange's max_chunk_tokens={exchange.max_chunk_tokens}")
         positions = [Chunk(chunk.sample, p, chunk.parts, chunk.length, chunk.gang, chunk.ranks).positions()
                      for p in range(chunk.parts)]
-        self.positions = torch.tensor(positions[chunk.part], dtype=torch.long)
+        device = exchange.transport.device
+        #: Global positions of this chunk's tokens (on the transport's device).
+        self.positions = torch.tensor(positions[chunk.part], dtype=torch.long, device=device)
         #: Global positions of the gathered K/V rows (members' chunks in member order).
-        self.kv_positions = torch.tensor([t for ps in positions for t in ps], dtype=torch.long)
+        self.kv_positions = torch.tensor([t for ps in positions for t in ps], dtype=torch.long, device=device)
         self._next_layer = 0
         self._token = None
 
@@ -166,7 +168,8 @@ class GangStep:
         word = direction * ex.transport.world_size + me
         offset = ex._slot(me, layer)
         c = self.chunk
-        tag = torch.tensor([c.gang, c.sample, c.length, layer, direction], dtype=torch.int64)
+        tag = torch.tensor([c.gang, c.sample, c.length, layer, direction], dtype=torch.int64,
+                           device=ex.transport.device)
         order = [self.members[(self.chunk.part + i) % len(self.members)] for i in range(1, len(self.members))]
         ex.transport.put_signal(buf, [PutRequest(p, rows[p], offset, word) for p in order], ex.signal)
         tag_offset = ex._tag_offset(direction, me, layer)

@@ -66,7 +66,7 @@ def gang_attention_forward(
         mask = _packed_causal_mask(position_ids, n, query.device)
         out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
-    if position_ids is not None and not torch.equal(position_ids.reshape(-1).cpu(), step.positions):
+    if position_ids is not None and not torch.equal(position_ids.reshape(-1).to(step.positions.device), step.positions):
         raise OdcUsageError(
             f"odc gang {step.chunk.gang} layer {module.layer_idx}: position_ids are not the chunk's global positions; "
             "build the inputs with odc_runtime.integrations.hf_gang.chunk_inputs"
