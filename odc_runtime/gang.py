@@ -34,6 +34,7 @@ rank (K and V, forward and backward), plus small tag and signal buffers.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import logging
 
 import torch
@@ -130,13 +131,12 @@ class GangStep:
         self.exchange = exchange
         self.chunk = chunk
         self.members = chunk.ranks
-        self.counts = [Chunk(chunk.sample, p, chunk.parts, chunk.length, chunk.gang, chunk.ranks).tokens
-                       for p in range(chunk.parts)]
+        parts = [dataclasses.replace(chunk, part=p) for p in range(chunk.parts)]  # every member's chunk
+        self.counts = [c.tokens for c in parts]
         if max(self.counts) > exchange.max_chunk_tokens:
             raise OdcUsageError(f"odc gang {chunk.gang}: a chunk of {max(self.counts)} tokens exceeds the "
                                 f"exchange's max_chunk_tokens={exchange.max_chunk_tokens}")
-        positions = [Chunk(chunk.sample, p, chunk.parts, chunk.length, chunk.gang, chunk.ranks).positions()
-                     for p in range(chunk.parts)]
+        positions = [c.positions() for c in parts]
         device = exchange.transport.device
         #: Global positions of this chunk's tokens (on the transport's device).
         self.positions = torch.tensor(positions[chunk.part], dtype=torch.long, device=device)

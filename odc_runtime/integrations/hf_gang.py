@@ -68,10 +68,14 @@ def gang_attention_forward(
         return out.transpose(1, 2).contiguous(), None
     if position_ids is not None and not torch.equal(position_ids.reshape(-1).to(step.positions.device), step.positions):
         raise OdcUsageError(
-            f"odc gang {step.chunk.gang} layer {module.layer_idx}: position_ids are not the chunk's global positions; "
+            f"odc gang {step.chunk.gang}: position_ids are not the chunk's global positions; "
             "build the inputs with odc_runtime.integrations.hf_gang.chunk_inputs"
         )
-    out = gang_attention(query[0], key[0], value[0], step, module.layer_idx, scale=scaling)
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise OdcUsageError(f"odc_gang attention: {type(module).__name__} has no integer layer_idx; the gang exchange "
+                            "is per layer, so the model's attention modules must carry their layer number")
+    out = gang_attention(query[0], key[0], value[0], step, layer, scale=scaling)
     return out.transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
