@@ -12,23 +12,25 @@ Mechanism. Everything goes through the transport's signalled put (:meth:`Transpo
 :meth:`Transport.wait_signal`), the one point-to-point ordering guarantee the transport interface defines: a
 receiver that sees the signal word reach a count sees the data of every put counted in it. A one-sided ``get`` of
 the owner's own region would need the owner's local write to be visible to a peer without a fence, which the
-interface only promises after a (world-wide) barrier. So member ``s`` *puts* its K/V at layer ``l`` into slot
-``(s, l)`` of every other member's ``kv`` buffer, plus a tag (gang, sample, length, layer, direction) into the
-matching tag slot, each put adding 1 to word ``s`` of the receiver's signal buffer; the backward puts dK/dV into
-slot ``(s, l)`` of the owner's ``dkv`` buffer, counted in word ``world_size + s``. Only gang members signal one
-another: no barrier, no collective. Every wait is bounded by the transport's timeout (``ODC_TIMEOUT``) and raises
+interface only promises after a (world-wide) barrier. So member ``s`` *puts* its K/V at layer ``l`` into its next
+slot of every other member's ``kv`` buffer (a ring of ``depth`` slots per sender), plus a tag (gang, sample,
+length, layer, direction) into the matching tag slot, each put adding 1 to word ``s`` of the receiver's signal
+buffer; the backward puts dK/dV into the owner's ``dkv`` buffer the same way, counted in word ``world_size + s``.
+A receiver that copied a slot out returns a *credit* (a signalled put into the sender's ``acks``); a sender
+reuses a slot only after the credit of its previous use. Only gang members signal one another: no barrier, no
+collective. Every wait is bounded by the transport's timeout (``ODC_TIMEOUT``) and raises
 :class:`~odc_runtime.errors.OdcTimeoutError` (or :class:`~odc_runtime.errors.OdcPeerLostError`) naming the gang,
 the sample, the layer and the rank that did not deliver; a tag that does not match (ranks running different plans
 or layers) raises :class:`~odc_runtime.errors.OdcMismatchError`. Owners sum contributions in member order, so the
 result is deterministic.
 
 Ordering and why it cannot deadlock (docs/design.md, "Splitting outlier sequences"): a member sends before it
-waits, at every layer in both directions; every rank runs its gang micro-batches first, in increasing gang
-number; slots are per (sender, layer), and a sender reuses a slot only after its backward pass collected the
-receiver's dK/dV for every layer, which the receiver sends after it consumed the slot.
+waits for its peers' data, at every layer in both directions, and the only wait before a send is for a credit
+that the peer returns as soon as it consumed an *earlier* exchange; every rank runs its gang micro-batches first,
+in increasing gang number; slots are per sender, so gangs sharing a receiver never write the same slot.
 
-Memory: ``2 · world_size · num_layers · 2 · max_chunk_tokens · kv_features`` elements of symmetric memory per
-rank (K and V, forward and backward), plus small tag and signal buffers.
+Memory: ``2 · world_size · depth · 2 · max_chunk_tokens · kv_features`` elements of symmetric memory per rank (K
+and V slots, forward and backward), plus small tag, credit and signal buffers.
 """
 
 from __future__ import annotations
@@ -76,22 +78,27 @@ class GangExchange:
         max_chunk_tokens: int,
         kv_features: int,
         dtype: torch.dtype = torch.float32,
+        depth: int = 2,
         transport: Transport | None = None,
     ) -> None:
         for name, value in (("num_layers", num_layers), ("max_chunk_tokens", max_chunk_tokens),
-                            ("kv_features", kv_features)):
+                            ("kv_features", kv_features), ("depth", depth)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise OdcUsageError(f"GangExchange: {name} must be a positive int, got {value!r}")
         self.transport = transport if transport is not None else _runtime_transport()
-        self.num_layers, self.max_chunk_tokens, self.kv_features, self.dtype = (
-            num_layers, max_chunk_tokens, kv_features, dtype)
+        self.num_layers, self.max_chunk_tokens, self.kv_features, self.dtype, self.depth = (
+            num_layers, max_chunk_tokens, kv_features, dtype, depth)
         w = self.transport.world_size
         self.slot = 2 * max_chunk_tokens * kv_features
-        self.kv = self.transport.alloc(w * num_layers * self.slot, dtype, "gang.kv")
-        self.dkv = self.transport.alloc(w * num_layers * self.slot, dtype, "gang.dkv")
-        self.tags = self.transport.alloc(2 * w * num_layers * _TAG_WORDS, torch.int64, "gang.tags")
-        self.signal = self.transport.alloc(2 * w, torch.int64, "gang.signal")
-        self._expected = [0] * (2 * w)  # running count per signal word: words only grow
+        self.kv = self.transport.alloc(w * depth * self.slot, dtype, "gang.kv")
+        self.dkv = self.transport.alloc(w * depth * self.slot, dtype, "gang.dkv")
+        self.tags = self.transport.alloc(2 * w * depth * _TAG_WORDS, torch.int64, "gang.tags")
+        self.acks = self.transport.alloc(2 * w, torch.int64, "gang.acks")
+        # Words [d·W + s]: puts from sender s in direction d (data and tag: +2 per layer); [(2 + d)·W + r]: credits
+        # from receiver r (+1 per layer it consumed). Words only grow; both sides keep running counts per pair.
+        self.signal = self.transport.alloc(4 * w, torch.int64, "gang.signal")
+        self._sent = [[0] * w for _ in range(2)]  # [direction][peer]: layers this rank put to peer
+        self._received = [[0] * w for _ in range(2)]  # [direction][peer]: layers this rank consumed from peer
 
     @property
     def rank(self) -> int:
@@ -103,14 +110,15 @@ class GangExchange:
 
     def free(self) -> None:
         """Collective: release the buffers."""
-        for buf in (self.signal, self.tags, self.dkv, self.kv):
+        for buf in (self.signal, self.acks, self.tags, self.dkv, self.kv):
             self.transport.free(buf)
 
-    def _slot(self, sender: int, layer: int) -> int:
-        return (sender * self.num_layers + layer) * self.slot
+    def _slot(self, sender: int, n: int) -> int:
+        """Offset of sender's slot for its ``n``-th exchange with this receiver (a ring of ``depth``)."""
+        return (sender * self.depth + n % self.depth) * self.slot
 
-    def _tag_offset(self, direction: int, sender: int, layer: int) -> int:
-        return ((direction * self.transport.world_size + sender) * self.num_layers + layer) * _TAG_WORDS
+    def _tag_offset(self, direction: int, sender: int, n: int) -> int:
+        return ((direction * self.transport.world_size + sender) * self.depth + n % self.depth) * _TAG_WORDS
 
 
 class GangStep:
@@ -163,25 +171,33 @@ class GangStep:
         return f"gang {self.chunk.gang} (sample {self.chunk.sample}) layer {layer}: {kind} from rank {peer}"
 
     def _send(self, buf: SymmetricBuffer, direction: int, layer: int, rows: dict[int, torch.Tensor]) -> None:
-        """Put ``rows[peer]`` into every peer's slot for this rank, then its tag; both counted in one word."""
-        ex, me = self.exchange, self.exchange.rank
-        word = direction * ex.transport.world_size + me
-        offset = ex._slot(me, layer)
+        """Put ``rows[peer]`` into every peer's next slot for this rank, then its tag; both counted in one word.
+
+        A slot is reused ``depth`` exchanges later, once the peer's credit says it consumed the previous one."""
+        ex, me, w = self.exchange, self.exchange.rank, self.exchange.transport.world_size
+        word = direction * w + me
         c = self.chunk
         tag = torch.tensor([c.gang, c.sample, c.length, layer, direction], dtype=torch.int64,
                            device=ex.transport.device)
         order = [self.members[(self.chunk.part + i) % len(self.members)] for i in range(1, len(self.members))]
-        ex.transport.put_signal(buf, [PutRequest(p, rows[p], offset, word) for p in order], ex.signal)
-        tag_offset = ex._tag_offset(direction, me, layer)
-        ex.transport.put_signal(ex.tags, [PutRequest(p, tag, tag_offset, word) for p in order], ex.signal)
+        sent = {p: ex._sent[direction][p] for p in order}
+        for p in order:
+            if sent[p] >= ex.depth:  # the slot's previous use must be consumed: wait for that credit
+                what = self._what(layer, direction, p).replace(" from rank ", ": credit (slot free) from rank ")
+                ex.transport.wait_signal(ex.signal, (2 + direction) * w + p, sent[p] - ex.depth + 1, what, [p])
+        ex.transport.put_signal(buf, [PutRequest(p, rows[p], ex._slot(me, sent[p]), word) for p in order], ex.signal)
+        ex.transport.put_signal(
+            ex.tags, [PutRequest(p, tag, ex._tag_offset(direction, me, sent[p]), word) for p in order], ex.signal)
+        for p in order:
+            ex._sent[direction][p] += 1
 
     def _receive(self, buf: SymmetricBuffer, direction: int, layer: int, peer: int, numel: int) -> torch.Tensor:
         """Wait for ``peer``'s put of this layer and direction; a copy of its data."""
-        ex = self.exchange
-        word = direction * ex.transport.world_size + peer
-        ex._expected[word] += 2
-        ex.transport.wait_signal(ex.signal, word, ex._expected[word], self._what(layer, direction, peer), [peer])
-        t = ex._tag_offset(direction, peer, layer)
+        ex, w = self.exchange, self.exchange.transport.world_size
+        n = ex._received[direction][peer]
+        ex.transport.wait_signal(ex.signal, direction * w + peer, 2 * (n + 1), self._what(layer, direction, peer),
+                                 [peer])
+        t = ex._tag_offset(direction, peer, n)
         got = ex.tags.local[t : t + _TAG_WORDS].tolist()
         c = self.chunk
         want = [c.gang, c.sample, c.length, layer, direction]
@@ -190,8 +206,15 @@ class GangStep:
                 f"odc {self._what(layer, direction, peer)}: it sent (gang, sample, length, layer, direction) = {got}, "
                 f"this rank expected {want}; the ranks run different plans or models"
             )
-        offset = ex._slot(peer, layer)
-        return buf.local[offset : offset + numel].clone()
+        offset = ex._slot(peer, n)
+        data = buf.local[offset : offset + numel].clone()
+        ex._received[direction][peer] = n + 1
+        # Credit: the slot is free again (the copy above is ordered before the put, on the stream on GPU).
+        me = ex.rank
+        credit = torch.full((1,), n + 1, dtype=torch.int64, device=ex.transport.device)
+        ex.transport.put_signal(ex.acks, [PutRequest(peer, credit, direction * w + me, (2 + direction) * w + me)],
+                                ex.signal)
+        return data
 
     def _forward(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ex = self.exchange

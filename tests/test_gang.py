@@ -80,7 +80,7 @@ def _run_chunk(exchange, chunk):
     return loss.detach(), [t.grad for t in params]
 
 
-def _gangs_rank(rank: int, world: int, gangs: list[tuple[int, int, tuple[int, ...]]]):
+def _gangs_rank(rank: int, world: int, gangs: list[tuple[int, int, tuple[int, ...]]], depth: int = 2):
     """Run every gang (sample length, parts, ranks) this rank belongs to, in gang order; per gang, the loss and
     gradients summed over the members (all_reduce over the world, zeros from non-members)."""
     import torch
@@ -93,7 +93,7 @@ def _gangs_rank(rank: int, world: int, gangs: list[tuple[int, int, tuple[int, ..
     odc.init("host")
     longest = max(length for length, _, _ in gangs)
     ex = GangExchange(num_layers=LAYERS, max_chunk_tokens=longest, kv_features=KV_HEADS * HEAD_DIM,
-                      dtype=torch.float64)
+                      dtype=torch.float64, depth=depth)
     results = []
     for g, (length, parts, ranks) in enumerate(gangs):
         if rank in ranks:
@@ -123,18 +123,19 @@ def _check_against_reference(results: list, gangs: list) -> None:
         assert want.abs().max() > 1.0  # the tolerance is small against the values
 
 
-@pytest.mark.parametrize(("world", "gangs"), [
-    (2, [(13, 2, (0, 1))]),  # 13 tokens: chunks of 6 and 7, uneven pieces
-    (3, [(17, 3, (0, 1, 2))]),
+@pytest.mark.parametrize(("world", "gangs", "depth"), [
+    (2, [(13, 2, (0, 1))], 2),  # 13 tokens: chunks of 6 and 7, uneven pieces; a slot per layer
+    (3, [(17, 3, (0, 1, 2))], 1),  # one slot per peer: reused at every layer, after the peer's credit
 ])
-def test_split_sample_equals_unsplit(world: int, gangs: list) -> None:
-    _check_against_reference(run_ranks(_gangs_rank, world, gangs, timeout=100), gangs)
+def test_split_sample_equals_unsplit(world: int, gangs: list, depth: int) -> None:
+    _check_against_reference(run_ranks(_gangs_rank, world, gangs, depth, timeout=100), gangs)
 
 
 def test_gangs_sharing_a_rank_run_in_order_without_deadlock() -> None:
-    # Rank 1 is in both gangs; rank 2 reaches gang 1 first and waits for rank 1 to finish gang 0.
-    gangs = [(12, 2, (0, 1)), (10, 2, (1, 2))]
-    _check_against_reference(run_ranks(_gangs_rank, 3, gangs, timeout=100), gangs)
+    # Rank 1 is in every gang; rank 2 reaches gang 1 first and waits for rank 1 to finish gang 0; ranks 0 and 1
+    # meet again in gang 2, reusing their one slot per peer (depth 1) under credits.
+    gangs = [(12, 2, (0, 1)), (10, 2, (1, 2)), (9, 2, (0, 1))]
+    _check_against_reference(run_ranks(_gangs_rank, 3, gangs, 1, timeout=100), gangs)
 
 
 def test_split_is_not_the_unsplit_without_the_exchange() -> None:
