@@ -25,15 +25,14 @@ def _weights(length: int):
     import torch
 
     g = torch.Generator().manual_seed(0)
-    torch.set_default_dtype(torch.float64)
-    x = torch.randn(length, HIDDEN, generator=g)
+    x = torch.randn(length, HIDDEN, generator=g, dtype=torch.float64)
     layers = [
-        {name: torch.randn(HIDDEN, rows * HEAD_DIM, generator=g) * 0.5
+        {name: torch.randn(HIDDEN, rows * HEAD_DIM, generator=g, dtype=torch.float64) * 0.5
          for name, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS), ("o", HEADS))}
         for _ in range(LAYERS)
     ]
     layers = [{**w, "o": w["o"].T.contiguous()} for w in layers]  # o: (heads·head_dim) -> hidden
-    readout = torch.randn(length, HIDDEN, generator=g)
+    readout = torch.randn(length, HIDDEN, generator=g, dtype=torch.float64)
     return x, layers, readout
 
 
@@ -100,7 +99,8 @@ def _gangs_rank(rank: int, world: int, gangs: list[tuple[int, int, tuple[int, ..
             loss, grads = _run_chunk(ex, Chunk(g, ranks.index(rank), parts, length, g, ranks))
         else:
             x, layers, _ = _weights(length)
-            loss, grads = torch.zeros(()), [torch.zeros_like(t) for t in [x] + [t for w in layers for t in w.values()]]
+            loss = torch.zeros((), dtype=torch.float64)
+            grads = [torch.zeros_like(t) for t in [x] + [t for w in layers for t in w.values()]]
         results.append((loss, grads))
     out = []
     for loss, grads in results:  # the sums, after every gang ran (no collective between gangs)
@@ -118,7 +118,7 @@ def _check_against_reference(results: list, gangs: list) -> None:
         loss, grads = _reference(length)
         want = torch.cat([loss.view(1)] + [t.reshape(-1) for t in grads])
         for per_rank in results:  # every rank holds the same sums
-            flat = torch.tensor(per_rank[g])
+            flat = torch.tensor(per_rank[g], dtype=torch.float64)
             assert torch.allclose(flat, want, atol=TOL, rtol=TOL), (g, (flat - want).abs().max())
         assert want.abs().max() > 1.0  # the tolerance is small against the values
 
