@@ -220,6 +220,14 @@ def check_plan(plan: Sequence[Sequence[Sequence[int]]], lengths: Sequence[int], 
     number."""
     if len(plan) != world_size:
         raise RuntimeError(f"{what}: {len(plan)} ranks, expected {world_size}")
+    from odc_runtime.split import Chunk, check_split_plan
+
+    if any(isinstance(i, Chunk) for rank in plan for mb in rank for i in mb):  # a split plan (lb_mini_split)
+        try:
+            check_split_plan(plan, lengths, world_size=world_size, max_tokens=max_tokens)
+        except ValueError as e:
+            raise RuntimeError(f"{what}: {e}") from e
+        return
     seen = sorted(i for rank in plan for mb in rank for i in mb)
     if seen != list(range(len(lengths))):
         raise RuntimeError(f"{what}: samples are not each placed exactly once")

@@ -35,7 +35,13 @@ from dataclasses import dataclass
 
 from _common import check_plan  # _common also makes odc_runtime importable from a checkout
 
-from odc_runtime.balance import POLICIES, CostModel, get_policy, plan
+from odc_runtime.balance import POLICY_REGISTRY, CostModel, get_policy, plan
+from odc_runtime.split import Chunk, chunk_cost
+
+#: The policies the executor (bench/imbalance.py) runs: whole samples only (it has no gang attention yet).
+POLICIES = tuple(name for name, p in POLICY_REGISTRY.items() if not p.splits)
+#: The policies the simulator (bench/simulate.py) replays: all, split plans' gang micro-batches included.
+SIMULATED_POLICIES = tuple(POLICY_REGISTRY)
 
 COMMS = ("collective", "odc")
 FORWARD_FRACTION = 1.0 / 3.0  # backward ≈ 2 × forward (activation and weight gradients)
@@ -82,6 +88,10 @@ class ModelSpec:
         h_kv = self.num_kv_heads * (h // self.num_heads)
         return h * (h + 2 * h_kv) + h * h + 3 * h * self.intermediate_size
 
+    def kv_token_bytes(self) -> int:
+        """Bytes of K and V of one token in one layer (bf16): what a gang exchanges per token and layer."""
+        return 2 * self.num_kv_heads * (self.hidden_size // self.num_heads) * 2
+
     def params(self) -> int:
         """All parameters: the layers, the input embedding and (untied) the LM head (norms, biases ignored)."""
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
@@ -114,6 +124,7 @@ class MicroBatch:
     samples: tuple[int, ...]  # indices into the whole stream of lengths
     tokens: int
     cost_s: float  # modelled seconds of forward + backward over all layers; 0 for a padded empty micro-batch
+    chunk: Chunk | None = None  # a gang micro-batch (lb_mini_split): this rank's chunk; cost_s is its compute only
 
     @property
     def empty(self) -> bool:
@@ -217,7 +228,9 @@ def build_schedule(
         ranks = []
         for rank_mbs in p:
             mbs = [
-                MicroBatch(
+                MicroBatch((offset + mb[0].sample,), mb[0].tokens, chunk_cost(mb[0], cost, kv_ratio=0.0), mb[0])
+                if mb and isinstance(mb[0], Chunk)
+                else MicroBatch(
                     samples=tuple(offset + i for i in mb),
                     tokens=sum(lengths[i] for i in mb),
                     cost_s=cost.cost_of(lengths[i] for i in mb),
@@ -247,12 +260,13 @@ def check_schedule(schedule: Schedule, minibatch_lengths: Sequence[Sequence[int]
     offset = 0
     for k, (mb, lengths) in enumerate(zip(schedule.minibatches, minibatch_lengths, strict=True)):
         what = f"{schedule.comm}/{schedule.policy} minibatch {k}"
-        local = [[[i - offset for i in m.samples] for m in mbs] for mbs in mb.ranks]
+        local = [[[m.chunk] if m.chunk else [i - offset for i in m.samples] for m in mbs] for mbs in mb.ranks]
         check_plan(local, lengths, world_size=schedule.world_size, max_tokens=max_tokens,
                    equal_counts=schedule.comm == "collective", what=what)
         if schedule.comm == "odc" and any(m.empty for mbs in mb.ranks for m in mbs):
             raise RuntimeError(f"{what}: ODC schedule holds an empty micro-batch")
         for m, ids in zip((m for mbs in mb.ranks for m in mbs), (ids for rank in local for ids in rank), strict=True):
-            if m.tokens != sum(lengths[i] for i in ids) or (m.empty and m.cost_s != 0.0):
+            tokens = m.chunk.tokens if m.chunk else sum(lengths[i] for i in ids)
+            if m.tokens != tokens or (m.empty and m.cost_s != 0.0):
                 raise RuntimeError(f"{what}: a micro-batch's token count or cost does not match its samples")
         offset += len(lengths)

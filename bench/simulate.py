@@ -20,6 +20,12 @@ adds one all-reduce of a rank's gradient shards across the R replicas (:func:`al
 ``latency + 2·(R-1)/R · (L · layer_bytes / S) / bandwidth`` over ``replica_link``, InfiniBand by default, not
 overlapped with compute). Assumed: replicas sit on different nodes, each rank's all-reduce crosses its own NIC
 concurrently with the other shard positions' (no contention), one latency per all-reduce, gradients in bf16.
+Split samples (``lb_mini_split``): a gang micro-batch starts when its last member is free (each rank runs its
+gangs first, in gang order) and runs in per-layer lockstep across its members (the K/V exchange synchronises them
+at every layer): each layer task takes the slowest member's, plus the K/V exchange, not overlapped (the gang
+attention waits for it): ``latency + max(bytes in, bytes out) / p2p bandwidth`` per layer and direction, with
+``bytes in`` the other members' K/V (bf16, ``2 · kv_heads · head_dim · 2`` bytes per token) and ``bytes out`` this
+chunk's K/V to each other member; the backward pass returns dK/dV, the same volume.
 Not modelled: contention between ranks for the network, stragglers, kernel efficiency changing with length.
 
 Compared with measurements (no assumption was changed to match them). AMD's Primus port of ODC measured
@@ -42,7 +48,7 @@ import sys
 from dataclasses import dataclass, field
 
 import _common
-from schedule import GPU_PEAK_FLOPS, MODELS, POLICIES, Schedule, build_schedule, grid
+from schedule import GPU_PEAK_FLOPS, MODELS, SIMULATED_POLICIES, Schedule, build_schedule, grid
 
 
 @dataclass(frozen=True)
@@ -105,10 +111,12 @@ def simulate(
     sync_s: float = 0.0,
     time_scale: float = 1.0,
     replica_link: Link | None = None,
+    kv_token_bytes: float = 0.0,
 ) -> SimResult:
     """Predicted wall time of ``schedule`` (compute scaled by ``time_scale``; communication is not).
 
-    ``replica_link`` carries HSDP's cross-replica all-reduce (default: ``link``)."""
+    ``replica_link`` carries HSDP's cross-replica all-reduce (default: ``link``); ``kv_token_bytes``: K/V bytes of
+    one token in one layer, exchanged within the gangs of split samples."""
     w = schedule.world_size
     odc = schedule.comm == "odc"
     gather = comm_seconds(link, layer_bytes, schedule.shard_size, odc=odc)
@@ -126,11 +134,34 @@ def simulate(
         for r, prog in enumerate(programs):
             busy[r] += sum(t.compute_s for t in prog) * time_scale
         if odc:
-            per_rank = [
-                sum(task_time(t.compute_s * time_scale, gather + (scatter if t.scatter else 0.0)) for t in prog)
-                for prog in programs
-            ]
-            t_mb = max(per_rank, default=0.0)
+            mbs = schedule.minibatches[k].ranks
+            clock = [0.0] * w
+            gangs: dict[int, list[int]] = {}  # gang -> member ranks
+            for r in range(w):
+                for m in mbs[r]:
+                    if m.chunk is not None:
+                        gangs.setdefault(m.chunk.gang, []).append(r)
+            for g in sorted(gangs):  # every member runs its gangs first, in gang order
+                members = gangs[g]
+                mine = {r: next(i for i, m in enumerate(mbs[r]) if m.chunk is not None and m.chunk.gang == g)
+                        for r in members}
+                tasks = {r: [t for t in programs[r] if t.micro_batch == mine[r]] for r in members}
+                chunk = mbs[members[0]][mine[members[0]]].chunk
+                own = chunk.tokens  # chunks are equal within one token; the exchange is priced on one of them
+                kv = link.latency_s + max(chunk.length - own, own * (chunk.parts - 1)) * kv_token_bytes / (
+                    link.p2p_GBps * 1e9) if kv_token_bytes > 0 else 0.0
+                duration = sum(
+                    max(task_time(tasks[r][j].compute_s * time_scale,
+                                  gather + (scatter if tasks[r][j].scatter else 0.0)) for r in members) + kv
+                    for j in range(len(tasks[members[0]]))
+                )
+                start = max(clock[r] for r in members)
+                for r in members:
+                    clock[r] = start + duration
+            for r, prog in enumerate(programs):
+                clock[r] += sum(task_time(t.compute_s * time_scale, gather + (scatter if t.scatter else 0.0))
+                                for t in prog if mbs[r][t.micro_batch].chunk is None)
+            t_mb = max(clock, default=0.0)
         else:
             depth = len(programs[0])
             if any(len(p) != depth for p in programs):
@@ -196,12 +227,12 @@ def main(argv: list[str] | None = None) -> None:
     for link_name in args.link:
         link = LINKS[link_name]
         times = {}
-        for comm, policy in grid(policies=POLICIES):
+        for comm, policy in grid(policies=SIMULATED_POLICIES):
             sched = build_schedule(batches, args.world, comm=comm, policy=policy, cost=cost,
                                    max_tokens=args.max_tokens, num_layers=spec.num_layers, replicas=args.replicas,
                                    allow_oversized=args.allow_oversized)
             res = simulate(sched, layer_bytes=layer_bytes, link=link, overlap=not args.no_overlap,
-                           replica_link=LINKS[args.replica_link])
+                           replica_link=LINKS[args.replica_link], kv_token_bytes=spec.kv_token_bytes())
             times[comm, policy] = res.time_s
             rows.append({"link": link_name, "comm": comm, "policy": policy, "time_s": res.time_s,
                          "s_per_minibatch": res.time_s / len(batches), "tokens_per_s": res.tokens_per_s,

@@ -9,7 +9,9 @@ follow a long-tailed post-training distribution (``odc_runtime.workloads``). Eve
   empty ones (a dummy token with zero loss weight).
 - ``--comm odc``: the same FSDP2 model plus ``odc_runtime.fsdp.enable(model)``; each minibatch runs inside
   ``with odc_runtime.fsdp.minibatch(model, divide_factor=global_tokens)``. Ranks run different numbers of
-  micro-batches (default policy ``lb_mini``: balance each rank's total work over the minibatch).
+  micro-batches (default policy ``lb_mini``: balance each rank's total work over the minibatch). With
+  ``--policy lb_mini_split`` long samples are split into chunks that a gang of ranks runs together, their attention
+  exchanging K/V (``odc_runtime.gang``); a sample longer than ``--max-tokens`` is split rather than refused.
 
 Loss normalisation is the same in both modes: the sum of token cross-entropies of the minibatch divided by its
 global number of target tokens, so the loss curves agree (up to float summation order).
@@ -50,7 +52,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import odc_runtime as odc
 import odc_runtime.fsdp as odc_fsdp
-from odc_runtime import balance, workloads
+from odc_runtime import balance, gang, split, workloads
 
 # --------------------------------------------------------------------------------------------------- model
 
@@ -58,9 +60,10 @@ from odc_runtime import balance, workloads
 class Block(nn.Module):
     """Pre-norm transformer block; attention runs per packed sequence (varlen), the rest on the packed rows."""
 
-    def __init__(self, dim: int, heads: int, ffn: int) -> None:
+    def __init__(self, dim: int, heads: int, ffn: int, index: int = 0) -> None:
         super().__init__()
         self.heads = heads
+        self.index = index  # layer number: the gang exchange of a split sample is per layer
         self.ln1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
@@ -71,6 +74,11 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
         t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(t, 3, self.heads, d // self.heads).permute(1, 2, 0, 3)
+        step = gang.active_step()
+        if step is not None:  # a chunk of a split sample (lb_mini_split): attend over the gang's whole sequence
+            a = gang.gang_attention(q, k, v, step, self.index).transpose(0, 1).reshape(t, d)
+            x = x + self.proj(a)
+            return x + self.down(F.gelu(self.up(self.ln2(x))))
         outs, start = [], 0
         for n in seqlens:  # causal attention inside each sequence only (cost quadratic per sequence)
             s = slice(start, start + n)
@@ -86,13 +94,16 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(max_len, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, ffn) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, ffn, i) for i in range(layers))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
-    def forward(self, tokens: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
-        """``tokens``: 1-D packed sequences of lengths ``seqlens``; returns logits ``[len(tokens), vocab]``."""
-        pos = torch.cat([torch.arange(n, device=tokens.device) for n in seqlens])
+    def forward(self, tokens: torch.Tensor, seqlens: list[int], positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens``: 1-D packed sequences of lengths ``seqlens``; returns logits ``[len(tokens), vocab]``.
+        ``positions``: the tokens' positions when they are a chunk of a split sample (global positions)."""
+        if positions is None:
+            positions = torch.cat([torch.arange(n, device=tokens.device) for n in seqlens])
+        pos = positions
         x = self.emb(tokens) + self.pos(pos)
         for block in self.blocks:
             x = block(x, seqlens)
@@ -112,6 +123,16 @@ def make_sequence(step: int, index: int, length: int, vocab: int, seed: int) -> 
     for _ in range(length - 1):
         tokens.append(rng.randrange(vocab) if rng.random() < 0.1 else successor[tokens[-1]])
     return torch.tensor(tokens, dtype=torch.long)
+
+
+def chunk_loss(model: nn.Module, sample: torch.Tensor, chunk: split.Chunk, device: torch.device) -> torch.Tensor:
+    """Sum of next-token cross-entropies of a split sample's chunk (global positions; the sample's last token has
+    no target), run in its gang step."""
+    positions = torch.tensor(chunk.positions(), device=device)
+    sample = sample.to(device)
+    targets = torch.cat([sample[1:], sample.new_full((1,), -100)])[positions]
+    logits = model(sample[positions], [len(positions)], positions)
+    return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
 
 
 def micro_batch_loss(model: nn.Module, samples: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
@@ -178,6 +199,8 @@ def parse_args() -> argparse.Namespace:
         args.mesh_shape = (int(m[1]), int(m[2]))
     if args.policy is None:
         args.policy = "lb_mini" if args.comm == "odc" else "lb_micro"
+    if balance.get_policy(args.policy).splits and args.comm != "odc":
+        p.error(f"--policy {args.policy} splits samples across gangs of ranks, which only --comm odc can run")
     return args
 
 
@@ -215,6 +238,11 @@ def train(args: argparse.Namespace) -> None:
     if args.comm == "odc":
         odc.init(args.odc_backend)
         odc_fsdp.enable(model)
+    exchange = None
+    if balance.get_policy(args.policy).splits:  # K/V exchange of split samples (odc_runtime.gang)
+        kv_dtype = torch.bfloat16 if args.bf16 else torch.float32
+        exchange = gang.GangExchange(num_layers=args.layers, max_chunk_tokens=args.max_tokens, kv_features=args.dim,
+                                     dtype=kv_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 
     if rank == 0:
@@ -238,7 +266,13 @@ def train(args: argparse.Namespace) -> None:
             mine = mine + [[] for _ in range(depth - len(mine))]
 
         # the data loader's job: build this rank's samples before the timed region
-        batches = [[make_sequence(step, i, lengths[i], args.vocab, args.seed) for i in mb] for mb in mine]
+        # (a chunk of a split sample comes with its whole sample: (chunk, tokens))
+        batches = [
+            [(mb[0], make_sequence(step, mb[0].sample, mb[0].length, args.vocab, args.seed))]
+            if mb and isinstance(mb[0], split.Chunk)
+            else [make_sequence(step, i, lengths[i], args.vocab, args.seed) for i in mb]
+            for mb in mine
+        ]
 
         dist.barrier()
         t0 = time.perf_counter()
@@ -250,7 +284,12 @@ def train(args: argparse.Namespace) -> None:
                 for samples in batches:
                     if not samples:  # a planner's padding micro-batch: ODC has no need to run it
                         continue
-                    loss, _ = micro_batch_loss(model, samples, device)
+                    if isinstance(samples[0], tuple):  # (chunk, whole sample): this rank's part of a gang
+                        chunk, sample = samples[0]
+                        with exchange.step(chunk):
+                            loss = chunk_loss(model, sample, chunk, device)
+                    else:
+                        loss, _ = micro_batch_loss(model, samples, device)
                     loss.backward()
                     loss_sum += loss.detach()
         else:
@@ -273,7 +312,7 @@ def train(args: argparse.Namespace) -> None:
         dt = time.perf_counter() - t0
 
         dist.all_reduce(loss_sum)
-        counts = [len([mb for mb in r if mb]) for r in plan]  # non-empty ones
+        counts = [len([mb for mb in r if mb]) for r in plan]  # non-empty ones (a gang's chunk counts on each member)
         padded = ""
         if args.comm == "collective" and len(set(counts)) > 1:  # the collectives made every rank run as many
             padded = f" (+ empty ones: every rank runs {max(len(r) for r in plan)})"
@@ -301,6 +340,8 @@ def train(args: argparse.Namespace) -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"args": vars(args), "records": records, "tokens_per_s": tps}, f, indent=1)
+    if exchange is not None:
+        exchange.free()
     if args.comm == "odc":
         odc_fsdp.disable(model)
         odc.finalize()

@@ -21,6 +21,9 @@ A plan is ``plan[rank][i] = [sample indices of rank's i-th micro-batch]``. Polic
     Equal micro-batch counts, each step balanced across ranks (what the best collective schedule can do).
 ``"lb_mini"``
     Each rank's total over the whole minibatch balanced; counts differ between ranks and may be zero (ODC).
+``"lb_mini_split"``
+    ``lb_mini``, with outlier samples split into chunks that a gang of ranks runs together; such a micro-batch
+    holds one :class:`odc_runtime.split.Chunk` instead of sample indices (:mod:`odc_runtime.split`).
 
 The cost of a micro-batch is the sum of its sequences' costs (packed variable-length attention is quadratic per
 sequence, not in the packed length). Fixed per-micro-batch overheads (e.g. fetching the parameters once per
@@ -33,8 +36,9 @@ import bisect
 import heapq
 import math
 import numbers
+import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from operator import itemgetter
 from types import MappingProxyType
@@ -254,6 +258,7 @@ class _Job:
     costs: list[float]
     world_size: int
     max_tokens: int
+    model: CostModel = field(default=None)  # type: ignore[assignment]  # always set by plan()
 
     def cost(self, part: Iterable[int]) -> float:
         return math.fsum(self.costs[i] for i in part)
@@ -288,14 +293,15 @@ def plan(
     candidates), and within ``4/3 - 1/(3·world_size)`` of the optimum (it includes the LPT assignment,
     Graham's bound).
     """
-    planner = get_policy(policy).planner
+    entry = get_policy(policy)
+    planner = entry.planner
     world_size = _check_positive_int("world_size", world_size)
     max_tokens = _check_positive_int("max_tokens", max_tokens)
     if not isinstance(cost, CostModel):
         raise OdcUsageError(f"cost must be a CostModel, got {type(cost).__name__}")
     lens = _check_lengths(lengths)
-    _check_oversized(lens, max_tokens, allow_oversized)
-    job = _Job(lens, [cost.cost(s) for s in lens], world_size, max_tokens)
+    _check_oversized(lens, max_tokens, allow_oversized or entry.splits)
+    job = _Job(lens, [cost.cost(s) for s in lens], world_size, max_tokens, cost)
     return planner(job)
 
 
@@ -387,12 +393,15 @@ class Policy:
     :data:`Plan` with the guarantees :func:`plan` documents. ``equal_counts``: every rank gets the same number
     of micro-batches (padded with empty ones where needed), so collectives (FSDP) can run the plan; when
     ``False`` counts differ between ranks and only ODC can run it. ``summary`` is one line for tables and help.
+    ``splits``: the plan may hold :class:`odc_runtime.split.Chunk` entries (a sample over ``max_tokens`` is split,
+    not refused), which only a runtime with gang attention (:mod:`odc_runtime.gang`) can run.
     """
 
     name: str
     planner: Callable[[_Job], Plan]
     equal_counts: bool
     summary: str
+    splits: bool = False
 
     @property
     def native_comm(self) -> str:
@@ -414,6 +423,9 @@ POLICY_REGISTRY: Mapping[str, Policy] = MappingProxyType({
                summary="equal counts, each micro-batch step balanced across ranks (the best for collectives)"),
         Policy("lb_mini", _plan_lb_mini, equal_counts=False,
                summary="each rank's total balanced over the minibatch; counts differ, zero allowed (ODC)"),
+        Policy("lb_mini_split", lambda job: _split()._plan_lb_mini_split(job, job.model), equal_counts=False,
+               summary="lb_mini, outlier samples split into chunks run by a gang of ranks (ODC, gang attention)",
+               splits=True),
     )
 })
 
@@ -427,6 +439,12 @@ def get_policy(name: str) -> Policy:
     if policy is None:
         raise OdcUsageError(f"unknown policy {name!r}; valid policies: {', '.join(POLICY_REGISTRY)}")
     return policy
+
+
+def _split() -> types.ModuleType:  # odc_runtime.split builds on this module, so it is imported when first needed
+    import odc_runtime.split
+
+    return odc_runtime.split
 
 
 def _deal_round_robin(n: int, w: int) -> list[list[int]]:
@@ -701,19 +719,17 @@ def imbalance(plan: Plan, lengths: Sequence[int], cost: CostModel = DEFAULT_COST
     if not plan:
         raise OdcUsageError("plan must have at least one rank")
     costs = [cost.cost(s) for s in lens]
-    step_costs = []  # step_costs[r][i]: cost of rank r's i-th micro-batch
+    entry_costs = []  # entry_costs[r][i]: costs of the entries of rank r's i-th micro-batch
     for r, micro_batches in enumerate(plan):
         row = []
         for mb in micro_batches:
-            for i in mb:
-                if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < len(lens):
-                    raise OdcUsageError(f"plan[{r}] holds {i!r}, not a sample index in [0, {len(lens)})")
-            row.append(math.fsum(costs[i] for i in mb))
-        step_costs.append(row)
+            row.append([_entry_cost(r, i, lens, costs, cost) for i in mb])
+        entry_costs.append(row)
+    step_costs = [[math.fsum(mb) for mb in row] for row in entry_costs]
     w = len(plan)
-    totals = tuple(math.fsum(costs[i] for mb in mbs for i in mb) for mbs in plan)
+    totals = tuple(math.fsum(c for mb in row for c in mb) for row in entry_costs)
     # From the samples, not the rounded totals, so that equal multisets give bit-equal means.
-    mean = math.fsum(costs[i] for mbs in plan for mb in mbs for i in mb) / w
+    mean = math.fsum(c for row in entry_costs for mb in row for c in mb) / w
     depth = max(len(row) for row in step_costs)
     steps = [[row[i] if i < len(row) else 0.0 for row in step_costs] for i in range(depth)]
     collective_time = math.fsum(max(step) for step in steps)
@@ -729,3 +745,15 @@ def imbalance(plan: Plan, lengths: Sequence[int], cost: CostModel = DEFAULT_COST
         odc_time=odc_time,
         speedup=collective_time / odc_time if odc_time > 0 else 1.0,
     )
+
+
+def _entry_cost(r: int, i: object, lens: list[int], costs: list[float], cost: CostModel) -> float:
+    """Cost of one plan entry: a sample index, or a chunk of a split sample (:mod:`odc_runtime.split`)."""
+    split = _split()
+    if isinstance(i, split.Chunk):
+        if not 0 <= i.sample < len(lens) or i.length != lens[i.sample]:
+            raise OdcUsageError(f"plan[{r}] holds {i!r}, which does not match lengths[{i.sample}]")
+        return split.chunk_cost(i, cost)
+    if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < len(lens):
+        raise OdcUsageError(f"plan[{r}] holds {i!r}, not a sample index in [0, {len(lens)})")
+    return costs[i]

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from odc_runtime import balance, workloads
+from odc_runtime import balance, split, workloads
 from odc_runtime.balance import DEFAULT_COST_MODEL, POLICIES, POLICY_REGISTRY, CostModel, get_policy, imbalance, plan
 from odc_runtime.errors import OdcUsageError
 from odc_runtime.workloads import MAX_LENGTHS, PRESETS, TARGET_MEANS, load_lengths, sample_lengths
@@ -33,8 +33,12 @@ def problems(draw: st.DrawFn) -> tuple[list[int], int, int, CostModel]:
     return lengths, draw(st.integers(1, 16)), max_tokens, draw(st.sampled_from(COST_MODELS))
 
 
+#: Policies whose plans hold whole samples only (split plans have their own properties in test_split.py).
+WHOLE = tuple(p for p in POLICIES if not POLICY_REGISTRY[p].splits)
+
+
 def all_plans(lengths: list[int], w: int, max_tokens: int, cost: CostModel) -> dict[str, balance.Plan]:
-    return {p: plan(lengths, w, max_tokens=max_tokens, policy=p, cost=cost) for p in POLICIES}
+    return {p: plan(lengths, w, max_tokens=max_tokens, policy=p, cost=cost) for p in WHOLE}
 
 
 def max_total(result: balance.Plan, lengths: list[int], cost: CostModel) -> float:
@@ -205,7 +209,7 @@ def test_planning_is_fast_at_scale() -> None:
 # ----------------------------------------------------------------------------------------------- input errors
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", WHOLE)
 def test_oversized_sample(policy: str) -> None:
     lengths = [10, 50, 200, 30, 150]
     with pytest.raises(OdcUsageError, match=r"sample 2 has 200 tokens.*max_tokens=100.*allow_oversized"):
@@ -221,7 +225,7 @@ def test_oversized_sample(policy: str) -> None:
     ("kwargs", "message"),
     [
         ({"policy": "lb_maxi"},
-         r"unknown policy 'lb_maxi'; valid policies: local_sort, verl_lb_micro, lb_micro, lb_mini"),
+         r"unknown policy 'lb_maxi'; valid policies: local_sort, verl_lb_micro, lb_micro, lb_mini, lb_mini_split"),
         ({"world_size": 0}, "world_size must be a positive int"),
         ({"world_size": 2.0}, "world_size must be a positive int"),
         ({"max_tokens": 0}, "max_tokens must be a positive int"),
@@ -238,24 +242,27 @@ def test_bad_arguments(kwargs: dict, message: str) -> None:
 
 
 def test_policy_registry() -> None:
-    assert POLICIES == tuple(POLICY_REGISTRY) == ("local_sort", "verl_lb_micro", "lb_micro", "lb_mini")
+    assert POLICIES == tuple(POLICY_REGISTRY) == ("local_sort", "verl_lb_micro", "lb_micro", "lb_mini", "lb_mini_split")
     assert {name: p.native_comm for name, p in POLICY_REGISTRY.items()} == {
-        "local_sort": "collective", "verl_lb_micro": "collective", "lb_micro": "collective", "lb_mini": "odc"}
+        "local_sort": "collective", "verl_lb_micro": "collective", "lb_micro": "collective", "lb_mini": "odc",
+        "lb_mini_split": "odc"}
     for name, entry in POLICY_REGISTRY.items():
         assert entry.name == name and entry.summary and get_policy(name) is entry
-    valid = "local_sort, verl_lb_micro, lb_micro, lb_mini"
+    valid = "local_sort, verl_lb_micro, lb_micro, lb_mini, lb_mini_split"
     with pytest.raises(OdcUsageError, match=f"unknown policy 'nope'; valid policies: {valid}"):
         get_policy("nope")
     with pytest.raises(TypeError):
         POLICY_REGISTRY["x"] = POLICY_REGISTRY["lb_mini"]  # read-only: register by editing the registry
 
 
-def test_balance_needs_no_torch() -> None:
-    tree = ast.parse(Path(balance.__file__).read_text())
+@pytest.mark.parametrize(("module", "allowed"), [(balance, {"odc_runtime.errors", "odc_runtime.split"}),
+                                                  (split, {"odc_runtime.errors", "odc_runtime.balance"})])
+def test_balance_needs_no_torch(module: object, allowed: set) -> None:
+    tree = ast.parse(Path(module.__file__).read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not {m for m in imported if m.split(".")[0] == "torch"}
-    assert {m for m in imported if m.startswith("odc_runtime")} == {"odc_runtime.errors"}
+    assert {m for m in imported if m.startswith("odc_runtime")} == allowed
 
 
 # ----------------------------------------------------------------------------------------------- cost model

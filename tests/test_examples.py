@@ -96,3 +96,25 @@ def test_grpo_example_matches_single_process_replay() -> None:
     odc_losses = [float(v) for v in re.findall(r"odc \+ lb_mini\s+loss (\S+)", out)]
     coll_losses = [float(v) for v in re.findall(r"collective \+ lb_micro\s+loss (\S+)", out)]
     assert odc_losses == pytest.approx(coll_losses, abs=1e-5), out
+
+
+@pytest.mark.timeout(300)
+def test_sft_example_split_samples_same_losses_as_collective() -> None:
+    # --max-len 512 over --max-tokens 256: lb_mini refuses the long samples, lb_mini_split splits them across the two
+    # ranks (gang attention); the collective run packs them whole under a 512 cap. Same samples, same losses.
+    common = ["--steps", "2", "--samples", "8", "--max-len", "512"]
+    proc = subprocess.run([sys.executable, "examples/sft.py", "--nproc", "2", "--policy", "lb_mini", *common,
+                           "--max-tokens", "256"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0 and "more than max_tokens=256" in proc.stderr, proc.stderr[-2000:]
+    runs = {
+        "split": ["examples/sft.py", "--nproc", "2", "--policy", "lb_mini_split", "--max-tokens", "256"],
+        "collective": ["-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/sft.py", "--comm",
+                       "collective", "--max-tokens", "512"],
+    }
+    losses = {}
+    for name, args in runs.items():
+        out = _run([*args, *common])
+        losses[name] = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
+        assert len(losses[name]) == 2, out
+    assert losses["split"] == pytest.approx(losses["collective"], abs=1e-4)

@@ -1,0 +1,76 @@
+"""One PE of the gang-attention GPU test (run by tests/gpu/test_gang_gpu.py under torchrun, CUDA MPS for several PEs
+on one GPU): the model of tests/test_gang.py, float64 on the GPU, one sample split across the PEs through the
+nvshmem transport's signalled puts, checked against the unsplit CPU reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import test_gang as tg
+
+import odc_runtime as odc
+from odc_runtime.gang import GangExchange, gang_attention
+from odc_runtime.split import Chunk
+
+LENGTH = 13
+
+
+def scenario_exact() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    ex = GangExchange(num_layers=tg.LAYERS, max_chunk_tokens=LENGTH, kv_features=tg.KV_HEADS * tg.HEAD_DIM,
+                      dtype=torch.float64)
+    x, layers, readout = tg._weights(LENGTH)
+    x = x.to(device).requires_grad_(True)
+    layers = [{k: w.to(device).requires_grad_(True) for k, w in layer.items()} for layer in layers]
+    readout = readout.to(device)
+    params = [x] + [t for w in layers for t in w.values()]
+    chunk = Chunk(0, rank, world, LENGTH, 0, tuple(range(world)))
+    for _ in range(2):  # twice: the second gang reuses every slot
+        for t in params:
+            t.grad = None
+        with ex.step(chunk) as step:
+            loss = tg._forward(x, layers, readout, step.positions,
+                               lambda i, q, k, v: gang_attention(q, k, v, step, i))
+        loss.backward()
+        flat = torch.cat([loss.detach().view(1)] + [t.grad.reshape(-1) for t in params]).cpu()
+        dist.all_reduce(flat)
+        ref_loss, ref_grads = tg._reference(LENGTH)
+        want = torch.cat([ref_loss.view(1)] + [t.reshape(-1) for t in ref_grads])
+        err = float((flat - want).abs().max())
+        if err > tg.TOL:
+            return {"result": f"rank {rank}: split differs from the unsplit reference by {err}"}
+    ex.free()
+    return {"result": "ok"}
+
+
+def main() -> None:
+    out_path, scenario = sys.argv[1], sys.argv[2]
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())  # several PEs per GPU when nproc > GPUs
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    odc.init(backend="nvshmem", heap_size="256M")
+    try:
+        result = globals()[f"scenario_{scenario}"]()
+    except Exception:
+        result = {"result": f"rank {dist.get_rank()}: {traceback.format_exc()[-3000:]}"}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    odc.finalize()
+    if dist.get_rank() == 0:
+        merged = next((r for r in gathered if r["result"] != "ok"), gathered[0])
+        with open(out_path, "w") as f:
+            json.dump(merged, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
