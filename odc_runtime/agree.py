@@ -22,7 +22,6 @@ import itertools
 import json
 import os
 import socket
-import time
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
@@ -36,11 +35,9 @@ from odc_runtime.errors import (
     OdcPeerLostError,
     OdcTimeoutError,
 )
+from odc_runtime.transport.wait import Backoff, wait_for
 
 T = TypeVar("T")
-
-_LIVENESS_PERIOD_S = 0.5  # how often a waiting rank checks whether the peers it waits for still exist
-
 
 # -- processes ---------------------------------------------------------------------------------------------------
 def process_start_time(pid: int) -> int | None:
@@ -171,33 +168,26 @@ class StoreExchange:
         return payloads
 
     def _wait(self, store: dist.Store, keys: list[str], rank: int, op: str) -> None:
-        missing = [r for r in range(len(keys)) if r != rank]
-        start = time.monotonic()
-        deadline = start + self.timeout
-        next_liveness = start + _LIVENESS_PERIOD_S
-        spins = 0
-        while missing:
-            missing = [r for r in missing if not store.check([keys[r]])]
-            if not missing:
-                return
-            now = time.monotonic()
-            if now >= next_liveness:
-                next_liveness = now + _LIVENESS_PERIOD_S
-                dead = [r for r in missing if self._known_dead(r)]
-                if dead:
-                    listing = ", ".join(f"rank {r} (pid {_PEERS[r][1]})" for r in dead)
-                    raise OdcPeerLostError(
-                        f"odc {shorten(op)}: rank {rank} waited for {listing}, which died before reaching it "
-                        f"(process gone after {now - start:.1f} s of waiting)"
-                    )
-            if now > deadline:
-                raise OdcTimeoutError(
-                    f"odc {shorten(op)}: rank {rank} timed out after {self.timeout:g} s waiting for rank(s) "
-                    f"{missing}, which did not reach this collective: they are stuck, dead on another machine, or "
-                    "in a different collective. Raise ODC_TIMEOUT if they are merely slow."
+        def check(missing: list[int], waited: float) -> None:
+            dead = [r for r in missing if self._known_dead(r)]
+            if dead:
+                listing = ", ".join(f"rank {r} (pid {_PEERS[r][1]})" for r in dead)
+                raise OdcPeerLostError(
+                    f"odc {shorten(op)}: rank {rank} waited for {listing}, which died before reaching it "
+                    f"(process gone after {waited:.1f} s of waiting)"
                 )
-            spins += 1
-            time.sleep(0 if spins < 20 else min(5e-3, 1e-4 * spins))
+
+        def timed_out(missing: list[int], waited: float) -> OdcTimeoutError:
+            return OdcTimeoutError(
+                f"odc {shorten(op)}: rank {rank} timed out after {self.timeout:g} s waiting for rank(s) "
+                f"{missing}, which did not reach this collective: they are stuck, dead on another machine, or "
+                "in a different collective. Raise ODC_TIMEOUT if they are merely slow."
+            )
+
+        wait_for(
+            [r for r in range(len(keys)) if r != rank], lambda r: store.check([keys[r]]),
+            timeout=self.timeout, check=check, on_timeout=timed_out, backoff=Backoff(spins=20, step=1e-4, cap=5e-3),
+        )
 
     def _known_dead(self, peer: int) -> bool:
         known = _PEERS.get(peer)

@@ -119,7 +119,7 @@ def test_settings_are_parsed_strictly(monkeypatch) -> None:
     with pytest.raises(odc.OdcUsageError, match=r"ODC_HEAP_SIZE must be at most \d+ bytes"):
         config.host_heap_bytes(None)
     monkeypatch.setenv("ODC_HEAP_SIZE", "1.3")
-    with pytest.raises(odc.OdcUsageError, match="ODC_HEAP_SIZE: '1.3' is not a whole number of bytes"):
+    with pytest.raises(odc.OdcUsageError, match=r"ODC_HEAP_SIZE: '1\.3' is not a whole number of bytes"):
         config.host_heap_bytes(None)
     monkeypatch.setenv("ODC_HEAP_SIZE", "4.5K")
     assert config.host_heap_bytes(None) == 4608

@@ -18,10 +18,11 @@ import torch
 from _dist import run_ranks
 
 import odc_runtime as odc
+from odc_runtime import testing
 
 
 def _transport():
-    return odc.api._require_runtime("test").transport
+    return testing.transport()
 
 
 # -- 1. a shared-memory filesystem smaller than the heap -------------------------------------------------------
@@ -334,7 +335,7 @@ def _rank_killed_before_put(rank: int, world: int) -> None:
     w = odc.shard(torch.zeros(10), name="w")
     odc.push(w, torch.ones(10))
     if rank == 1:
-        transport = odc.api._require_runtime("test").transport
+        transport = testing.transport()
 
         def die(*args: object, **kwargs: object) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
