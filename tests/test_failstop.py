@@ -217,6 +217,7 @@ def _rank_mismatch_then_finalize(rank: int, world: int) -> None:
         with pytest.raises(odc.OdcMismatchError, match="sync"):
             odc.finalize()
     assert not odc.is_initialized()
+    dist.barrier()  # rank 1 stays alive (a dead one would be seen dead): only its LEFT status can end rank 0's wait
 
 
 def test_finalize_after_a_mismatch_does_not_wait_for_a_finalized_peer() -> None:
