@@ -34,6 +34,7 @@ from odc_runtime.errors import (
     OdcMismatchError,
     OdcPeerLostError,
     OdcTimeoutError,
+    OdcUsageError,
 )
 from odc_runtime.transport.wait import Backoff, wait_for
 
@@ -127,27 +128,56 @@ class StoreExchange:
     """
 
     _round = itertools.count()  # shared by every instance: all ranks run the same rounds in the same order
+    # Set when a round failed after this process posted its key (a timeout, a lost peer, an interrupt): peers may
+    # have completed that round with it, so this process's round numbers no longer match theirs (fail-stop).
+    _failed: str | None = None
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
 
     def exchange(self, op: str, payload: bytes) -> list[bytes]:
         rank, world = dist.get_rank(), dist.get_world_size()
+        if StoreExchange._failed is not None:
+            raise OdcUsageError(
+                f"odc {shorten(op)}: cannot run after {StoreExchange._failed} in this process: peers may have "
+                "completed that round with this rank, so the ranks' agreement rounds are no longer aligned and no "
+                "retry can succeed; restart the job (every rank)"
+            )
         store = _default_store()
         k = next(StoreExchange._round)
         keys = [f"odc_runtime/agree/{k}/{r}" for r in range(world)]
         header = {"op": shorten(op), "digest": op_digest(op).hex(), "host": _HOST, "pid": _PID, "start": _START}
+        posted = False
         try:
             store.set(keys[rank], json.dumps(header).encode() + b"\n" + payload)
+            posted = True
             self._wait(store, keys, rank, op)
             raw = [store.get(key) for key in keys]
-        except OdcError:
-            raise
-        except Exception as e:  # the store itself failed: its host (rank 0, or the launcher) is gone
+        except BaseException as e:
+            if posted:
+                self._fail(store, k, rank, op, e)
+            if isinstance(e, OdcError) or not isinstance(e, Exception):
+                raise
             raise OdcPeerLostError(
                 f"odc {shorten(op)}: rank {rank} lost the torch.distributed store ({type(e).__name__}: {e}); the "
                 "process hosting it (rank 0 under torch.multiprocessing, the launcher under torchrun) has died"
             ) from e
+        return self._finish(store, k, rank, op, header, raw)
+
+    @staticmethod
+    def _fail(store: dist.Store, k: int, rank: int, op: str, error: BaseException) -> None:
+        """Record the failure, and post a poisoned next round: a peer that completed round ``k`` with us and
+        waits in round ``k + 1`` raises OdcMismatchError naming this failure at once, instead of timing out."""
+        StoreExchange._failed = f"the failure of {shorten(op)!r} on rank {rank} ({type(error).__name__})"
+        header = {"op": f"nothing: rank {rank} failed in {shorten(op, 80)!r}", "digest": "failed", "host": _HOST,
+                  "pid": _PID, "start": _START}
+        with contextlib.suppress(Exception):
+            store.set(f"odc_runtime/agree/{k + 1}/{rank}", json.dumps(header).encode() + b"\n")
+
+    def _finish(
+        self, store: dist.Store, k: int, rank: int, op: str, header: dict, raw: list[bytes]
+    ) -> list[bytes]:
+        """Decode a completed round, remember the peers' identities, and compare the operations."""
         headers, payloads = [], []
         for blob in raw:
             head, _, body = bytes(blob).partition(b"\n")
@@ -180,8 +210,8 @@ class StoreExchange:
         def timed_out(missing: list[int], waited: float) -> OdcTimeoutError:
             return OdcTimeoutError(
                 f"odc {shorten(op)}: rank {rank} timed out after {self.timeout:g} s waiting for rank(s) "
-                f"{missing}, which did not reach this collective: they are stuck, dead on another machine, or "
-                "in a different collective. Raise ODC_TIMEOUT if they are merely slow."
+                f"{missing}, which did not reach this collective within that time: they are stuck, dead on another "
+                "machine, or in a different collective. Raise ODC_TIMEOUT if they are merely slow."
             )
 
         wait_for(

@@ -222,3 +222,22 @@ def _rank_mismatch_then_finalize(rank: int, world: int) -> None:
 
 def test_finalize_after_a_mismatch_does_not_wait_for_a_finalized_peer() -> None:
     run_ranks(_rank_mismatch_then_finalize, 2, env={"ODC_TIMEOUT": "60"}, timeout=30)
+
+
+# -- an init that timed out after posting its arrival: a retry is refused clearly, the late peer fails at once ------
+def _rank_init_retry(rank: int, world: int) -> None:
+    if rank == 1:
+        dist.barrier()  # arrives only after rank 0's init timed out
+        with pytest.raises(odc.OdcMismatchError, match=r"rank 0 failed in 'init'"):
+            odc.init("host")  # completes round "init" with rank 0's posted arrival, then meets its failure
+    else:
+        with pytest.raises(odc.OdcTimeoutError, match=r"rank\(s\) \[1\], which did not reach this collective within"):
+            odc.init("host")
+        with pytest.raises(odc.OdcUsageError, match="no retry can succeed; restart the job"):
+            odc.init("host")
+        dist.barrier()
+    assert not odc.is_initialized()
+
+
+def test_init_retry_after_an_init_timeout_is_refused_clearly() -> None:
+    run_ranks(_rank_init_retry, 2, env={"ODC_TIMEOUT": "2"}, timeout=40)
