@@ -193,6 +193,27 @@ def test_crossed_group_and_world_sync_is_a_mismatch_not_a_hang() -> None:
     run_ranks(_rank_crossed, 4, env={"ODC_TIMEOUT": "6"}, timeout=90)
 
 
+def _rank_fence_cycle(rank: int, world: int) -> None:
+    """Four group fences in a cycle: rank r fences group {r, r+1 mod 4} and waits for rank r+1, which waits in its
+    own fence for r+2 ... No two ranks wait for each other directly, so only the wait-for graph shows it: every rank
+    raises OdcMismatchError naming the cycle instead of waiting out ODC_TIMEOUT with a message about one peer."""
+    odc.init("host")
+    pairs_a = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pairs_b = [dist.new_group([1, 2]), dist.new_group([0, 3])]
+    a = pairs_a[rank // 2]
+    b = pairs_b[0] if rank in (1, 2) else pairs_b[1]
+    st_a = odc.shard(torch.zeros(SHAPE), group=a, name="a")
+    st_b = odc.shard(torch.zeros(SHAPE), group=b, name="b")
+    mine = {0: a, 1: b, 2: a, 3: b}[rank]  # 0: {0,1}, 1: {1,2}, 2: {2,3}, 3: {0,3}
+    with pytest.raises(OdcMismatchError, match=r"cycle of ranks .*can never complete"):
+        odc.sync(group=mine)
+    del st_a, st_b
+
+
+def test_cycle_of_crossed_group_fences_is_detected() -> None:
+    run_ranks(_rank_fence_cycle, 4, env={"ODC_TIMEOUT": "20"}, timeout=60)
+
+
 def test_nvshmem_refuses_group_fences_clearly() -> None:
     """No GPU needed: the nvshmem transport's group fence is a typed refusal that says what to call instead (its
     barrier kernel has no per-group counters yet), never a silent world barrier that could hang."""

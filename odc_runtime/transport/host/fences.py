@@ -6,13 +6,16 @@ number with the marker set (one locked store), poll the members' numbers for tha
 clear the marker. The world epoch is untouched, so groups fence at their own pace. Two ranks waiting for each
 other in different collectives (one in a group fence, the other in a world round or another group's fence, each
 needing the other first) see it from the peer's world epoch or marker and raise
-:class:`~odc_runtime.errors.OdcMismatchError` instead of timing out. Ordering and deadlock argument:
+:class:`~odc_runtime.errors.OdcMismatchError` instead of timing out; longer cycles (rank 0 in a fence waiting for
+rank 1 in another fence waiting for rank 2 ... waiting for rank 0) are found in the wait-for graph of every rank's
+pages (:meth:`GroupFences.wait_graph`), read twice one liveness period apart. Ordering and deadlock argument:
 docs/design.md, "Process groups".
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 from odc_runtime.agree import shorten
 from odc_runtime.errors import OdcMismatchError
@@ -51,10 +54,7 @@ class GroupFences:
 
     def reached(self, peer: int, index: int, epoch: int) -> bool:
         """Whether ``peer``'s last fence in group ``index`` is at least ``epoch``."""
-        seg = self._segments.get(peer)
-        at = _GROUP_SLOTS_OFFSET + 8 * index
-        with self._locks.held(peer, at, 8, exclusive=False, op="group barrier"):
-            return _EPOCH.unpack_from(seg.map, at)[0] >= epoch
+        return self.epoch(peer, index) >= epoch
 
     def enter(self, group: Group) -> int:
         """Bump and publish this rank's fence number in ``group`` with the marker set; return the number."""
@@ -95,3 +95,64 @@ class GroupFences:
                 "reached; ranks must call sync(group=...) and the collectives they share with other ranks in the "
                 "same order"
             )
+
+    def wait_graph(
+        self, world_size: int, world_epoch: Callable[[int], int]
+    ) -> tuple[tuple, dict[int, list[int]], dict[int, str]]:
+        """Who waits for whom, read from every rank's pages: ``(state, edges, where)``.
+
+        Rank q in group fence #k of g waits for each member whose last fence in g is below k; any other rank q
+        waits for each rank whose world epoch is below q's (q cannot have completed its round without them). Each
+        edge holds while the state it was read from is unchanged (every number only grows), so an edge cycle seen
+        in two reads with the same ``state`` held at one instant, and a wait-for cycle never resolves: it is a
+        deadlock. ``where`` describes each rank's wait for messages."""
+        epochs = [world_epoch(q) for q in range(world_size)]
+        markers = [self.marker(q) for q in range(world_size)]
+        group_epochs: dict[tuple[int, int], int] = {}
+        edges: dict[int, list[int]] = {}
+        where: dict[int, str] = {}
+        for q, (index, k, bitmap) in enumerate(markers):
+            if index >= 0:
+                members = [m for m in range(min(world_size, MARKER_RANKS)) if bitmap[m // 8] >> (m % 8) & 1]
+                for m in members:
+                    if m != q and (m, index) not in group_epochs:
+                        group_epochs[(m, index)] = self.epoch(m, index)
+                edges[q] = [m for m in members if m != q and group_epochs[(m, index)] < k]
+                where[q] = f"group fence #{k} of ranks {members}"
+            else:
+                edges[q] = [r for r in range(world_size) if epochs[r] < epochs[q]]
+                where[q] = f"world collective #{epochs[q]}"
+        state = (tuple(epochs), tuple((i, k) for i, k, _ in markers), tuple(sorted(group_epochs.items())))
+        return state, edges, where
+
+    def epoch(self, peer: int, index: int) -> int:
+        """``peer``'s last fence number in group ``index``."""
+        seg = self._segments.get(peer)
+        at = _GROUP_SLOTS_OFFSET + 8 * index
+        with self._locks.held(peer, at, 8, exclusive=False, op="group barrier"):
+            return _EPOCH.unpack_from(seg.map, at)[0]
+
+
+def find_cycle(edges: dict[int, list[int]], start: int) -> list[int] | None:
+    """A cycle of the wait-for graph reachable from ``start`` (its ranks in order), or ``None``."""
+    path: list[int] = []
+    on_path: set[int] = set()
+    done: set[int] = set()
+
+    def visit(q: int) -> list[int] | None:
+        if q in on_path:
+            return path[path.index(q):]
+        if q in done:
+            return None
+        path.append(q)
+        on_path.add(q)
+        for r in edges.get(q, ()):
+            cycle = visit(r)
+            if cycle is not None:
+                return cycle
+        path.pop()
+        on_path.discard(q)
+        done.add(q)
+        return None
+
+    return visit(start)

@@ -42,7 +42,7 @@ from odc_runtime.transport.base import (
 )
 from odc_runtime.transport.heap import HeapAllocator
 from odc_runtime.transport.host.control import FAILED, HEALTHY, LEFT, NAME_BYTES, SLOT_BYTES, ControlPage
-from odc_runtime.transport.host.fences import MAX_GROUPS, CrossedError, GroupFences
+from odc_runtime.transport.host.fences import MAX_GROUPS, CrossedError, GroupFences, find_cycle
 from odc_runtime.transport.host.locks import ByteRangeLocks
 from odc_runtime.transport.host.segments import CONTROL_BYTES, Segments
 from odc_runtime.transport.host.worker import AsyncWorker
@@ -412,12 +412,15 @@ class HostTransport(Transport):
         ``timeout`` OdcTimeoutError names the missing ranks (``what`` is appended). Any of these marks the
         transport failed."""
 
+        previous: list[tuple] = []
+
         def check(missing: list[int], waited: float) -> None:
             dead = [p for p in missing if not self._peer_alive(p)]
             if dead:
                 raise OdcPeerLostError(self._describe_missing(op, missing, lost=dead, waited=waited))
             for p in missing:
                 watch(p)  # crossed collectives first: the better explanation of a peer that failed on them
+            self._check_no_cycle(op, previous)
             failed = [p for p in missing if self.control.read(p).status != HEALTHY]
             if failed:
                 raise OdcPeerLostError(self._describe_missing(op, missing, lost=[], failed=failed, waited=waited))
@@ -432,6 +435,25 @@ class HostTransport(Transport):
         except (OdcTimeoutError, CrossedError) as e:  # timeouts include OdcPeerLostError
             self.fail(e)  # the ranks' rounds are no longer aligned: every later operation raises at once
             raise
+
+    def _check_no_cycle(self, op: str, previous: list[tuple]) -> None:
+        """Raise CrossedError if this rank waits (directly or through others) on a cycle of ranks that each wait for
+        the next in different collectives, seen unchanged in two reads (``previous`` holds the last one)."""
+        state, edges, where = self.fences.wait_graph(self.world_size, lambda q: self.control.read(q).epoch)
+        seen_before = bool(previous) and previous[0] == state
+        previous[:] = [state]
+        if not seen_before:
+            return
+        cycle = find_cycle(edges, self.rank)
+        if cycle is None:
+            return
+        steps = "; ".join(f"rank {q} in {where[q]} waits for rank {cycle[(i + 1) % len(cycle)]}"
+                          for i, q in enumerate(cycle))
+        raise CrossedError(
+            f"odc collective mismatch: rank {self.rank} in {shorten(op)!r} waits on a cycle of ranks in different "
+            f"collectives that can never complete ({steps}); ranks must call sync(group=...) and the collectives "
+            "they share with other ranks in the same order"
+        )
 
     def _peer_alive(self, peer: int) -> bool:
         if not self.segments.visible[peer]:
