@@ -17,7 +17,7 @@ import torch.distributed as dist
 from odc_runtime.errors import OdcMismatchError, OdcUsageError
 
 if TYPE_CHECKING:
-    from odc_runtime.api import ShardedTensor
+    from odc_runtime.sharded import ShardedTensor
 
 _FP32_MAX = torch.finfo(torch.float32).max
 _FP32 = struct.Struct("f")
