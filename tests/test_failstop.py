@@ -41,6 +41,23 @@ def _lock_owner_bytes(st: odc.ShardedTensor, owner: int, element: int) -> tuple[
     return fd, 4, start
 
 
+def _shard_with_a_held_lock(
+    rank: int, world: int, n: int, locker: int, owner: int, element: int
+) -> tuple[odc.ShardedTensor, tuple[int, int, int] | None]:
+    """Init, shard ``world * n`` zeros, and on rank ``locker`` hold the lock of one element of ``owner``'s
+    accumulator; every rank returns after a sync (the lock is held by then)."""
+    odc.init("host")
+    st = odc.shard(torch.zeros(world * n), name="w")
+    held = _lock_owner_bytes(st, owner, element) if rank == locker else None
+    odc.sync()
+    return st, held
+
+
+def _unlock(held: tuple[int, int, int] | None) -> None:
+    assert held is not None
+    fcntl.lockf(held[0], fcntl.LOCK_UN, held[1], held[2])
+
+
 # -- an interrupted sync: the arrival was announced, so the rank is failed and its peers learn it -----------------
 def _rank_interrupted_sync(rank: int, world: int) -> None:
     odc.init("host")
@@ -72,12 +89,8 @@ def test_interrupted_sync_fails_the_rank_and_its_peers() -> None:
 
 # -- an interrupted push: part of it landed, so the rank is failed; a sync never succeeds after it -------------------
 def _rank_interrupted_push(rank: int, world: int) -> None:
-    odc.init("host")
     n = 1 << 14
-    st = odc.shard(torch.zeros(world * n), name="w")
-    if rank == 1:
-        held = _lock_owner_bytes(st, 0, n // 2)  # the middle of owner 0's shard
-    odc.sync()
+    st, held = _shard_with_a_held_lock(rank, world, n, locker=1, owner=0, element=n // 2)  # owner 0's middle
     if rank == 0:
         # Rank 0 pushes to owner 1 (all lands) and then to owner 0, whose middle chunk is locked: interrupted there.
         _interrupt_in(1.0)
@@ -90,7 +103,7 @@ def _rank_interrupted_push(rank: int, world: int) -> None:
             odc.push(st, torch.ones(world * n))
     else:
         dist.barrier()  # rank 0 was interrupted
-        fcntl.lockf(held[0], fcntl.LOCK_UN, held[1], held[2])
+        _unlock(held)
         with pytest.raises(odc.OdcPeerLostError, match="FAILED"):
             odc.sync()
     odc.finalize()
@@ -102,12 +115,9 @@ def test_interrupted_push_is_fatal_not_torn() -> None:
 
 # -- a push that times out after part of it landed: the error says so, and a retry cannot double-count ------------
 def _rank_push_timeout_retry(rank: int, world: int) -> None:
-    odc.init("host")
     n = 1 << 12
-    st = odc.shard(torch.zeros(world * n), name="w")
-    if rank == 1:
-        held = _lock_owner_bytes(st, 0, 0)  # owner 0's first element: held past rank 0's ODC_TIMEOUT
-    odc.sync()
+    # owner 0's first element, held by rank 1 past rank 0's ODC_TIMEOUT
+    st, held = _shard_with_a_held_lock(rank, world, n, locker=1, owner=0, element=0)
     if rank == 0:
         with pytest.raises(odc.OdcTimeoutError, match=r"could not lock.*already landed.*unusable"):
             odc.push(st, torch.ones(world * n))  # owner 1's part landed first
@@ -116,7 +126,7 @@ def _rank_push_timeout_retry(rank: int, world: int) -> None:
         dist.barrier()
     else:
         dist.barrier()  # rank 0 timed out
-        fcntl.lockf(held[0], fcntl.LOCK_UN, held[1], held[2])
+        _unlock(held)
         with pytest.raises(odc.OdcPeerLostError, match="FAILED"):
             odc.sync()
     odc.finalize()
@@ -127,19 +137,16 @@ def test_push_timed_out_after_partly_landing_cannot_be_retried() -> None:
 
 
 def _rank_push_timeout_before_landing(rank: int, world: int) -> None:
-    odc.init("host")
     n = 1 << 12
-    st = odc.shard(torch.zeros(world * n), name="w")
-    if rank == 0:
-        held = _lock_owner_bytes(st, 0, 0)  # rank 1 pushes to owner 0 first: its very first chunk cannot land
-    odc.sync()
+    # rank 1 pushes to owner 0 first, whose first element rank 0 holds: its very first chunk cannot land
+    st, held = _shard_with_a_held_lock(rank, world, n, locker=0, owner=0, element=0)
     if rank == 1:
         with pytest.raises(odc.OdcTimeoutError, match="could not lock") as e:
             odc.push(st, torch.ones(world * n))
         assert "unusable" not in str(e.value) and testing.failure() is None  # nothing landed: an ordinary error
     dist.barrier()  # rank 1 timed out
     if rank == 0:
-        fcntl.lockf(held[0], fcntl.LOCK_UN, held[1], held[2])
+        _unlock(held)
     dist.barrier()
     if rank == 1:
         odc.push(st, torch.ones(world * n))  # the retry is exact
