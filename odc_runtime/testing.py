@@ -8,7 +8,8 @@ The transport returned by :func:`transport` follows the contract of :mod:`odc_ru
 from __future__ import annotations
 
 from odc_runtime.errors import OdcError
-from odc_runtime.transport.base import Transport
+from odc_runtime.sharded import ShardedTensor
+from odc_runtime.transport.base import SymmetricBuffer, TransferPlan, Transport
 
 
 def transport() -> Transport:
@@ -34,3 +35,21 @@ def abandon() -> None:
     runtime, api._runtime = api._runtime, None
     if runtime is not None:
         runtime.transport.finalize()
+
+
+def buffers(st: ShardedTensor) -> tuple[SymmetricBuffer, SymmetricBuffer | None]:
+    """The symmetric buffers behind ``st``: ``(parameters, gradient accumulator or None)`` (their ``handle`` is
+    transport-private: the host transport's heap offset)."""
+    return st._param, st._grad
+
+
+def plans(st: ShardedTensor) -> list[TransferPlan]:
+    """The fetch/push plans cached for ``st`` (:mod:`odc_runtime.plans`)."""
+    return st._plans.plans()
+
+
+def in_forked_child() -> bool:
+    """Whether this process is a fork of an initialised rank (where the runtime refuses every mutating call)."""
+    from odc_runtime import api
+
+    return api._in_forked_child

@@ -234,9 +234,10 @@ def _rank_stopped_lock_holder(rank: int, world: int) -> None:
     odc.init("host")
     st = odc.shard(torch.zeros(1000))
     transport = testing.transport()
+    _, grad = testing.buffers(st)
     if rank == 1:
         # Lock owner 0's whole accumulator, then freeze while holding the lock (SIGSTOP: alive, not dead).
-        fcntl.lockf(transport.segments.get(0).fd, fcntl.LOCK_EX, st._grad.nbytes, CONTROL_BYTES + st._grad.handle)
+        fcntl.lockf(transport.segments.get(0).fd, fcntl.LOCK_EX, grad.nbytes, CONTROL_BYTES + grad.handle)
         transport.barrier("locked")
         os.kill(os.getpid(), signal.SIGSTOP)
     transport.barrier("locked")

@@ -36,7 +36,7 @@ def _lock_owner_bytes(st: odc.ShardedTensor, owner: int, element: int) -> tuple[
     """Exclusively lock one element of ``owner``'s accumulator of ``st`` (as a pusher holding it would)."""
     transport = testing.transport()
     fd = transport.segments.get(owner).fd  # type: ignore[attr-defined]
-    start = CONTROL_BYTES + st._grad.handle + 4 * element  # type: ignore[union-attr]
+    start = CONTROL_BYTES + testing.buffers(st)[1].handle + 4 * element  # type: ignore[union-attr,operator]
     fcntl.lockf(fd, fcntl.LOCK_EX, 4, start)
     return fd, 4, start
 

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from _dist import run_ranks
 
 import odc_runtime as odc
+from odc_runtime import testing
 from odc_runtime.errors import OdcMismatchError, OdcTimeoutError, OdcUsageError
 
 SHAPE = (7, 5)  # 35 elements: not a multiple of any group size used here
@@ -112,8 +113,8 @@ def _rank_plans_per_group(rank: int, world: int) -> None:
     for _ in range(3):  # later calls take the cached plans
         assert torch.equal(odc.fetch(a), _full(k, torch.float32))
         assert torch.equal(odc.fetch(b), _full(7, torch.float32))
-    peers_a = {p.peer for plan in a._plans.plans() for p in plan.pieces}
-    peers_b = {p.peer for plan in b._plans.plans() for p in plan.pieces}
+    peers_a = {p.peer for plan in testing.plans(a) for p in plan.pieces}
+    peers_b = {p.peer for plan in testing.plans(b) for p in plan.pieces}
     assert peers_a == set(range(2 * k, 2 * k + 2)) and peers_b == set(range(world))
     odc.sync()
 

@@ -252,11 +252,11 @@ def test_forked_child_refuses_every_mutating_call() -> None:
 
 
 def test_a_process_forked_before_init_may_become_a_rank() -> None:
-    import odc_runtime.api  # noqa: F401  (imported by the parent before the fork, as a fork-based launcher would)
+    testing.in_forked_child()  # imports the core API in the parent before the fork, as a fork-based launcher would
 
     pid = os.fork()
     if pid == 0:
-        os._exit(int(odc.api._in_forked_child))
+        os._exit(int(testing.in_forked_child()))
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "a child forked without a runtime was marked as a fork of a rank"
 

@@ -93,7 +93,7 @@ def _rank_plan_cache(rank: int, world: int) -> None:
         transport.stream_key = lambda i=i: ("bounded", i)
         odc.fetch(st)
     del transport.stream_key
-    assert len(st._plans) <= plans.PLAN_CACHE_SIZE
+    assert len(testing.plans(st)) <= plans.PLAN_CACHE_SIZE
 
     # Never stale after free: the freed tensor raises on the fast path's key, and a new tensor reusing the
     # same heap offset gets its own plan and its own values.
