@@ -13,6 +13,7 @@ so every data write a rank made before its barrier is visible to a peer that has
 from __future__ import annotations
 
 import struct
+import threading
 from typing import NamedTuple
 
 from odc_runtime.transport.host.locks import ByteRangeLocks
@@ -55,6 +56,9 @@ class ControlPage:
         self._previous = (b"\0" * 16, b"")  # ... and at ``epoch - 1``
         self._slot_lengths = [0, 0]
         self._status = HEALTHY
+        # POSIX locks do not exclude this process's threads: the async worker may publish FAILED while the caller
+        # announces a round.
+        self._mutex = threading.Lock()
 
     def init_own(self) -> None:
         """Write the initial header into this rank's freshly created page (nobody maps it yet)."""
@@ -62,19 +66,20 @@ class ControlPage:
 
     def announce(self, digest: bytes, name: bytes, payload: bytes) -> None:
         """Enter the next round: publish its epoch, operation and payload (one locked store)."""
-        self.epoch += 1
-        self._previous, self._current = self._current, (digest, name)
-        slot = self.epoch % 2
-        self._slot_lengths[slot] = len(payload)
-        start = _SLOT_OFFSET + slot * SLOT_BYTES
-        self._store(self._header(), start, payload)
+        with self._mutex:
+            self.epoch += 1
+            self._previous, self._current = self._current, (digest, name)
+            slot = self.epoch % 2
+            self._slot_lengths[slot] = len(payload)
+            self._store(_SLOT_OFFSET + slot * SLOT_BYTES, payload)
 
     def publish_status(self, status: int) -> None:
         """Publish FAILED or LEFT: peers waiting for this rank in a later round raise at once instead of timing
         out. A failure is never overwritten by LEFT."""
-        if self._status == HEALTHY:
-            self._status = status
-            self._store(self._header(), 0, b"")
+        with self._mutex:
+            if self._status == HEALTHY:
+                self._status = status
+                self._store(0, b"")
 
     def _header(self) -> bytes:
         return _HEADER.pack(
@@ -82,8 +87,10 @@ class ControlPage:
             self._status,
         )
 
-    def _store(self, header: bytes, start: int, payload: bytes) -> None:
+    def _store(self, start: int, payload: bytes) -> None:
+        """Write ``payload`` at ``start`` and the header built from the current state (caller holds the mutex)."""
         seg = self._segments.get(self._rank)
+        header = self._header()
         with self._locks.held(self._rank, 0, PAGE, exclusive=True, op="barrier"):
             seg.map[start : start + len(payload)] = payload
             seg.map[: _HEADER.size] = header
