@@ -136,6 +136,29 @@ def test_push_timed_out_after_partly_landing_cannot_be_retried() -> None:
     run_ranks(_rank_push_timeout_retry, 2, env={"ODC_TIMEOUT": "2"}, timeout=40)
 
 
+def _rank_async_push_timeout(rank: int, world: int) -> None:
+    n = 1 << 12
+    st, held = _shard_with_a_held_lock(rank, world, n, locker=1, owner=0, element=0)
+    if rank == 0:
+        handle = odc.push(st, torch.ones(world * n), async_op=True)  # on the worker thread: same rule
+        with pytest.raises(odc.OdcTimeoutError, match=r"already landed.*unusable"):
+            handle.wait(timeout=30)  # longer than the push's own lock timeout, which is what must end it
+        # The sync does not announce an arrival after a torn push (its peers must not count this minibatch).
+        with pytest.raises(odc.OdcTimeoutError, match="unusable"):
+            odc.sync()
+        dist.barrier()
+    else:
+        dist.barrier()
+        _unlock(held)
+        with pytest.raises(odc.OdcPeerLostError, match="FAILED"):
+            odc.sync()
+    odc.finalize()
+
+
+def test_async_push_timed_out_after_partly_landing_fails_the_sync() -> None:
+    run_ranks(_rank_async_push_timeout, 2, env={"ODC_TIMEOUT": "2"}, timeout=40)
+
+
 def _rank_push_timeout_before_landing(rank: int, world: int) -> None:
     n = 1 << 12
     # rank 1 pushes to owner 0 first, whose first element rank 0 holds: its very first chunk cannot land

@@ -24,6 +24,10 @@ class FutureWork(Work):
         try:
             self._future.result(timeout=limit)
         except FutureTimeoutError:
+            # Since Python 3.11 this is the builtin TimeoutError, which OdcTimeoutError derives from: an operation
+            # that itself raised a timeout is done, and its error is what to report.
+            if self._future.done():
+                raise
             raise OdcTimeoutError(f"odc {self._what}: async operation did not complete within {limit:g} s") from None
 
     def is_completed(self) -> bool:
@@ -58,7 +62,10 @@ class AsyncWorker:
         for i, future in enumerate(pending):
             try:
                 future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except FutureTimeoutError:
+            except FutureTimeoutError as e:
+                if future.done():  # the operation's own timeout (see FutureWork.wait), not ours
+                    error = error or e
+                    continue
                 self._pending = pending[i:] + self._pending  # still running: the next quiet waits for them
                 raise OdcTimeoutError(
                     f"odc quiet on rank {self._rank}: async operations still running after {self._timeout:g} s"
