@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import platform
-import socket
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -38,44 +37,23 @@ def ensure_importable() -> None:
 
 ensure_importable()
 
+from odc_runtime import launch as launch_helper  # noqa: E402 (importable only after ensure_importable)
 
 # --------------------------------------------------------------------------------------------------- launch
 
 
 def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn_entry(local_rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> None:
-    os.environ.update(
-        RANK=str(local_rank),
-        LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    fn(*args)
+    return launch_helper.under_launcher()
 
 
 def launch(fn: Callable[..., None], nproc: int, *args: object) -> None:
-    """Run ``fn(*args)`` on every rank: in this process under torchrun, else in ``nproc`` spawned processes.
+    """Run ``fn(*args)`` on every rank: in this process under torchrun, else in ``nproc`` spawned processes
+    (:func:`odc_runtime.launch.launch`).
 
     ``fn`` must be a module-level function; it reads its rank from the environment (``RANK``, ``LOCAL_RANK``,
     ``WORLD_SIZE``) and calls :func:`init_distributed`.
     """
-    if under_torchrun():
-        fn(*args)
-        return
-    import torch.multiprocessing as mp
-
-    mp.spawn(_spawn_entry, args=(fn, nproc, _free_port(), args), nprocs=nproc, join=True)
+    launch_helper.launch(fn, nproc, *args)
 
 
 def init_distributed(device: str) -> tuple[int, int, torch.device]:

@@ -11,14 +11,13 @@ the union of the data and prints both losses: they agree to float rounding.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import odc_runtime as odc
 from odc_runtime.balance import CostModel, plan
+from odc_runtime.launch import launch
 from odc_runtime.workloads import sample_lengths
 
 DIM, HIDDEN = 24, 37  # 24*37 = 888 and 37 elements: neither divides evenly over 4 ranks
@@ -100,11 +99,6 @@ def reference_step(params: dict[str, torch.Tensor], xs, ys, total_rows: int, lr:
     return float(loss.detach())
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    _run(args)
-
-
 def _run(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -122,15 +116,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    if "LOCAL_RANK" in os.environ:  # launched by torchrun
-        _run(args)
-        return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(args.nproc, port, args), nprocs=args.nproc)
+    launch(_run, args.nproc, args)  # in this process under torchrun, else spawned ranks
 
 
 if __name__ == "__main__":

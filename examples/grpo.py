@@ -51,18 +51,16 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import odc_runtime as odc
 import odc_runtime.fsdp as odc_fsdp
 from odc_runtime import balance, workloads
+from odc_runtime.launch import launch
 
 CLIP_EPS = 0.2
 PROMPT_LENS = (16, 48)
@@ -454,12 +452,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    _run(args)
-    _finish()
-
-
 def _run(args: argparse.Namespace) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built from a config: never reach the Hub
     torch.set_num_threads(1)
@@ -470,24 +462,10 @@ def _run(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def _finish() -> None:
-    """End this rank's process after a clean shutdown, skipping C++ static destructors at interpreter exit: with
-    torch 2.14.1's CUDA wheels, about one FSDP2 + gloo run in ten aborts there ("terminate called without an active
-    exception"; reproduced with plain FSDP2 and no odc_runtime), which would turn a finished run into a failure."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def main() -> None:
     args = parse_args()
-    if "LOCAL_RANK" in os.environ:  # launched by torchrun
-        _run(args)
-        _finish()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(args.nproc, port, args), nprocs=args.nproc)
+    # In this process under torchrun, else spawned ranks; each ends with odc_runtime.launch.exit_process().
+    launch(_run, args.nproc, args, exit_after=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,11 @@ Typical loop::
     odc.sync()
 """
 
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from odc_runtime.errors import (
@@ -34,6 +39,35 @@ from odc_runtime.errors import (
 )
 
 __version__ = "0.1.0"
+
+
+class _SourceKernels(importlib.abc.MetaPathFinder):
+    """Resolves ``odc_runtime.kernels`` to the top-level ``kernels/`` folder of a source checkout.
+
+    An install maps that folder into the package (``setup.py``'s ``package_dir``); a checkout used from
+    ``PYTHONPATH=.`` has no such mapping, so without this finder ``import odc_runtime.kernels`` (and the hierarchy,
+    which imports it) would fail there. Registered only when the folder sits next to this package and the package
+    has no ``kernels`` of its own (an install), so it resolves the name exactly as the install does."""
+
+    def __init__(self, directory: str) -> None:
+        self._directory = directory
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if name != "odc_runtime.kernels":
+            return None
+        init = os.path.join(self._directory, "__init__.py")
+        return importlib.util.spec_from_file_location(name, init, submodule_search_locations=[self._directory])
+
+
+def _register_source_kernels() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    source = os.path.join(os.path.dirname(here), "kernels")
+    checkout = os.path.isfile(os.path.join(source, "__init__.py")) and not os.path.isdir(os.path.join(here, "kernels"))
+    if checkout and not any(isinstance(f, _SourceKernels) for f in sys.meta_path):
+        sys.meta_path.insert(0, _SourceKernels(source))
+
+
+_register_source_kernels()
 
 # The core API imports torch; it is loaded on first use so that torch-free modules such as
 # ``odc_runtime.balance`` can be used in a data loader without importing torch.

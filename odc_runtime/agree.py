@@ -22,7 +22,6 @@ import itertools
 import json
 import os
 import socket
-import time
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
@@ -35,12 +34,11 @@ from odc_runtime.errors import (
     OdcMismatchError,
     OdcPeerLostError,
     OdcTimeoutError,
+    OdcUsageError,
 )
+from odc_runtime.transport.wait import Backoff, wait_for
 
 T = TypeVar("T")
-
-_LIVENESS_PERIOD_S = 0.5  # how often a waiting rank checks whether the peers it waits for still exist
-
 
 # -- processes ---------------------------------------------------------------------------------------------------
 def process_start_time(pid: int) -> int | None:
@@ -130,27 +128,56 @@ class StoreExchange:
     """
 
     _round = itertools.count()  # shared by every instance: all ranks run the same rounds in the same order
+    # Set when a round failed after this process posted its key (a timeout, a lost peer, an interrupt): peers may
+    # have completed that round with it, so this process's round numbers no longer match theirs (fail-stop).
+    _failed: str | None = None
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
 
     def exchange(self, op: str, payload: bytes) -> list[bytes]:
         rank, world = dist.get_rank(), dist.get_world_size()
+        if StoreExchange._failed is not None:
+            raise OdcUsageError(
+                f"odc {shorten(op)}: cannot run after {StoreExchange._failed} in this process: peers may have "
+                "completed that round with this rank, so the ranks' agreement rounds are no longer aligned and no "
+                "retry can succeed; restart the job (every rank)"
+            )
         store = _default_store()
         k = next(StoreExchange._round)
         keys = [f"odc_runtime/agree/{k}/{r}" for r in range(world)]
         header = {"op": shorten(op), "digest": op_digest(op).hex(), "host": _HOST, "pid": _PID, "start": _START}
+        posted = False
         try:
             store.set(keys[rank], json.dumps(header).encode() + b"\n" + payload)
+            posted = True
             self._wait(store, keys, rank, op)
             raw = [store.get(key) for key in keys]
-        except OdcError:
-            raise
-        except Exception as e:  # the store itself failed: its host (rank 0, or the launcher) is gone
+        except BaseException as e:
+            if posted:
+                self._fail(store, k, rank, op, e)
+            if isinstance(e, OdcError) or not isinstance(e, Exception):
+                raise
             raise OdcPeerLostError(
                 f"odc {shorten(op)}: rank {rank} lost the torch.distributed store ({type(e).__name__}: {e}); the "
                 "process hosting it (rank 0 under torch.multiprocessing, the launcher under torchrun) has died"
             ) from e
+        return self._finish(store, k, rank, op, header, raw)
+
+    @staticmethod
+    def _fail(store: dist.Store, k: int, rank: int, op: str, error: BaseException) -> None:
+        """Record the failure, and post a poisoned next round: a peer that completed round ``k`` with us and
+        waits in round ``k + 1`` raises OdcMismatchError naming this failure at once, instead of timing out."""
+        StoreExchange._failed = f"the failure of {shorten(op)!r} on rank {rank} ({type(error).__name__})"
+        header = {"op": f"nothing: rank {rank} failed in {shorten(op, 80)!r}", "digest": "failed", "host": _HOST,
+                  "pid": _PID, "start": _START}
+        with contextlib.suppress(Exception):
+            store.set(f"odc_runtime/agree/{k + 1}/{rank}", json.dumps(header).encode() + b"\n")
+
+    def _finish(
+        self, store: dist.Store, k: int, rank: int, op: str, header: dict, raw: list[bytes]
+    ) -> list[bytes]:
+        """Decode a completed round, remember the peers' identities, and compare the operations."""
         headers, payloads = [], []
         for blob in raw:
             head, _, body = bytes(blob).partition(b"\n")
@@ -171,33 +198,26 @@ class StoreExchange:
         return payloads
 
     def _wait(self, store: dist.Store, keys: list[str], rank: int, op: str) -> None:
-        missing = [r for r in range(len(keys)) if r != rank]
-        start = time.monotonic()
-        deadline = start + self.timeout
-        next_liveness = start + _LIVENESS_PERIOD_S
-        spins = 0
-        while missing:
-            missing = [r for r in missing if not store.check([keys[r]])]
-            if not missing:
-                return
-            now = time.monotonic()
-            if now >= next_liveness:
-                next_liveness = now + _LIVENESS_PERIOD_S
-                dead = [r for r in missing if self._known_dead(r)]
-                if dead:
-                    listing = ", ".join(f"rank {r} (pid {_PEERS[r][1]})" for r in dead)
-                    raise OdcPeerLostError(
-                        f"odc {shorten(op)}: rank {rank} waited for {listing}, which died before reaching it "
-                        f"(process gone after {now - start:.1f} s of waiting)"
-                    )
-            if now > deadline:
-                raise OdcTimeoutError(
-                    f"odc {shorten(op)}: rank {rank} timed out after {self.timeout:g} s waiting for rank(s) "
-                    f"{missing}, which did not reach this collective: they are stuck, dead on another machine, or "
-                    "in a different collective. Raise ODC_TIMEOUT if they are merely slow."
+        def check(missing: list[int], waited: float) -> None:
+            dead = [r for r in missing if self._known_dead(r)]
+            if dead:
+                listing = ", ".join(f"rank {r} (pid {_PEERS[r][1]})" for r in dead)
+                raise OdcPeerLostError(
+                    f"odc {shorten(op)}: rank {rank} waited for {listing}, which died before reaching it "
+                    f"(process gone after {waited:.1f} s of waiting)"
                 )
-            spins += 1
-            time.sleep(0 if spins < 20 else min(5e-3, 1e-4 * spins))
+
+        def timed_out(missing: list[int], waited: float) -> OdcTimeoutError:
+            return OdcTimeoutError(
+                f"odc {shorten(op)}: rank {rank} timed out after {self.timeout:g} s waiting for rank(s) "
+                f"{missing}, which did not reach this collective within that time: they are stuck, dead on another "
+                "machine, or in a different collective. Raise ODC_TIMEOUT if they are merely slow."
+            )
+
+        wait_for(
+            [r for r in range(len(keys)) if r != rank], lambda r: store.check([keys[r]]),
+            timeout=self.timeout, check=check, on_timeout=timed_out, backoff=Backoff(spins=20, step=1e-4, cap=5e-3),
+        )
 
     def _known_dead(self, peer: int) -> bool:
         known = _PEERS.get(peer)

@@ -1,10 +1,8 @@
 """The core API: ``init``, ``shard``, ``fetch``, ``push``, ``sync``, ``finalize``.
 
-Layout. A tensor of ``numel`` elements is split over the ranks of its group (all ranks by default) into shards of
-``S = ceil(numel / group_size)`` elements; the rank of group rank ``r`` owns ``[r*S, min((r+1)*S, numel))`` (the
-last owners may own fewer elements, or none). Every rank of the *world* allocates the same number of elements of
-symmetric memory for the parameter shard and fp32 elements for its gradient accumulator (the largest ``S`` over the
-groups of that ``shard`` call), so one offset addresses the buffer on every peer; the padding is never shown.
+Layout: :mod:`odc_runtime.layout` (where element ``i`` of a tensor lives; every rank of the world allocates the
+same number of parameter and fp32 accumulator elements, so one offset addresses a buffer on every peer). Plans and
+their cache: :mod:`odc_runtime.plans`.
 
 Groups. ``shard(t, group=g)`` is still collective over the whole world (every rank calls it, each with the group it
 belongs to, e.g. its row of a device mesh); the groups of one call must partition the ranks. ``fetch``/``push``
@@ -22,42 +20,32 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
-import numbers
 import os
-import struct
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from odc_runtime import config
+from odc_runtime import checks, config, layout
 from odc_runtime import transport as registry
 from odc_runtime.agree import StoreExchange, gather_checked, op_digest, require_same, shorten
 from odc_runtime.errors import (
-    OdcMismatchError,
     OdcNotInitializedError,
     OdcUsageError,
 )
-from odc_runtime.hierarchy import Hierarchy, supports_signals
+from odc_runtime.hierarchy import Hierarchy
+from odc_runtime.plans import PlanKey
+from odc_runtime.sharded import Handle, ShardedTensor
 from odc_runtime.transport.base import (
     Group,
-    Piece,
-    SymmetricBuffer,
     TransferPlan,
     Transport,
-    Work,
 )
 
 log = logging.getLogger("odc_runtime")
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ACCUM_DTYPES = (torch.float32,)
-_FP32_MAX = torch.finfo(torch.float32).max
-_FP32 = struct.Struct("f")
-_FP32_TINY = 2.0**-149  # the smallest fp32 subnormal: any |scale| at least this is non-zero in fp32
-
-
 @dataclass
 class _Runtime:
     transport: Transport
@@ -167,7 +155,7 @@ def init(
     transport = registry.get(name).create(timeout=resolved_timeout, heap_size=heap_size)
     try:
         nodes = requested_nodes or transport.node_size()
-        if nodes < transport.world_size and not supports_signals(transport):
+        if nodes < transport.world_size and not transport.capabilities.signals:
             raise OdcUsageError(
                 f"odc_runtime.init(): node size {nodes} < world {transport.world_size} needs put-with-signal, which "
                 f"the {name} transport does not have; set ODC_NODE_SIZE={transport.world_size} (one node)"
@@ -242,171 +230,6 @@ def rank() -> int:
     return _require_runtime("rank", read_only=True).transport.rank
 
 
-class Handle:
-    """Completion handle returned by ``fetch``/``push`` with ``async_op=True``.
-
-    ``wait()`` blocks until the operation completed (on GPU: makes the current stream wait for it), re-raises
-    its error, and returns the result (the fetched tensor, or ``None`` for ``push``).
-    """
-
-    def __init__(self, work: Work, result: torch.Tensor | None) -> None:
-        self._work = work
-        self._result = result
-
-    def wait(self, timeout: float | None = None) -> torch.Tensor | None:
-        self._work.wait(timeout)
-        return self._result
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
-
-
-class ShardedTensor:
-    """A tensor sharded across the ranks of a group (all ranks by default), created by :func:`shard`.
-
-    Attributes:
-        local: this rank's parameter shard (1-D, writable; the optimizer updates it in place).
-        grad: this rank's gradient accumulator shard (1-D, ``accum_dtype``); ``None`` for a tensor sharded with
-            ``requires_grad=False`` (no accumulator is allocated; pushing into it is an error).
-        shard_range: ``(start, stop)`` of the flattened full tensor owned by this rank.
-        group: the ``torch.distributed`` process group passed to :func:`shard` (``None``: all ranks).
-        group_ranks: global ranks of the owners, in group-rank order.
-        rank, world_size: this rank's rank in the group and the group's size (the world's without a group).
-    """
-
-    def __init__(
-        self,
-        name: str,
-        shape: torch.Size,
-        dtype: torch.dtype,
-        accum_dtype: torch.dtype,
-        param: SymmetricBuffer,
-        grad: SymmetricBuffer | None,
-        runtime: _Runtime,
-        seq: int = 0,
-        group: object | None = None,
-        group_ranks: tuple[int, ...] | None = None,
-    ) -> None:
-        self.name = name
-        self.seq = seq  # this tensor's shard() sequence number (the same on every rank)
-        self.shape = shape
-        self.dtype = dtype
-        self.accum_dtype = accum_dtype
-        self.numel = math.prod(shape)
-        if group_ranks is None:
-            group_ranks = tuple(range(runtime.transport.world_size))
-        self.group = group
-        self.group_ranks = group_ranks
-        self.world_size = len(group_ranks)
-        self.rank = group_ranks.index(runtime.transport.rank)
-        self.shard_size = -(-self.numel // self.world_size)  # param.numel may be larger (another group's size)
-        self._param = param
-        self._grad = grad
-        self._generation = runtime.generation
-        start, stop = self.owner_range(self.rank)
-        self.local = param.local[: stop - start]
-        self.grad = None if grad is None else grad.local[: stop - start]
-
-    def owner_range(self, owner: int) -> tuple[int, int]:
-        """``(start, stop)`` of the flattened tensor owned by group rank ``owner``."""
-        start = min(owner * self.shard_size, self.numel)
-        return start, min(start + self.shard_size, self.numel)
-
-    @property
-    def shard_range(self) -> tuple[int, int]:
-        return self.owner_range(self.rank)
-
-    def zero_grad(self) -> None:
-        """Zero this rank's accumulator (no-op without one). Call ``sync()`` before peers push into it again.
-
-        Raises OdcUsageError in a forked child of the rank (it would zero the rank's accumulator)."""
-        self._check_alive("zero_grad")
-        if self.grad is not None:
-            self.grad.zero_()
-
-    def free(self) -> None:
-        """Collective: release this tensor's symmetric memory (same order on all ranks).
-
-        Every rank checks that its peers free the same tensor (its whole name and its shard sequence number):
-        freeing in different orders raises OdcMismatchError on every rank and frees nothing. Pushes not yet
-        delivered by a ``sync()`` are dropped with the tensor (across nodes they still sit in staging buffers).
-        """
-        runtime = self._check_alive("free")
-        if runtime.hierarchy is not None:
-            runtime.hierarchy.remove(self.seq)
-        if self._grad is not None:
-            runtime.transport.free(self._grad)
-        runtime.transport.free(self._param)
-        runtime.live_names.discard(self.name)
-
-    def _check_alive(self, what: str) -> _Runtime:
-        runtime = _require_runtime(what)
-        if self._generation != runtime.generation:
-            raise OdcNotInitializedError(
-                f"odc_runtime.{what}(): ShardedTensor {self.name!r} belongs to a runtime that was finalized"
-            )
-        if self._param.freed:
-            raise OdcUsageError(f"odc_runtime.{what}(): ShardedTensor {self.name!r} was freed")
-        return runtime
-
-    def __repr__(self) -> str:
-        return (
-            f"ShardedTensor(name={self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
-            f"shard_range={self.shard_range}, world_size={self.world_size}"
-            + ("" if self.group is None else f", group_ranks={list(self.group_ranks)}")
-            + ")"
-        )
-
-
-def _group_ranks(what: str, group: object, world: int, rank: int) -> tuple[int, ...] | None:
-    """Global ranks of ``group`` in group-rank order; ``None`` for ``None`` or a group of every rank.
-
-    Raises OdcUsageError unless ``group`` is a ``torch.distributed`` process group that this rank belongs to."""
-    if group is None:
-        return None
-    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
-        raise OdcUsageError(
-            f"odc_runtime.{what}: rank {rank} is not a member of the group it passed (torch.distributed.new_group "
-            "returns a placeholder to non-members); pass the group this rank belongs to (e.g. "
-            "mesh.get_group(dim)), or None for all ranks"
-        )
-    if not isinstance(group, dist.ProcessGroup):
-        raise OdcUsageError(
-            f"odc_runtime.{what}: group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"
-        )
-    try:
-        members = dist.get_process_group_ranks(group)
-        ranks = tuple(sorted(members, key=lambda g: dist.get_group_rank(group, g)))
-    except (RuntimeError, ValueError) as e:
-        raise OdcUsageError(
-            f"odc_runtime.{what}: cannot read the ranks of the group ({e}); pass a group made by "
-            "torch.distributed.new_group() or a DeviceMesh in this default process group"
-        ) from None
-    if rank not in ranks:
-        raise OdcUsageError(
-            f"odc_runtime.{what}: rank {rank} is not a member of the group {list(ranks)}; pass the group this rank "
-            "belongs to, or None for all ranks"
-        )
-    if any(not 0 <= r < world for r in ranks):
-        raise OdcUsageError(f"odc_runtime.{what}: group ranks {list(ranks)} are outside the world of {world} ranks")
-    if len(ranks) == world:
-        return None  # every rank: the same as no group
-    return ranks
-
-
-def _check_partition(groups: list[tuple[int, ...]]) -> None:
-    """OdcMismatchError (on every rank: all see the same list) unless ``groups[r]``, the group rank ``r`` passed,
-    contains ``r`` and every member of it passed the same group: the groups of one call partition the ranks."""
-    bad = [r for r, g in enumerate(groups) if r not in g or any(m >= len(groups) or groups[m] != g for m in g)]
-    if bad:
-        listing = "; ".join(f"rank {r}: {list(g)}" for r, g in enumerate(groups))
-        raise OdcMismatchError(
-            f"odc shard: the groups passed by the ranks do not partition them (inconsistent at rank(s) {bad}): "
-            f"{listing}. Every member of a group must pass that same group (e.g. all pass mesh.get_group(dim)), "
-            "or all pass None"
-        )
-
-
 def shard(
     tensor: torch.Tensor,
     *,
@@ -448,7 +271,7 @@ def shard(
     world, me = transport.world_size, transport.rank
 
     def local_checks() -> tuple[str, int, tuple[int, ...], str, str, bool, tuple[int, ...] | None]:
-        ranks = _group_ranks("shard()", group, world, me)  # None (all ranks) keeps the exchanged payload small
+        ranks = checks.group_ranks("shard()", group, world, me)  # None (all ranks) keeps the exchanged payload small
         if not isinstance(name, str) or not name:
             raise OdcUsageError(f"odc_runtime.shard(): name must be a non-empty str, got {name!r}")
         if name in runtime.live_names:
@@ -456,8 +279,7 @@ def shard(
                 f"odc_runtime.shard(): name {shorten(name)!r} is already used by a live ShardedTensor of this "
                 "runtime; names must be unique (free the other tensor first, or pick another name)"
             )
-        if not isinstance(tensor, torch.Tensor):
-            raise OdcUsageError(f"odc_runtime.shard() expects a torch.Tensor, got {type(tensor).__name__}")
+        checks.plain_tensor("shard()", tensor)  # a DTensor would fail only after allocating
         if tensor.layout != torch.strided or tensor.is_nested:
             raise OdcUsageError(
                 f"odc_runtime.shard(): tensor has layout {tensor.layout}; pass a dense (strided) tensor"
@@ -471,15 +293,13 @@ def shard(
         return identity, seq, tuple(tensor.shape), str(tensor.dtype), str(accum_dtype), bool(requires_grad), ranks
 
     op = f"shard({name}#{seq})"
-    # The transport's own bounded exchange when it has one (host: its control pages), else the store.
-    exchange = getattr(transport, "exchange", None) and transport
-    results = gather_checked(op, local_checks, exchange=exchange, timeout=transport.timeout)  # type: ignore[arg-type]
+    results = gather_checked(op, local_checks, exchange=transport)  # bounded by the transport's timeout
     require_same("shard", [r[:-1] for r in results])
     own = tuple(range(world))
     size = -(-tensor.numel() // world)
     if any(r[-1] is not None for r in results):
         groups = [own if r[-1] is None else tuple(r[-1]) for r in results]
-        _check_partition(groups)
+        checks.check_partition(groups)
         for g in groups:  # the same list on every rank, so every rank numbers the groups alike
             if len(g) < world and g not in runtime.groups:
                 runtime.groups[g] = len(runtime.groups)
@@ -495,13 +315,19 @@ def shard(
         except BaseException:
             transport.free(param)  # collective unless the transport failed (then local, without waiting)
             raise
-    st = ShardedTensor(
-        name, tensor.shape, tensor.dtype, accum_dtype, param, grad, runtime, seq,
-        group=None if len(own) == world else group, group_ranks=own,
-    )
-    if not tensor.is_meta:  # the symmetric buffers start zeroed
-        start, stop = st.shard_range
-        st.local.copy_(tensor.detach().reshape(-1)[start:stop])
+    try:
+        st = ShardedTensor(
+            name, tensor.shape, tensor.dtype, accum_dtype, param, grad, runtime, seq,
+            group=None if len(own) == world else group, group_ranks=own,
+        )
+        if not tensor.is_meta:  # the symmetric buffers start zeroed
+            start, stop = st.shard_range
+            st.local.copy_(tensor.detach().reshape(-1)[start:stop])
+    except BaseException:  # nothing should fail here after the checks; if it does, leak no heap
+        for buf in (grad, param):
+            if buf is not None:
+                transport.free(buf)
+        raise
     transport.barrier(op)  # initial values are in place before anyone fetches them
     if runtime.hierarchy is not None and len(own) == world:
         try:
@@ -525,111 +351,23 @@ def _check_st(st: object, what: str) -> _Runtime:
     return st._check_alive(what)
 
 
-def _check_scale(what: str, scale: object) -> float:
-    """``scale`` as a float that is finite, and neither overflows nor (when non-zero) vanishes in fp32."""
-    try:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise ValueError
-        value = float(scale)
-    except (ValueError, OverflowError, TypeError):
-        raise OdcUsageError(f"odc_runtime.{what}: scale must be a finite real number, got {scale!r}") from None
-    if not math.isfinite(value):
-        raise OdcUsageError(f"odc_runtime.{what}: scale must be a finite real number, got {scale!r}")
-    if abs(value) > _FP32_MAX:
-        raise OdcUsageError(
-            f"odc_runtime.{what}: scale {scale!r} overflows float32 (max {_FP32_MAX:.4g}); gradients accumulate in "
-            "float32, so every push would add inf"
-        )
-    if value != 0.0 and _FP32.unpack(_FP32.pack(value))[0] == 0.0:
-        raise OdcUsageError(f"odc_runtime.{what}: scale {scale!r} rounds to 0 in float32; the push would add nothing")
-    return value
-
-
-def _check_tensor(what: str, t: object, st: ShardedTensor, device: torch.device, dtypes: tuple) -> torch.Tensor:
-    """``t`` is a dense tensor of ``st``'s shape, one of ``dtypes``, on ``device``; OdcUsageError otherwise."""
-    if not isinstance(t, torch.Tensor):
-        raise OdcUsageError(f"odc_runtime.{what}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.is_nested or t.layout != torch.strided:
-        raise OdcUsageError(
-            f"odc_runtime.{what}: tensor has layout {t.layout}{' (nested)' if t.is_nested else ''}; pass a dense "
-            "tensor (e.g. t.to_dense())"
-        )
-    if t.shape != st.shape:
-        raise OdcUsageError(
-            f"odc_runtime.{what}: shape {tuple(t.shape)} does not match {st.name!r}'s shape {tuple(st.shape)}"
-        )
-    if t.dtype not in dtypes:
-        raise OdcUsageError(f"odc_runtime.{what}: dtype {t.dtype} not allowed for {st.name!r}; use {dtypes}")
-    if t.device != device:
-        raise OdcUsageError(
-            f"odc_runtime.{what}: tensor is on device {t.device} but the transport of {st.name!r} works on {device}"
-        )
-    return t
-
-
-# -- per-call fast path ----------------------------------------------------------------------------------
-# The first fetch/push of a ShardedTensor with a given (tensor type, shape, dtype, device, layout, contiguity,
-# requires_grad, transport stream key) runs every check and builds a TransferPlan (which peer gets which slice,
-# plus whatever the transport precomputes: peer pointers, kernel arguments). Later calls with the same key skip
-# straight to plan.run(). A key that was rejected is never cached, so every rejected call takes the slow path
-# and raises there. A plan is used only while its runtime generation is current and its buffer is not freed.
-_PLAN_CACHE_SIZE = 8  # plans per ShardedTensor (keys differ only by dtype and stream in normal use)
-
-
-def _plan_pieces(st: ShardedTensor) -> list[Piece]:
-    """One piece per owner with data, starting after this rank (ranks issuing at once hit different owners).
-
-    Owners are numbered in the tensor's group; the pieces name their global ranks, which the transport uses."""
-    pieces = []
-    for k in range(1, st.world_size + 1):
-        owner = (st.rank + k) % st.world_size
-        start, stop = st.owner_range(owner)
-        if stop > start:
-            pieces.append(Piece(st.group_ranks[owner], start, stop - start))
-    return pieces
-
-
+# -- per-call fast path (odc_runtime.plans) ---------------------------------------------------------------
 def _make_plan(runtime: _Runtime, st: ShardedTensor, kind: str) -> TransferPlan:
     """The transfer plan of ``st`` for ``kind``: routed through the node hierarchy for its tensors."""
+    pieces = layout.transfer_pieces(st.numel, st.group_ranks, st.rank)
     hierarchy = runtime.hierarchy
     if hierarchy is not None and hierarchy.has(st.seq):
-        return hierarchy.plan(st.seq, kind, _plan_pieces(st))
-    buf = st._param if kind == "get" else st._grad
+        return hierarchy.plan(st.seq, kind, pieces)
+    buf = st._param if kind == "fetch" else st._grad
     assert buf is not None
-    return runtime.transport.plan(buf, kind, _plan_pieces(st))
+    return runtime.transport.plan(buf, kind, pieces)
 
 
-def _tensor_key(op: str, t: torch.Tensor, stream_key: object) -> tuple:
-    if t.layout is not torch.strided or t.is_nested:
-        # No plan is ever stored for these (the slow path refuses them); some have no shape or is_contiguous().
-        return (op, type(t), t.layout, t.is_nested)
-    return (op, type(t), t.shape, t.dtype, t.device, t.layout, t.is_contiguous(), t.requires_grad, stream_key)
-
-
-def _cached_plan(st: ShardedTensor, key: tuple) -> TransferPlan | None:
-    """The plan cached for ``key`` if the runtime is alive, ``st`` belongs to it and the buffer is not freed."""
-    runtime = _runtime
-    plans = st.__dict__.get("_plans")
-    if plans is None or runtime is None or st._generation != runtime.generation:
+def _cached_plan(runtime: _Runtime, st: ShardedTensor, key: PlanKey | None) -> TransferPlan | None:
+    """The plan cached for ``key`` if ``st`` belongs to the live runtime (and its buffer is not freed)."""
+    if st._generation != runtime.generation:
         return None
-    plan = plans.get(key)
-    if plan is None or plan.buf.freed:
-        return None
-    return plan
-
-
-def _store_plan(st: ShardedTensor, key: tuple, plan: TransferPlan) -> None:
-    plans = st.__dict__.setdefault("_plans", {})
-    while len(plans) >= _PLAN_CACHE_SIZE:
-        del plans[next(iter(plans))]  # oldest first
-    plans[key] = plan
-
-
-def _scale_value(scale: object) -> float:
-    """``_check_scale`` with a shortcut for the common case (a float that fp32 represents as non-zero)."""
-    if type(scale) is float and _FP32_TINY <= abs(scale) <= _FP32_MAX:
-        return scale
-    return _check_scale("push", scale)
+    return st._plans.get(key)
 
 
 def _issue(
@@ -653,29 +391,29 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
     if runtime is not None and type(st) is ShardedTensor and not _in_forked_child:
         transport = runtime.transport
         if out is None:
-            plan = _cached_plan(st, ("fetch", None, transport.stream_key()))
+            plan = _cached_plan(runtime, st, PlanKey.for_output("fetch", transport.stream_key()))
             if plan is not None:
                 out = torch.empty(st.shape, dtype=st.dtype, device=transport.device)
                 return _issue(plan, out, 1.0, async_op, out)  # type: ignore[return-value]
         elif isinstance(out, torch.Tensor):
-            plan = _cached_plan(st, _tensor_key("fetch", out, transport.stream_key()))
+            plan = _cached_plan(runtime, st, PlanKey.for_tensor("fetch", out, transport.stream_key()))
             if plan is not None:  # the key says out is contiguous (only such keys are cached)
                 return _issue(plan, out, 1.0, async_op, out)  # type: ignore[return-value]
     runtime = _check_st(st, "fetch")
     transport = runtime.transport
     device = transport.device
     if out is None:
-        key: tuple = ("fetch", None, transport.stream_key())
+        key = PlanKey.for_output("fetch", transport.stream_key())
         out = torch.empty(st.shape, dtype=st.dtype, device=device)
     else:
-        _check_tensor("fetch(out=...)", out, st, device, (st.dtype,))
+        checks.check_tensor("fetch(out=...)", out, st, device, (st.dtype,))
         if not out.is_contiguous():
             raise OdcUsageError("odc_runtime.fetch(out=...): out must be contiguous")
         if out.requires_grad:
             raise OdcUsageError("odc_runtime.fetch(out=...): out must not require grad (pass a detached tensor)")
-        key = _tensor_key("fetch", out, transport.stream_key())
-    plan = _make_plan(runtime, st, "get")
-    _store_plan(st, key, plan)
+        key = PlanKey.for_tensor("fetch", out, transport.stream_key())
+    plan = _make_plan(runtime, st, "fetch")
+    st._plans.put(key, plan)
     return _issue(plan, out, 1.0, async_op, out)  # type: ignore[return-value]
 
 
@@ -689,22 +427,22 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     runtime = _runtime
     fast = runtime is not None and type(st) is ShardedTensor and not _in_forked_child
     if fast and isinstance(grad, torch.Tensor):  # fast path, see fetch
-        key = _tensor_key("push", grad, runtime.transport.stream_key())
-        plan = _cached_plan(st, key)
-        if plan is not None:  # plans take contiguous tensors of any shape; key[6] is grad.is_contiguous()
-            src = grad if key[6] else grad.detach().reshape(-1)
-            return _issue(plan, src, _scale_value(scale), async_op, None)  # type: ignore[return-value]
+        key = PlanKey.for_tensor("push", grad, runtime.transport.stream_key())
+        plan = _cached_plan(runtime, st, key)
+        if plan is not None:  # plans take contiguous tensors of any shape
+            src = grad if key.contiguous else grad.detach().reshape(-1)  # type: ignore[union-attr]
+            return _issue(plan, src, checks.scale_value(scale), async_op, None)  # type: ignore[return-value]
     runtime = _check_st(st, "push")
     if st._grad is None:
         raise OdcUsageError(
             f"odc_runtime.push: {st.name!r} was sharded with requires_grad=False and has no gradient accumulator"
         )
     transport = runtime.transport
-    _check_tensor("push(grad)", grad, st, transport.device, PARAM_DTYPES)
-    value = _scale_value(scale)
-    key = _tensor_key("push", grad, transport.stream_key())
-    plan = _make_plan(runtime, st, "accumulate")
-    _store_plan(st, key, plan)
+    checks.check_tensor("push(grad)", grad, st, transport.device, PARAM_DTYPES)
+    value = checks.scale_value(scale)
+    key = PlanKey.for_tensor("push", grad, transport.stream_key())
+    plan = _make_plan(runtime, st, "push")
+    st._plans.put(key, plan)
     src = grad if grad.is_contiguous() else grad.detach().reshape(-1)
     return _issue(plan, src, value, async_op, None)  # type: ignore[return-value]
 
@@ -741,7 +479,7 @@ def sync(group: dist.ProcessGroup | None = None, *, gradients: bool = True, para
         raise OdcUsageError(
             f"odc_runtime.sync(): gradients and parameters must be bools, got {gradients!r} and {parameters!r}"
         )
-    ranks = None if group is None else _group_ranks("sync(group=...)", group, transport.world_size, transport.rank)
+    ranks = checks.group_ranks("sync(group=...)", group, transport.world_size, transport.rank)
     if ranks is None:
         if runtime.hierarchy is None:
             transport.barrier("sync")

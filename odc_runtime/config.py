@@ -24,6 +24,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 
 from odc_runtime.errors import OdcUsageError
 
@@ -31,8 +32,12 @@ DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_HOST_HEAP_BYTES = 1 << 30
 DEFAULT_HOST_CHUNK_BYTES = 4 << 20
 DEFAULT_SHM_DIR = "/dev/shm"
+MIN_HOST_HEAP_BYTES = 4096  # one page: room for at least one allocation (the heap aligns to 256 bytes)
+MIN_HOST_CHUNK_BYTES = 8  # one element of the widest dtype
+MAX_BYTES = 1 << 47  # the user address space of 64-bit Linux (4-level page tables): nothing larger can be mapped
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_INT_RE = re.compile(r"^[+]?\d+$")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -52,29 +57,41 @@ def env(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     return raw.strip()
 
 
-def parse_size(value: str | int, *, what: str) -> int:
-    """Parse a byte count such as ``4096``, ``512M``, ``1.5G`` or ``2GiB`` (binary units)."""
+def parse_size(value: str | int, *, what: str, minimum: int = 1, maximum: int = MAX_BYTES) -> int:
+    """Parse a byte count such as ``4096``, ``512M``, ``1.5G`` or ``2GiB`` (binary units) exactly.
+
+    The result must be a whole number of bytes in ``[minimum, maximum]`` (``maximum`` defaults to what a 64-bit
+    platform's user address space can map, 128 TiB); every refusal is an OdcUsageError naming ``what`` and the
+    accepted form."""
+    form = "a whole number of bytes such as 4096, 512M, 1.5G or 2GiB"
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise OdcUsageError(f"{what}: expected a byte count (int) or a string such as '512M', got {value!r}")
+        raise OdcUsageError(f"{what}: expected {form} (int or str), got {value!r}")
     if isinstance(value, int):
         size = value
     else:
         m = _SIZE_RE.match(value)
         if m is None:
-            raise OdcUsageError(f"{what}: cannot parse size {value!r}; use e.g. 4096, 512M or 2G")
-        size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if size <= 0:
-        raise OdcUsageError(f"{what} must be positive, got {value!r}")
+            raise OdcUsageError(f"{what}: cannot parse size {value!r}; use {form}")
+        exact = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]  # no float: exact, and no overflow
+        if exact.denominator != 1:
+            raise OdcUsageError(f"{what}: {value!r} is not a whole number of bytes; use {form}")
+        size = int(exact)
+    if size < minimum:
+        raise OdcUsageError(f"{what} must be at least {minimum} bytes, got {value!r}; use {form}")
+    if size > maximum:
+        raise OdcUsageError(f"{what} must be at most {maximum} bytes (2^{maximum.bit_length() - 1}), got {value!r}")
     return size
 
 
-def resolve_size(arg: str | int | None, env_name: str, default: int) -> int:
-    """``arg`` if given, else env var ``env_name`` if set, else ``default``."""
+def resolve_size(
+    arg: str | int | None, env_name: str, default: int, *, arg_name: str | None = None, minimum: int = 1
+) -> int:
+    """``arg`` if given (``arg_name`` in messages), else env var ``env_name`` if set, else ``default``."""
     if arg is not None:
-        return parse_size(arg, what=env_name.lower())
+        return parse_size(arg, what=arg_name or env_name.lower(), minimum=minimum)
     raw = env(env_name)
     if raw is not None:
-        return parse_size(raw, what=env_name)
+        return parse_size(raw, what=env_name, minimum=minimum)
     return default
 
 
@@ -115,12 +132,16 @@ def shm_dir() -> str:
 
 def host_chunk_bytes() -> int:
     """Bytes of one host accumulate held under one lock (``ODC_HOST_CHUNK_BYTES``)."""
-    return resolve_size(None, "ODC_HOST_CHUNK_BYTES", DEFAULT_HOST_CHUNK_BYTES)
+    return resolve_size(
+        None, "ODC_HOST_CHUNK_BYTES", DEFAULT_HOST_CHUNK_BYTES, minimum=MIN_HOST_CHUNK_BYTES
+    )
 
 
 def host_heap_bytes(arg: str | int | None) -> int:
     """Host symmetric heap bytes per rank: ``init(heap_size=...)``, else ``ODC_HEAP_SIZE``, else 1 GiB."""
-    return resolve_size(arg, "ODC_HEAP_SIZE", DEFAULT_HOST_HEAP_BYTES)
+    return resolve_size(
+        arg, "ODC_HEAP_SIZE", DEFAULT_HOST_HEAP_BYTES, arg_name="init(heap_size=...)", minimum=MIN_HOST_HEAP_BYTES
+    )
 
 
 def backend_name(arg: str | None) -> str | None:
@@ -143,7 +164,7 @@ def _positive_int(arg: int | None, name: str, env_name: str) -> int | None:
             raise OdcUsageError(f"{name} must be a positive int or None, got {arg!r}")
         return arg
     if env(env_name) is not None:
-        return env_int(env_name, 1)
+        return env_count(env_name, 1)
     return None
 
 
@@ -180,14 +201,23 @@ def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None)
 
 
 def env_int(name: str, default: int, *, minimum: int = 1, environ: Mapping[str, str] | None = None) -> int:
-    """An integer setting (sizes such as ``64K`` accepted) of at least ``minimum``."""
+    """A byte-size setting (``4096``, ``64K``; see :func:`parse_size`) of at least ``minimum``."""
     raw = env(name, environ)
     if raw is None:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = parse_size(raw, what=name)
+    if _INT_RE.match(raw) and int(raw) < minimum:
+        raise OdcUsageError(f"{name} must be at least {minimum}, got {raw!r}")
+    return parse_size(raw, what=name, minimum=minimum)
+
+
+def env_count(name: str, default: int, *, minimum: int = 1, environ: Mapping[str, str] | None = None) -> int:
+    """A count setting: a plain decimal integer (no unit, no fraction) of at least ``minimum``."""
+    raw = env(name, environ)
+    if raw is None:
+        return default
+    if not _INT_RE.match(raw):
+        raise OdcUsageError(f"{name} must be a whole number written in decimal digits (e.g. 8), got {raw!r}")
+    value = int(raw)
     if value < minimum:
         raise OdcUsageError(f"{name} must be at least {minimum}, got {raw!r}")
     return value
@@ -244,7 +274,7 @@ def nvshmem_settings(environ: Mapping[str, str] | None = None) -> NvshmemSetting
         raise OdcUsageError(f"ODC_NVSHMEM_CELL_BYTES must be a multiple of 16 up to 1G; got {cell}")
     slots: int | None = None
     if env("ODC_NVSHMEM_SCRATCH_SLOTS", environ) is not None:
-        slots = env_int("ODC_NVSHMEM_SCRATCH_SLOTS", 1, environ=environ)
+        slots = env_count("ODC_NVSHMEM_SCRATCH_SLOTS", 1, environ=environ)
         if slots > 65536:
             raise OdcUsageError(f"ODC_NVSHMEM_SCRATCH_SLOTS must be an integer in [1, 65536]; got {slots}")
     return NvshmemSettings(

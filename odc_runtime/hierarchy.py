@@ -50,7 +50,7 @@ import torch
 
 from odc_runtime import kernels
 from odc_runtime.transport.base import (
-    GetRequest,
+    FetchRequest,
     Piece,
     PutRequest,
     SymmetricBuffer,
@@ -58,11 +58,6 @@ from odc_runtime.transport.base import (
     Transport,
     Work,
 )
-
-
-def supports_signals(transport: Transport) -> bool:
-    """Whether ``transport`` implements put-with-signal (needed when nodes are smaller than the world)."""
-    return type(transport).put_signal is not Transport.put_signal
 
 
 @dataclass(eq=False)
@@ -220,8 +215,8 @@ class Hierarchy:
             else:
                 row = self.row(p.peer // self.node_size)
                 routed.append(Piece(self.proxy(p.peer), p.start, p.numel, row * bufs.shard))
-        own = bufs.param if kind == "get" else bufs.grad
-        other = bufs.mirror if kind == "get" else bufs.stage
+        own = bufs.param if kind == "fetch" else bufs.grad
+        other = bufs.mirror if kind == "fetch" else bufs.stage
         assert own is not None and other is not None
         t = self.transport
         parts = []
@@ -242,11 +237,17 @@ class Hierarchy:
         t.barrier(f"{op}(gradients={gradients}, parameters={parameters})")
         if not self._tensors or not (gradients or parameters):
             return
-        if gradients:
-            self._flush([b for b in self._tensors.values() if b.stage is not None], op)
-        if parameters:
-            self._refresh(list(self._tensors.values()))
-        t.barrier(op)
+
+        def deliver() -> None:
+            if gradients:
+                self._flush([b for b in self._tensors.values() if b.stage is not None], op)
+            if parameters:
+                self._refresh(list(self._tensors.values()))
+            t.barrier(op)
+
+        # Fail-stop: after barrier 1 every rank is committed to the puts, folds and zeroing of this sync; one
+        # that stops halfway leaves staging rows and inboxes that no retry can account for.
+        t.fail_stop(op, "the flush of staged pushes began", deliver)
 
     def _flush(self, tensors: list[_Buffers], op: str) -> None:
         """Deliver the staging rows into the owners' inboxes and fold them, in rounds of ``slots`` source nodes.
@@ -296,4 +297,4 @@ class Hierarchy:
         t = self.transport
         for bufs in tensors:
             n = bufs.shard
-            t.get(bufs.param, [GetRequest(o, bufs.mirror.local[r * n : (r + 1) * n]) for _, r, o in self._partners])
+            t.fetch(bufs.param, [FetchRequest(o, bufs.mirror.local[r * n : (r + 1) * n]) for _, r, o in self._partners])

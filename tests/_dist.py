@@ -13,20 +13,15 @@ import faulthandler
 import multiprocessing as mp
 import os
 import queue
-import socket
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from odc_runtime.launch import free_port
+
 _CTX = mp.get_context("spawn")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(
@@ -45,15 +40,12 @@ def _entry(
         init_method = store if store.startswith("tcp://") else f"file://{store}"
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
         import odc_runtime
-        import odc_runtime.api
+        import odc_runtime.testing
 
         try:
             value = fn(rank, world, *args)
         except BaseException:
-            # Do not enter a collective finalize that the other ranks may never match.
-            runtime = odc_runtime.api._runtime
-            if runtime is not None:
-                runtime.transport.finalize()
+            odc_runtime.testing.abandon()  # not the collective finalize, which the other ranks may never match
             raise
         odc_runtime.finalize()
         dist.destroy_process_group()
@@ -73,7 +65,7 @@ def run_ranks(
     """
     with tempfile.TemporaryDirectory() as tmp:
         results = _CTX.Queue()
-        address = f"tcp://127.0.0.1:{_free_port()}" if store == "tcp" else os.path.join(tmp, "store")
+        address = f"tcp://127.0.0.1:{free_port()}" if store == "tcp" else os.path.join(tmp, "store")
         procs = [
             _CTX.Process(
                 target=_entry,

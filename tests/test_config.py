@@ -98,3 +98,36 @@ def test_every_setting_is_in_the_readme_table() -> None:
     table = table[: table.index("\n\n", table.index("| env var |"))]
     missing = sorted(v for v in used if f"`{v}`" not in table)
     assert missing == [], f"settings missing from the README's configuration table: {missing}"
+
+
+def test_settings_are_parsed_strictly(monkeypatch) -> None:
+    """Issue 24: integers are integers, sizes have a minimum and a maximum, every refusal names the variable."""
+    for bad in ("1.5", "1b", "2K", "0x2", "two"):
+        monkeypatch.setenv("ODC_NODE_SIZE", bad)
+        with pytest.raises(odc.OdcUsageError, match=r"ODC_NODE_SIZE must be a whole number .* decimal digits"):
+            config.node_size(None, 4)
+        monkeypatch.setenv("ODC_NODE_SLOTS", bad)
+        with pytest.raises(odc.OdcUsageError, match="ODC_NODE_SLOTS must be a whole number"):
+            config.node_slots(None)
+    monkeypatch.setenv("ODC_NODE_SIZE", "2")
+    assert config.node_size(None, 4) == 2
+
+    monkeypatch.setenv("ODC_HEAP_SIZE", "100")  # would round down to a heap of 0 bytes
+    with pytest.raises(odc.OdcUsageError, match=r"ODC_HEAP_SIZE must be at least 4096 bytes, got '100'"):
+        config.host_heap_bytes(None)
+    monkeypatch.setenv("ODC_HEAP_SIZE", "1" * 23)
+    with pytest.raises(odc.OdcUsageError, match=r"ODC_HEAP_SIZE must be at most \d+ bytes"):
+        config.host_heap_bytes(None)
+    monkeypatch.setenv("ODC_HEAP_SIZE", "1.3")
+    with pytest.raises(odc.OdcUsageError, match=r"ODC_HEAP_SIZE: '1\.3' is not a whole number of bytes"):
+        config.host_heap_bytes(None)
+    monkeypatch.setenv("ODC_HEAP_SIZE", "4.5K")
+    assert config.host_heap_bytes(None) == 4608
+    with pytest.raises(odc.OdcUsageError, match=r"init\(heap_size=...\) must be at least 4096"):
+        config.host_heap_bytes(100)
+    monkeypatch.setenv("ODC_HOST_CHUNK_BYTES", "4")
+    with pytest.raises(odc.OdcUsageError, match="ODC_HOST_CHUNK_BYTES must be at least 8"):
+        config.host_chunk_bytes()
+    monkeypatch.setenv("ODC_NVSHMEM_SCRATCH_SLOTS", "1.5")
+    with pytest.raises(odc.OdcUsageError, match="ODC_NVSHMEM_SCRATCH_SLOTS must be a whole number"):
+        config.nvshmem_settings()

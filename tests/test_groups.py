@@ -8,6 +8,7 @@ import torch.distributed as dist
 from _dist import run_ranks
 
 import odc_runtime as odc
+from odc_runtime import testing
 from odc_runtime.errors import OdcMismatchError, OdcTimeoutError, OdcUsageError
 
 SHAPE = (7, 5)  # 35 elements: not a multiple of any group size used here
@@ -112,8 +113,8 @@ def _rank_plans_per_group(rank: int, world: int) -> None:
     for _ in range(3):  # later calls take the cached plans
         assert torch.equal(odc.fetch(a), _full(k, torch.float32))
         assert torch.equal(odc.fetch(b), _full(7, torch.float32))
-    peers_a = {p.peer for plan in a._plans.values() for p in plan.pieces}
-    peers_b = {p.peer for plan in b._plans.values() for p in plan.pieces}
+    peers_a = {p.peer for plan in testing.plans(a) for p in plan.pieces}
+    peers_b = {p.peer for plan in testing.plans(b) for p in plan.pieces}
     assert peers_a == set(range(2 * k, 2 * k + 2)) and peers_b == set(range(world))
     odc.sync()
 
@@ -191,6 +192,27 @@ def _rank_crossed(rank: int, world: int) -> None:
 
 def test_crossed_group_and_world_sync_is_a_mismatch_not_a_hang() -> None:
     run_ranks(_rank_crossed, 4, env={"ODC_TIMEOUT": "6"}, timeout=90)
+
+
+def _rank_fence_cycle(rank: int, world: int) -> None:
+    """Four group fences in a cycle: rank r fences group {r, r+1 mod 4} and waits for rank r+1, which waits in its
+    own fence for r+2 ... No two ranks wait for each other directly, so only the wait-for graph shows it: every rank
+    raises OdcMismatchError naming the cycle instead of waiting out ODC_TIMEOUT with a message about one peer."""
+    odc.init("host")
+    pairs_a = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pairs_b = [dist.new_group([1, 2]), dist.new_group([0, 3])]
+    a = pairs_a[rank // 2]
+    b = pairs_b[0] if rank in (1, 2) else pairs_b[1]
+    st_a = odc.shard(torch.zeros(SHAPE), group=a, name="a")
+    st_b = odc.shard(torch.zeros(SHAPE), group=b, name="b")
+    mine = {0: a, 1: b, 2: a, 3: b}[rank]  # 0: {0,1}, 1: {1,2}, 2: {2,3}, 3: {0,3}
+    with pytest.raises(OdcMismatchError, match=r"cycle of ranks .*can never complete"):
+        odc.sync(group=mine)
+    del st_a, st_b
+
+
+def test_cycle_of_crossed_group_fences_is_detected() -> None:
+    run_ranks(_rank_fence_cycle, 4, env={"ODC_TIMEOUT": "20"}, timeout=60)
 
 
 def test_nvshmem_refuses_group_fences_clearly() -> None:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from _dist import run_ranks
 
 import odc_runtime as odc
+from odc_runtime import testing
 from odc_runtime.errors import OdcMemoryError, OdcMismatchError, OdcNotInitializedError, OdcUsageError
 
 WORLD = 4
@@ -145,7 +146,7 @@ def _rank_exact(rank: int, world: int, node_size: int, node_slots: int | None = 
     odc.init("host", node_size=node_size, node_slots=node_slots)
     assert odc.node_size() == node_size
     if node_slots is not None:  # the inbox holds node_slots rows, not one per other node
-        transport = odc.api._require_runtime("test").transport
+        transport = testing.transport()
         before = transport.heap_used()
         probe = odc.shard(torch.zeros(65539, dtype=torch.bfloat16), name="probe")
         nodes, shard = WORLD // node_size, -(-65539 // WORLD)
@@ -213,7 +214,7 @@ def _rank_exact(rank: int, world: int, node_size: int, node_slots: int | None = 
     assert not any(st.grad.any() for st in sts), "a push was delivered twice"  # nobody pushes before free()
 
     # 6. Free a tensor and shard a new one in its place (and one more): still exact, and no memory left behind.
-    transport = odc.api._require_runtime("test").transport
+    transport = testing.transport()
     used = transport.heap_used()
     sts[2].free()
     sts[2] = odc.shard(_param(2, version, TENSORS[2][0], TENSORS[2][1]), name="t2_again")
@@ -275,7 +276,7 @@ def _rank_groups_and_memory(rank: int, world: int) -> None:
         nodes = world // node_size
         odc.init("host", node_size=node_size, heap_size="4M")
         assert odc.node_size() == node_size
-        transport = odc.api._require_runtime("test").transport
+        transport = testing.transport()
 
         # Memory: a world tensor takes its flat bytes plus (M-1)*S*(4+4+itemsize) when the hierarchy is on (up to
         # alignment), nothing extra with one node.

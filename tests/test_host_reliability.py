@@ -18,10 +18,11 @@ import torch
 from _dist import run_ranks
 
 import odc_runtime as odc
+from odc_runtime import testing
 
 
 def _transport():
-    return odc.api._require_runtime("test").transport
+    return testing.transport()
 
 
 # -- 1. a shared-memory filesystem smaller than the heap -------------------------------------------------------
@@ -251,11 +252,11 @@ def test_forked_child_refuses_every_mutating_call() -> None:
 
 
 def test_a_process_forked_before_init_may_become_a_rank() -> None:
-    import odc_runtime.api  # noqa: F401  (imported by the parent before the fork, as a fork-based launcher would)
+    testing.in_forked_child()  # imports the core API in the parent before the fork, as a fork-based launcher would
 
     pid = os.fork()
     if pid == 0:
-        os._exit(int(odc.api._in_forked_child))
+        os._exit(int(testing.in_forked_child()))
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "a child forked without a runtime was marked as a fork of a rank"
 
@@ -334,7 +335,7 @@ def _rank_killed_before_put(rank: int, world: int) -> None:
     w = odc.shard(torch.zeros(10), name="w")
     odc.push(w, torch.ones(10))
     if rank == 1:
-        transport = odc.api._require_runtime("test").transport
+        transport = testing.transport()
 
         def die(*args: object, **kwargs: object) -> None:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -14,6 +14,7 @@ from _dist import run_ranks
 import odc_runtime as odc
 from odc_runtime import config
 from odc_runtime.transport import nvshmem
+from odc_runtime.transport.base import Transport
 from odc_runtime.transport.nvshmem import memory, watchdog
 from odc_runtime.transport.nvshmem.watchdog import Pending, Watchdog
 
@@ -135,6 +136,7 @@ class _Transport:
         self.failure: odc.OdcError | None = None
         self._finalized = False
 
+    fail = Transport.fail  # the contract's failure recording (NvshmemTransport.fail adds its hot-path flag)
     _raise_failure = nvshmem.NvshmemTransport._raise_failure
     _check = nvshmem.NvshmemTransport._check
 

@@ -305,7 +305,7 @@ def test_nvshmem_mixed_reach_and_locked_protocol_with_a_fake_extension() -> None
 def _rank_fake_hierarchy(rank: int, world: int) -> None:
     import time
 
-    from odc_runtime.transport.base import AccumulateRequest, GetRequest, Piece, PutRequest
+    from odc_runtime.transport.base import FetchRequest, Piece, PushRequest, PutRequest
 
     monkeypatch = pytest.MonkeyPatch()
     try:
@@ -322,19 +322,19 @@ def _rank_fake_hierarchy(rank: int, world: int) -> None:
         # get / accumulate with element offsets into the peer's region: near by peer pointer, far symmetric.
         calls.clear()
         dst = torch.empty(6)
-        transport.get(buf, [GetRequest(1, dst[:4], 30), GetRequest(2, dst[4:], 7)])
+        transport.fetch(buf, [FetchRequest(1, dst[:4], 30), FetchRequest(2, dst[4:], 7)])
         plans = [c[1] for c in calls if c[0] == "plan"]
         rel = dst.data_ptr() // 4
         assert plans == [(0, [p1 + off + 30 * 4], [rel], [4], [1]), (2, [off + 7 * 4], [rel + 4], [2], [2])]
         calls.clear()
         grad = torch.ones(5, dtype=torch.bfloat16)
-        transport.accumulate(buf, [AccumulateRequest(1, grad[:3], 37), AccumulateRequest(3, grad[3:], 0)], 0.5)
+        transport.push(buf, [PushRequest(1, grad[:3], 37), PushRequest(3, grad[3:], 0)], 0.5)
         plans = [c[1] for c in calls if c[0] == "plan"]
         grel = grad.data_ptr() // 2
         assert plans == [(4, [off + 37 * 4, off], [grel, grel + 3], [3, 2], [1, 3])], plans
         flat = torch.zeros(9)
         calls.clear()
-        plan = transport.plan(buf, "get", [Piece(1, 0, 5, 35), Piece(2, 5, 4, 1)])
+        plan = transport.plan(buf, "fetch", [Piece(1, 0, 5, 35), Piece(2, 5, 4, 1)])
         plan.run(flat)
         plans = [c[1] for c in calls if c[0] == "plan"]
         assert plans == [(0, [p1 + off + 35 * 4], [0], [5], [1]), (2, [off + 4], [5], [4], [2])], plans
@@ -343,13 +343,13 @@ def _rank_fake_hierarchy(rank: int, world: int) -> None:
         # Out of range (offset + numel > numel, negative offset, bad peer): typed error, nothing issued.
         calls.clear()
         with pytest.raises(odc.OdcUsageError, match=r"\[37, 41\).*out of its range \[0, 40\)"):
-            transport.get(buf, [GetRequest(1, dst[:2], 0), GetRequest(2, dst[:4], 37)])
+            transport.fetch(buf, [FetchRequest(1, dst[:2], 0), FetchRequest(2, dst[:4], 37)])
         with pytest.raises(odc.OdcUsageError, match="out of its range"):
-            transport.accumulate(buf, [AccumulateRequest(0, grad[:1], -1)], 1.0)
+            transport.push(buf, [PushRequest(0, grad[:1], -1)], 1.0)
         with pytest.raises(odc.OdcUsageError, match="out of its range"):
-            transport.plan(buf, "accumulate", [Piece(0, 0, 2, 39)])
+            transport.plan(buf, "push", [Piece(0, 0, 2, 39)])
         with pytest.raises(odc.OdcUsageError, match="peer 4 out of range"):
-            transport.get(buf, [GetRequest(4, dst[:1], 0)])
+            transport.fetch(buf, [FetchRequest(4, dst[:1], 0)])
         assert calls == [], calls
 
         # put_signal: same-node peer by peer pointer (any source), other node from inside the symmetric heap.
@@ -416,7 +416,7 @@ def _rank_fake_hierarchy(rank: int, world: int) -> None:
         with pytest.raises(odc.OdcTimeoutError, match="still usable"):
             transport.wait_signal(sig, 0, 1, "w", [])
         with pytest.raises(odc.OdcTimeoutError):
-            transport.get(buf, [GetRequest(1, dst, 0)])
+            transport.fetch(buf, [FetchRequest(1, dst, 0)])
         monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
         odc.api._runtime = None
         transport._finalized = True
@@ -445,7 +445,7 @@ def test_nvshmem_node_size_not_derivable_raises_with_a_fake_extension() -> None:
 
 
 def _rank_fake_node_atomics(rank: int, world: int) -> None:
-    from odc_runtime.transport.base import AccumulateRequest
+    from odc_runtime.transport.base import PushRequest
 
     monkeypatch = pytest.MonkeyPatch()
     try:
@@ -458,16 +458,16 @@ def _rank_fake_node_atomics(rank: int, world: int) -> None:
         buf = transport.alloc(8, torch.float32, "acc")
         src = torch.ones(4)
         calls.clear()
-        transport.accumulate(buf, [AccumulateRequest(1, src)], 1.0)
+        transport.push(buf, [PushRequest(1, src)], 1.0)
         assert [c[1][0] for c in calls if c[0] == "plan"] == [4], "locked protocol before use_nodes"
         transport.use_nodes(2)
         calls.clear()
-        transport.accumulate(buf, [AccumulateRequest(1, src)], 1.0)
+        transport.push(buf, [PushRequest(1, src)], 1.0)
         plans = [c[1] for c in calls if c[0] == "plan"]
         assert plans == [(3, [p1 + buf.handle.offset], [src.data_ptr() // 4], [4], [1])], plans
         calls.clear()
         with pytest.raises(odc.OdcUsageError, match="on another node outside the hierarchical protocol"):
-            transport.accumulate(buf, [AccumulateRequest(1, src), AccumulateRequest(2, src)], 1.0)
+            transport.push(buf, [PushRequest(1, src), PushRequest(2, src)], 1.0)
         assert calls == []
         odc.api._runtime = None
         transport._finalized = True
@@ -517,7 +517,7 @@ def _run_locked_kernel(runs: list, owner: torch.Tensor, cell_bytes: int) -> None
 def _rank_locked_push_different_heap_bases(rank: int, world: int) -> None:
     from odc_runtime import config
     from odc_runtime.transport import nvshmem
-    from odc_runtime.transport.base import AccumulateRequest
+    from odc_runtime.transport.base import PushRequest
 
     monkeypatch = pytest.MonkeyPatch()
     try:
@@ -549,7 +549,7 @@ def _rank_locked_push_different_heap_bases(rank: int, world: int) -> None:
         assert bufs[0].handle.offset == bufs[1].handle.offset  # same allocation sequence: same symmetric offset
         grads = [torch.full((64,), 1.0), torch.full((64,), 2.0)]
         for t, buf, g in zip((transport0, transport1), bufs, grads, strict=True):
-            t.accumulate(buf, [AccumulateRequest(2, g, 0)], 1.0)
+            t.push(buf, [PushRequest(2, g, 0)], 1.0)
         (spec0, _, _), (spec1, _, _) = runs
         assert spec0[0] == spec1[0] == 4, "locked plans"
         # The kernels derive the owner's cells and ticket locks from what the plan gives them: both pushers must

@@ -11,7 +11,7 @@ import torch
 from _dist import run_ranks
 
 import odc_runtime as odc
-from odc_runtime import api
+from odc_runtime import plans, testing
 
 
 def _counting(transport) -> list[str]:
@@ -29,7 +29,7 @@ def _counting(transport) -> list[str]:
 
 def _rank_plan_cache(rank: int, world: int) -> None:
     odc.init("host")
-    transport = api._require_runtime("test").transport
+    transport = testing.transport()
     built = _counting(transport)
     full = torch.arange(10, dtype=torch.float32).reshape(2, 5)
     st = odc.shard(full, name="w")
@@ -40,17 +40,17 @@ def _rank_plan_cache(rank: int, world: int) -> None:
     out = torch.empty(2, 5)
     assert odc.fetch(st, out=out) is out and torch.equal(out, full)
     assert odc.fetch(st, out=out) is out
-    assert built == ["get", "get"], built  # out=None and out=<fp32 2x5> are two keys
+    assert built == ["fetch", "fetch"], built  # out=None and out=<fp32 2x5> are two keys
     odc.push(st, torch.ones(2, 5))
     odc.push(st, torch.ones(2, 5), scale=2.0)
-    assert built.count("accumulate") == 1, built
+    assert built.count("push") == 1, built
     odc.sync()
     assert torch.equal(st.grad, torch.full_like(st.grad, 3.0 * world))
     odc.sync()  # every rank has checked before anyone pushes again
 
     # Invalidated on dtype and shape changes: a new key is validated (and rejected where invalid).
     odc.push(st, torch.ones(2, 5, dtype=torch.bfloat16))
-    assert built.count("accumulate") == 2, built
+    assert built.count("push") == 2, built
     with pytest.raises(odc.OdcUsageError, match="shape"):
         odc.push(st, torch.ones(10))
     with pytest.raises(odc.OdcUsageError, match="dtype"):
@@ -61,7 +61,7 @@ def _rank_plan_cache(rank: int, world: int) -> None:
         odc.fetch(st, out=torch.empty(2, 5, requires_grad=True))  # same shape/dtype as the cached out key
     with pytest.raises(odc.OdcUsageError, match=r"torch\.Tensor"):
         odc.push(st, [[1.0] * 5] * 2)  # type: ignore[arg-type]
-    assert built.count("accumulate") == 2 and built.count("get") == 2, built  # rejected keys were not cached
+    assert built.count("push") == 2 and built.count("fetch") == 2, built  # rejected keys were not cached
 
     # Values that can change between calls are checked on the fast path too, before any remote effect.
     for bad in (math.nan, math.inf, "2", True):
@@ -89,11 +89,11 @@ def _rank_plan_cache(rank: int, world: int) -> None:
     del transport.stream_key  # back to the class's method
 
     # The cache per ShardedTensor is bounded.
-    for i in range(2 * api._PLAN_CACHE_SIZE):
+    for i in range(2 * plans.PLAN_CACHE_SIZE):
         transport.stream_key = lambda i=i: ("bounded", i)
         odc.fetch(st)
     del transport.stream_key
-    assert len(st.__dict__["_plans"]) <= api._PLAN_CACHE_SIZE
+    assert len(testing.plans(st)) <= plans.PLAN_CACHE_SIZE
 
     # Never stale after free: the freed tensor raises on the fast path's key, and a new tensor reusing the
     # same heap offset gets its own plan and its own values.

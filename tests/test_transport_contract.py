@@ -1,14 +1,15 @@
 """The transport contract, run unchanged against every registered transport that is available here.
 
 What the core API relies on (``odc_runtime.transport.base``): collective ``alloc`` of zeroed symmetric memory and
-``free`` with heap accounting; ``get`` of a peer's region; ``accumulate`` (with scale, from lower-precision
-sources, from every rank at once) that loses no update; ``barrier`` that makes earlier writes and accumulates
-visible; ``OdcMemoryError`` on every rank when the heap is full; an idempotent ``finalize``. Then the public API
+``free`` with heap accounting; ``fetch`` of a peer's region; ``push`` (with scale, from lower-precision
+sources, from every rank at once) that loses no update; ``barrier`` that makes earlier writes and pushes
+visible; the declared state (``failure``, ``device_type``, ``capabilities``) and ``exchange``;
+``OdcMemoryError`` on every rank when the heap is full; an idempotent ``finalize``. Then the public API
 (``shard``/``fetch``/``push``/``sync``) on top of it. A new transport registered in
 ``odc_runtime.transport`` is tested here without editing this file; one that is not available on this machine
 (``nvshmem`` without GPUs) is skipped with the reason.
 
-Only ``get(buf, requests)`` and ``accumulate(buf, requests, scale)`` are called positionally, so the suite holds
+Only ``fetch(buf, requests)`` and ``push(buf, requests, scale)`` are called positionally, so the suite holds
 before and after their ``async_op`` keyword.
 """
 
@@ -19,9 +20,9 @@ import torch
 from _dist import run_ranks
 
 import odc_runtime as odc
-from odc_runtime import hierarchy
+from odc_runtime import testing
 from odc_runtime import transport as registry
-from odc_runtime.transport.base import AccumulateRequest, GetRequest, PutRequest
+from odc_runtime.transport.base import Capabilities, FetchRequest, PushRequest, PutRequest
 
 WORLD = 3  # odd, so uneven shards appear; 3 ranks fit one machine's CPUs and any host with 3+ GPUs
 
@@ -44,8 +45,12 @@ def _rank_contract(rank: int, world: int, name: str) -> dict[str, object]:
     device = _setup(name, rank)
     odc.init(name, heap_size="8M")
     assert odc.backend() == name and odc.world_size() == world and odc.rank() == rank
-    t = odc.api._require_runtime("contract").transport
-    assert t.device.type == device.type
+    t = testing.transport()
+    assert t.device.type == device.type == t.device_type == registry.get(name).device_type
+    # the declared contract: failure state, capabilities, exchange
+    assert t.failure is None
+    assert isinstance(t.capabilities, Capabilities)
+    assert t.exchange("contract.exchange", bytes([rank])) == [bytes([r]) for r in range(world)]
     capacity, used0 = t.heap_capacity(), t.heap_used()
     assert capacity >= 8 << 20 or name != "host"
 
@@ -62,11 +67,11 @@ def _rank_contract(rank: int, world: int, name: str) -> dict[str, object]:
     t.barrier("contract.published")
     for peer in range(world):
         dst = torch.empty(n, dtype=torch.float32, device=device)
-        t.get(buf, [GetRequest(peer, dst)])
+        t.fetch(buf, [FetchRequest(peer, dst)])
         t.quiet()
         assert torch.equal(dst, torch.arange(n, dtype=torch.float32, device=device) + 1000 * peer), peer
     half = torch.empty(n // 2, dtype=torch.float32, device=device)
-    t.get(buf, [GetRequest((rank + 1) % world, half)])  # a shorter dst reads the region's first dst.numel()
+    t.fetch(buf, [FetchRequest((rank + 1) % world, half)])  # a shorter dst reads the region's first dst.numel()
     t.quiet()
     assert torch.equal(half, torch.arange(n // 2, dtype=torch.float32, device=device) + 1000 * ((rank + 1) % world))
     t.barrier("contract.read")
@@ -77,9 +82,9 @@ def _rank_contract(rank: int, world: int, name: str) -> dict[str, object]:
     rounds = 5
     for r in range(rounds):
         src = torch.full((n,), float(rank + 1), device=device)
-        reqs = [AccumulateRequest(peer, src) for peer in range(world)]
-        t.accumulate(buf, reqs, 2.0)
-        t.accumulate(buf, [AccumulateRequest((rank + r) % world, src.to(torch.bfloat16)[: n // 2])], 1.0)
+        reqs = [PushRequest(peer, src) for peer in range(world)]
+        t.push(buf, reqs, 2.0)
+        t.push(buf, [PushRequest((rank + r) % world, src.to(torch.bfloat16)[: n // 2])], 1.0)
     t.barrier("contract.accumulated")
     expected = torch.full((n,), float(2 * rounds * sum(range(1, world + 1))), device=device)
     extra = torch.zeros(n, device=device)
@@ -94,7 +99,7 @@ def _rank_contract(rank: int, world: int, name: str) -> dict[str, object]:
     window = torch.empty(k, dtype=torch.float32, device=device)
     buf.local.zero_()
     t.barrier("contract.zeroed_for_offsets")
-    t.accumulate(buf, [AccumulateRequest(peer, torch.full((k,), float(rank + 1), device=device), offset=k * rank)
+    t.push(buf, [PushRequest(peer, torch.full((k,), float(rank + 1), device=device), offset=k * rank)
                        for peer in range(world)], 1.0)
     t.barrier("contract.offset_accumulated")
     want = torch.zeros(n, device=device)
@@ -102,14 +107,14 @@ def _rank_contract(rank: int, world: int, name: str) -> dict[str, object]:
         want[k * src_rank : k * (src_rank + 1)] = src_rank + 1
     assert torch.equal(buf.local, want), "accumulate with an offset landed in the wrong place"
     peer = (rank + 1) % world
-    t.get(buf, [GetRequest(peer, window, offset=k * peer)])
+    t.fetch(buf, [FetchRequest(peer, window, offset=k * peer)])
     t.quiet()
     assert torch.equal(window, torch.full((k,), float(peer + 1), device=device)), "get with an offset"
     t.barrier("contract.offsets_done")
 
     # put-with-signal: every rank writes its own row of every peer's region and counts it in word `rank`;
     # signal words only grow, so the second round waits for 2
-    if hierarchy.supports_signals(t):
+    if t.capabilities.signals:
         signal = t.alloc(world, torch.int64, tag="contract.signal")
         for rnd in (1, 2):
             row = torch.full((k,), float(100 * rnd + rank), device=device)

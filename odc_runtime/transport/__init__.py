@@ -1,4 +1,4 @@
-"""Transports: symmetric memory with one-sided get / accumulate (see :mod:`odc_runtime.transport.base`), and the
+"""Transports: symmetric memory with one-sided fetch / push (see :mod:`odc_runtime.transport.base`), and the
 registry that ``odc.init``, the FSDP integration and the benchmarks pick them from.
 
 A new transport is one module with ``create(*, timeout, heap_size) -> Transport`` and ``is_available() -> bool``,
@@ -15,10 +15,11 @@ from types import ModuleType
 
 from odc_runtime.errors import OdcUsageError
 from odc_runtime.transport.base import (
-    AccumulateRequest,
-    GetRequest,
+    Capabilities,
+    FetchRequest,
     Group,
     Piece,
+    PushRequest,
     SymmetricBuffer,
     TransferPlan,
     Transport,
@@ -26,10 +27,11 @@ from odc_runtime.transport.base import (
 )
 
 __all__ = [
-    "AccumulateRequest",
-    "GetRequest",
+    "Capabilities",
+    "FetchRequest",
     "Group",
     "Piece",
+    "PushRequest",
     "SymmetricBuffer",
     "TransferPlan",
     "Transport",

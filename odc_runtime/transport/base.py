@@ -1,4 +1,4 @@
-"""The transport interface: symmetric memory plus one-sided get / accumulate, quiet and barrier.
+"""The transport contract: symmetric memory plus one-sided fetch / push, quiet and barrier.
 
 The core API (``odc_runtime.api``) is written once against this interface; ``host`` (shared memory between
 processes on one machine) and ``nvshmem`` (GPUs) implement it. Keep it this small.
@@ -9,22 +9,22 @@ Semantics every transport provides:
   :class:`SymmetricBuffer` whose ``local`` tensor is this rank's region. Peers address the same buffer by
   ``(buffer, peer)``. ``free`` is collective too and never lets a later allocation alias a region that a live
   tensor still views (the transport refuses, defers the reuse, or keeps the memory alive).
-* ``get`` copies a peer's region into a local tensor; ``accumulate`` adds ``src * scale`` (converted to the
-  buffer's dtype) into a peer's region. Concurrent accumulates from any number of ranks into the same region are
+* ``fetch`` copies a peer's region into a local tensor; ``push`` adds ``src * scale`` (converted to the
+  buffer's dtype) into a peer's region. Concurrent pushes from any number of ranks into the same region are
   exact (no lost updates). With ``async_op=False`` they are issued in the caller's order (on GPU: ordered on the
   current CUDA stream, so the host does not wait for them); with ``async_op=True`` they run concurrently with
   the caller and return a :class:`Work` whose ``wait()`` orders the caller after them. ``quiet`` completes every
   operation this rank issued, asynchronous ones included.
 * ``barrier`` is collective and implies ``quiet`` on every rank: after it (on GPU: after it in stream order),
-  every accumulate issued by any rank before its barrier call is visible in the owner's region, and every write
-  a rank made to its own regions before the barrier is what any later ``get`` returns.
+  every push issued by any rank before its barrier call is visible in the owner's region, and every write
+  a rank made to its own regions before the barrier is what any later ``fetch`` returns.
 * Every wait that a dead or stuck peer can block gives up after ``timeout`` seconds with
   :class:`~odc_runtime.errors.OdcTimeoutError` naming the operation and the ranks that did not answer (on GPU
   the error may surface at the next call into the transport, because waits are stream-ordered).
-* :meth:`Transport.plan` returns a :class:`TransferPlan`: the validated, reusable form of one get or accumulate
+* :meth:`Transport.plan` returns a :class:`TransferPlan`: the validated, reusable form of one fetch or push
   pattern (which peer receives which slice of a flat tensor), so that the core API's steady-state calls skip
   validation and request building. Transports may subclass it to precompute their own state (peer pointers).
-* ``offset`` (in :class:`GetRequest`, :class:`AccumulateRequest`, :class:`Piece`, :class:`PutRequest`) is an
+* ``offset`` (in :class:`FetchRequest`, :class:`PushRequest`, :class:`Piece`, :class:`PutRequest`) is an
   element offset into the peer's region; ``offset + numel`` never exceeds the buffer's ``numel`` (the caller
   checks).
 * :meth:`Transport.put_signal` writes a local tensor into a peer's region and then adds 1 to a word of the peer's
@@ -38,17 +38,62 @@ Semantics every transport provides:
   ranks do not take part). Allocation stays collective over *all* ranks (offsets are symmetric across the whole
   world); only fences are scoped. A transport without group fences raises
   :class:`~odc_runtime.errors.OdcUsageError` (the default).
+
+Declared state and capabilities (read directly by the layers above; never detected by probing for overrides):
+
+* :attr:`Transport.failure` is ``None`` while the transport is healthy and the first fatal
+  :class:`~odc_runtime.errors.OdcError` once it is not (a peer lost, a collective timed out or mismatched, an
+  operation interrupted after it changed shared state: see docs/design.md, "Fail-stop"). Once set, every later
+  operation raises at once and ``finalize`` releases local resources without waiting for the peers.
+* :attr:`Transport.device_type` is the ``torch.device`` type of the tensors it works on.
+* :attr:`Transport.capabilities` says which optional parts of the contract it implements
+  (:class:`Capabilities`: signalled puts, group fences, a node layout below the world).
+* :meth:`Transport.exchange` is a bounded all-gather of small payloads used by the core API's agreement steps
+  (default: through the ``torch.distributed`` store, :class:`odc_runtime.agree.StoreExchange`).
+
+Lifecycle and call order: ``create`` (collective) → any number of collective ``alloc`` / ``free`` / ``barrier`` /
+``group_barrier`` / ``exchange`` in the same order on every rank (group fences: in the same order on the ranks
+they share), with one-sided ``fetch`` / ``push`` / ``put_signal`` between them → ``finalize`` (idempotent).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar, TypeVar
 
 import torch
 
-from odc_runtime.errors import OdcUsageError
+from odc_runtime.errors import OdcBackendError, OdcError, OdcUsageError
+
+T = TypeVar("T")
+
+
+def as_failure(op: str, error: BaseException, what: str) -> OdcError:
+    """The failure to record when ``error`` escaped ``op`` after ``what`` (a change of shared state)."""
+    if isinstance(error, OdcError):
+        return error
+    return OdcBackendError(
+        f"odc {op}: interrupted by {type(error).__name__} after {what}; the ranks' protocol state is no longer "
+        "consistent, so the runtime is unusable (call odc_runtime.finalize() and restart the job)"
+    )
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """The optional parts of the contract a transport implements.
+
+    Attributes:
+        signals: :meth:`Transport.put_signal` / :meth:`Transport.wait_signal` (needed by the hierarchical
+            protocol, i.e. nodes smaller than the world).
+        group_fences: :meth:`Transport.group_barrier` (``sync(group=...)``).
+        nodes: :meth:`Transport.node_size` may be below the world size (a real multi-node layout).
+    """
+
+    signals: bool = False
+    group_fences: bool = False
+    nodes: bool = False
 
 
 class Work(abc.ABC):
@@ -99,8 +144,8 @@ class Group:
 
 
 @dataclass(frozen=True)
-class GetRequest:
-    """Copy ``dst.numel()`` elements from ``peer``'s region of the buffer, starting at element ``offset``, into
+class FetchRequest:
+    """Fetch: copy ``dst.numel()`` elements from ``peer``'s region of the buffer, starting at element ``offset``, into
     ``dst``."""
 
     peer: int
@@ -109,8 +154,8 @@ class GetRequest:
 
 
 @dataclass(frozen=True)
-class AccumulateRequest:
-    """Add ``src * scale`` into ``peer``'s region of the buffer at ``[offset, offset + src.numel())``."""
+class PushRequest:
+    """Push: add ``src * scale`` into ``peer``'s region of the buffer at ``[offset, offset + src.numel())``."""
 
     peer: int
     src: torch.Tensor
@@ -131,7 +176,7 @@ class PutRequest:
 @dataclass(frozen=True)
 class Piece:
     """One peer's part of a planned transfer: elements ``[start, start + numel)`` of the flat local tensor
-    go to (accumulate) or come from (get) elements ``[offset, offset + numel)`` of ``peer``'s region."""
+    go to (push) or come from (fetch) elements ``[offset, offset + numel)`` of ``peer``'s region."""
 
     peer: int
     start: int
@@ -140,9 +185,9 @@ class Piece:
 
 
 class TransferPlan:
-    """A validated get or accumulate pattern over a flat local tensor, reusable across calls.
+    """A validated fetch or push pattern over a flat local tensor, reusable across calls.
 
-    The generic plan slices the tensor and calls :meth:`Transport.get` / :meth:`Transport.accumulate`;
+    The generic plan slices the tensor and calls :meth:`Transport.fetch` / :meth:`Transport.push`;
     transports override :meth:`Transport.plan` to return a subclass with precomputed state. A plan is only valid
     while its buffer is allocated and for the stream key it was made for (the caller checks both).
     """
@@ -152,7 +197,7 @@ class TransferPlan:
     def __init__(
         self, transport: Transport, buf: SymmetricBuffer, kind: str, pieces: Sequence[Piece], stream_key: object
     ) -> None:
-        if kind not in ("get", "accumulate"):
+        if kind not in ("fetch", "push"):
             raise ValueError(f"unknown plan kind {kind!r}")
         self.transport = transport
         self.buf = buf
@@ -164,23 +209,65 @@ class TransferPlan:
         """Issue the planned operation on ``tensor``: the caller's validated, contiguous tensor of any shape whose
         flattened elements the pieces index (no view is made on the fast path; this generic plan flattens it)."""
         flat = tensor.detach().reshape(-1)
-        if self.kind == "get":
-            gets = [GetRequest(p.peer, flat[p.start : p.start + p.numel], p.offset) for p in self.pieces]
-            return self.transport.get(self.buf, gets, async_op=async_op)
-        adds = [AccumulateRequest(p.peer, flat[p.start : p.start + p.numel], p.offset) for p in self.pieces]
-        return self.transport.accumulate(self.buf, adds, scale, async_op=async_op)
+        if self.kind == "fetch":
+            reads = [FetchRequest(p.peer, flat[p.start : p.start + p.numel], p.offset) for p in self.pieces]
+            return self.transport.fetch(self.buf, reads, async_op=async_op)
+        adds = [PushRequest(p.peer, flat[p.start : p.start + p.numel], p.offset) for p in self.pieces]
+        return self.transport.push(self.buf, adds, scale, async_op=async_op)
 
 
 class Transport(abc.ABC):
-    """Symmetric memory with one-sided get / accumulate, quiet and barrier (see module docstring)."""
+    """Symmetric memory with one-sided fetch / push, quiet and barrier (see module docstring)."""
 
     name: str = "abstract"
+    device_type: ClassVar[str] = "cpu"
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     def __init__(self, rank: int, world_size: int, device: torch.device, timeout: float) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.timeout = timeout
+        # None while healthy; the first fatal error once the runtime is unusable (see the module docstring).
+        self.failure: OdcError | None = None
+
+    def fail(self, error: OdcError) -> OdcError:
+        """Record ``error`` as this transport's failure (the first one wins) and return the recorded failure."""
+        if self.failure is None:
+            self.failure = error
+        return self.failure
+
+    def fail_stop(self, op: str, what: str, step: Callable[[], T], *, aligned: tuple[type, ...] = ()) -> T:
+        """Run ``step``, a protocol step that changes shared state before it can fail (``what`` says which, for
+        the message): any exception escaping it, except the ``aligned`` types (errors that leave every rank's
+        protocol state consistent), records the failure (:meth:`fail`) and is re-raised unchanged, so an
+        interrupt stays an interrupt while every later operation raises the recorded failure."""
+        try:
+            return step()
+        except aligned:
+            raise
+        except BaseException as e:
+            self.fail(as_failure(op, e, what))
+            raise
+
+    def check_usable(self, op: str) -> None:
+        """Raise (a fresh error of the recorded failure's type) if the transport has failed."""
+        failure = self.failure
+        if failure is not None:
+            raise type(failure)(
+                f"odc {op}: the runtime is unusable since an earlier operation failed ({failure}); call "
+                "odc_runtime.finalize() and restart the job"
+            )
+
+    def exchange(self, op: str, payload: bytes) -> list[bytes]:
+        """Collective: one bounded all-gather of ``payload`` (small: at most about 1.9 KB) from every rank.
+
+        Returns every rank's payload (indexed by rank). Raises OdcMismatchError when ranks are in different
+        operations, OdcPeerLostError / OdcTimeoutError naming the ranks that did not arrive within ``timeout``.
+        The default goes through the ``torch.distributed`` store; a transport may offer a faster one."""
+        from odc_runtime.agree import StoreExchange  # agree imports torch.distributed; keep base light
+
+        return StoreExchange(self.timeout).exchange(op, payload)
 
     # -- memory ---------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -205,7 +292,7 @@ class Transport(abc.ABC):
 
     # -- one-sided operations -------------------------------------------------------------------------
     @abc.abstractmethod
-    def get(self, buf: SymmetricBuffer, requests: Sequence[GetRequest], *, async_op: bool = False) -> Work | None:
+    def fetch(self, buf: SymmetricBuffer, requests: Sequence[FetchRequest], *, async_op: bool = False) -> Work | None:
         """Issue the copies in ``requests`` (from peers' regions of ``buf`` into local tensors).
 
         Requests are issued in the given order; the caller rotates peers so owners are not all hit at once.
@@ -213,8 +300,8 @@ class Transport(abc.ABC):
         """
 
     @abc.abstractmethod
-    def accumulate(
-        self, buf: SymmetricBuffer, requests: Sequence[AccumulateRequest], scale: float, *, async_op: bool = False
+    def push(
+        self, buf: SymmetricBuffer, requests: Sequence[PushRequest], scale: float, *, async_op: bool = False
     ) -> Work | None:
         """Issue ``peer_region[:n] += src.to(buf.dtype) * scale`` for every request.
 
@@ -222,7 +309,7 @@ class Transport(abc.ABC):
         """
 
     def plan(self, buf: SymmetricBuffer, kind: str, pieces: Sequence[Piece]) -> TransferPlan:
-        """A reusable plan of ``kind`` (``"get"`` or ``"accumulate"``) for ``pieces`` of ``buf``.
+        """A reusable plan of ``kind`` (``"fetch"`` or ``"push"``) for ``pieces`` of ``buf``.
 
         The caller has validated everything; the plan is valid for :meth:`stream_key` at this moment.
         """
@@ -247,7 +334,8 @@ class Transport(abc.ABC):
 
         Issued in order (GPU: on the current stream; ``src`` may be reused after it in stream order). Completion
         at the peer is what the signal says; :meth:`quiet` / :meth:`barrier` complete them too. A transport
-        without signalled puts raises :class:`~odc_runtime.errors.OdcUsageError` (the default).
+        without signalled puts (``capabilities.signals`` false) raises :class:`~odc_runtime.errors.OdcUsageError`
+        (the default).
         """
         raise OdcUsageError(
             f"odc: the {self.name} transport has no put-with-signal, so it cannot run the hierarchical (multi-node) "
@@ -272,13 +360,13 @@ class Transport(abc.ABC):
 
     def use_nodes(self, node_size: int) -> None:  # noqa: B027 (optional hook, not abstract: most need nothing)
         """Called once by ``init`` when the hierarchical protocol is on (``node_size`` below the world size): from
-        then on the core API accumulates into ranks of the caller's node only, except for tensors of a proper
-        subgroup. A transport whose accumulate protocol depends on that (nvshmem: intra-node atomics in a
+        then on the core API pushes into ranks of the caller's node only, except for tensors of a proper
+        subgroup. A transport whose push protocol depends on that (nvshmem: intra-node atomics in a
         multi-node job) switches here; the default changes nothing."""
 
     def group_barrier(self, op: str, group: Group) -> None:
         """Collective over ``group.ranks`` only: :meth:`barrier`'s guarantees among those ranks (implies quiet on
-        each of them; accumulates a member issued before it are visible in the owners' regions, writes a member
+        each of them; pushes a member issued before it are visible in the owners' regions, writes a member
         made to its own regions before it are what later gets return). This rank must be a member."""
         raise OdcUsageError(
             f"odc {op}: the {self.name} transport has no group-scoped fence; call odc_runtime.sync() without a "
@@ -288,3 +376,4 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def finalize(self) -> None:
         """Release every resource; idempotent; must not hang if peers are gone."""
+

@@ -37,7 +37,7 @@ def _transport():
 
 
 def scenario_signal() -> dict:
-    from odc_runtime.transport.base import AccumulateRequest, GetRequest, PutRequest
+    from odc_runtime.transport.base import FetchRequest, PushRequest, PutRequest
 
     t = _transport()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -72,13 +72,13 @@ def scenario_signal() -> dict:
         # get at an offset: PE q's inbox row world - 1 (read from q's region) is value(world - 1, q, k)
         q = (rank + 1) % world
         dst = torch.empty(n - 2, device="cuda")
-        t.get(inbox, [GetRequest(q, dst, (world - 1) * n + 1)])
+        t.fetch(inbox, [FetchRequest(q, dst, (world - 1) * n + 1)])
         torch.cuda.synchronize()
         assert torch.equal(dst.cpu(), value(world - 1, q, k)[1 : n - 1].cpu()), f"round {k}: get at an offset"
         t.barrier("round")  # every PE read the inboxes before the next round's puts overwrite them
     # accumulate at an offset into every owner, then check the owner's words [5, 5 + 7)
     ones = torch.ones(7, device="cuda", dtype=torch.bfloat16)
-    t.accumulate(acc, [AccumulateRequest(q, ones, 5) for q in range(world)], 0.5)
+    t.push(acc, [PushRequest(q, ones, 5) for q in range(world)], 0.5)
     t.barrier("acc")
     got = acc.local.cpu()
     assert torch.equal(got[5:12], torch.full((7,), 0.5 * world)), f"accumulate at an offset: {got[5:12]}"

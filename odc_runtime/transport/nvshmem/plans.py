@@ -94,7 +94,7 @@ class PlanBuilder:
         h: Handle = buf.handle  # type: ignore[assignment]
         if buf.freed:
             raise OdcUsageError(f"nvshmem {kind}: buffer {buf.tag!r} was freed")
-        if kind == "accumulate" and buf.dtype != torch.float32:
+        if kind == "push" and buf.dtype != torch.float32:
             raise OdcUsageError(f"nvshmem accumulate: accumulators must be float32, got {buf.dtype}")
         near: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
         far: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
@@ -105,21 +105,21 @@ class PlanBuilder:
             self.check_range(kind, buf, peer, offset, numel)
             if numel == 0:
                 continue
-            if kind == "accumulate" and nodes and peer // nodes != rank // nodes:
+            if kind == "push" and nodes and peer // nodes != rank // nodes:
                 raise OdcUsageError(
                     f"nvshmem push: rank {rank} pushes into rank {peer} on another node outside the hierarchical "
                     f"protocol (nodes of {nodes}); inside nodes pushes are NVLink atomics, which a "
                     "cross-node read-modify-write would race. Shard the tensor over all ranks or over a group "
                     "within one node, or set ODC_NODE_SIZE to the world size (the locked protocol for every push)"
                 )
-            direct = self.peer_bases[peer] != 0 and (kind == "get" or self.atomic_push or nodes > 0)
+            direct = self.peer_bases[peer] != 0 and (kind == "fetch" or self.atomic_push or nodes > 0)
             lists = near if direct else far
             lists[0].append(self.remote(h, peer, direct, offset * item))
             lists[1].append(rel)
             lists[2].append(numel)
             lists[3].append(peer)
         C = self._C
-        if kind == "get":
+        if kind == "fetch":
             near_kind = C.PLAN_FETCH_COPY if self.settings.fetch == "copy" else C.PLAN_FETCH_KERNEL
             far_kind = C.PLAN_FETCH_STAGED
         else:
@@ -177,7 +177,7 @@ class Streams:
             ev.record(remote)
             self.remote_event = ev
             target.wait_event(ev)
-            if kind == "accumulate":  # lock spins wait for other PEs: give them a deadline too
+            if kind == "push":  # lock spins wait for other PEs: give them a deadline too
                 entry = Pending(ev, time.monotonic() + transport.timeout, "push", 0)
                 transport._watchdog.add(entry, remote.cuda_stream)
         if not async_op:

@@ -49,10 +49,11 @@ import torch
 from odc_runtime import config
 from odc_runtime.errors import OdcBackendError, OdcError, OdcNotInitializedError, OdcUsageError
 from odc_runtime.transport.base import (
-    AccumulateRequest,
-    GetRequest,
+    Capabilities,
+    FetchRequest,
     Group,
     Piece,
+    PushRequest,
     PutRequest,
     SymmetricBuffer,
     TransferPlan,
@@ -68,6 +69,10 @@ class NvshmemTransport(Transport):
     """NVSHMEM symmetric heap, own barrier with abort, fetch/push plans (see the module docstring)."""
 
     name = "nvshmem"
+    device_type = "cuda"
+    # Group fences need per-group counters in the barrier kernel (not built; group_barrier refuses). Nodes: the
+    # PEs that reach each other by peer pointer can be fewer than the world (a multi-node job).
+    capabilities = Capabilities(signals=True, group_fences=False, nodes=True)
 
     def __init__(
         self,
@@ -92,7 +97,6 @@ class NvshmemTransport(Transport):
         self._codes = extension.dtype_codes(ext)
         self.settings = settings
         self.scratch_slots = scratch_slots
-        self.failure: OdcError | None = None  # the contract's failure state: set once, never cleared
         self._healthy = True  # failure is None and not finalized (one flag for the hot path)
         self._device_index = device.index
         self._engine = engine
@@ -110,6 +114,10 @@ class NvshmemTransport(Transport):
         return self._plans.atomic_push
 
     # -- failure ----------------------------------------------------------------------------------------
+    def fail(self, error: OdcError) -> OdcError:
+        self._healthy = False  # the plans' fast path reads this one flag instead of failure and _finalized
+        return super().fail(error)
+
     def _raise_failure(self, op: str = "call") -> None:
         if self.failure is not None:
             raise type(self.failure)(str(self.failure))
@@ -187,37 +195,46 @@ class NvshmemTransport(Transport):
         near, far = self._plans.build(buf, kind, [(p.peer, p.start, p.numel, p.offset) for p in pieces])
         return plans.NvshmemPlan(self, buf, kind, pieces, stream_ptr, near, far)
 
-    def get(self, buf: SymmetricBuffer, requests: Sequence[GetRequest], *, async_op: bool = False) -> Work | None:
-        self._check("get")
+    def fetch(self, buf: SymmetricBuffer, requests: Sequence[FetchRequest], *, async_op: bool = False) -> Work | None:
+        self._check("fetch")
         item = buf.dtype.itemsize
         entries = []
         for r in requests:  # validate everything before issuing anything
-            self._check_local("get(dst)", r.dst, (buf.dtype,))
+            self._check_local("fetch(dst)", r.dst, (buf.dtype,))
             # base 0 + element offset: a tensor's address is a multiple of its element size
             entries.append((r.peer, r.dst.data_ptr() // item, r.dst.numel(), r.offset))
         code = self._codes.get(buf.dtype)
         if code is None:
-            raise OdcUsageError(f"nvshmem get: dtype {buf.dtype} not supported (use fp32/bf16/fp16)")
-        near, far = self._plans.build(buf, "get", entries)
-        return self._streams.run(near, far, 0, [r.dst for r in requests], code, 1.0, async_op, "get")
+            raise OdcUsageError(f"nvshmem fetch: dtype {buf.dtype} not supported (use fp32/bf16/fp16)")
+        near, far = self._plans.build(buf, "fetch", entries)
+        return self._streams.run(near, far, 0, [r.dst for r in requests], code, 1.0, async_op, "fetch")
 
-    def accumulate(
-        self, buf: SymmetricBuffer, requests: Sequence[AccumulateRequest], scale: float, *, async_op: bool = False
+    def push(
+        self, buf: SymmetricBuffer, requests: Sequence[PushRequest], scale: float, *, async_op: bool = False
     ) -> Work | None:
-        self._check("accumulate")
+        self._check("push")
         groups: dict[torch.dtype, list[tuple[int, int, int, int]]] = {}
         for r in requests:
-            self._check_local("accumulate(src)", r.src, tuple(self._codes))
+            self._check_local("push(src)", r.src, tuple(self._codes))
             groups.setdefault(r.src.dtype, []).append(
                 (r.peer, r.src.data_ptr() // r.src.itemsize, r.src.numel(), r.offset)
             )
         # every group is built (and validated) before any runs: a bad request issues nothing
-        built = [(self._codes[dtype], self._plans.build(buf, "accumulate", e)) for dtype, e in groups.items()]
+        built = [(self._codes[dtype], self._plans.build(buf, "push", e)) for dtype, e in groups.items()]
         srcs = [r.src for r in requests]
-        work: Work | None = None
-        for code, (near, far) in built:
-            work = self._streams.run(near, far, 0, srcs, code, float(scale), async_op, "accumulate")
-        return work  # all groups ran on the same side stream in order: the last handle covers them all
+        if len(built) == 1:  # one launch: issued whole or not at all
+            code, (near, far) = built[0]
+            return self._streams.run(near, far, 0, srcs, code, float(scale), async_op, "push")
+
+        def run_all() -> Work | None:
+            work: Work | None = None
+            for code, (near, far) in built:
+                work = self._streams.run(near, far, 0, srcs, code, float(scale), async_op, "push")
+            return work
+
+        # several dtypes: an error after the first launch leaves part of the push issued (fail-stop)
+        # one side stream: the last handle covers all groups
+        return self.fail_stop("push", "part of the push was issued", run_all)
 
     # -- signalled puts (hierarchical push across nodes) ----------------------------------------------------
     def _check_signal(self, op: str, signal: SymmetricBuffer, index: int) -> int:

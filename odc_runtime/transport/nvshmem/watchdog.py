@@ -181,8 +181,7 @@ class Watchdog:
     def fail(self, transport: NvshmemTransport, error: OdcError) -> None:
         if transport.failure is None:
             log.error("%s", error)
-            transport.failure = error
-            transport._healthy = False
+            transport.fail(error)
 
     def abort(self, transport: NvshmemTransport, entry: Pending) -> None:
         """``entry`` is late (or the abort is up): raise the abort word, let the kernels leave, record the error."""

@@ -1,0 +1,75 @@
+"""The per-call fast path of ``fetch`` / ``push``: plan keys and the per-tensor plan cache.
+
+The first fetch/push of a ShardedTensor with a given :class:`PlanKey` (tensor type, shape, dtype, device, layout,
+contiguity, requires_grad, transport stream key) runs every check and builds a
+:class:`~odc_runtime.transport.base.TransferPlan` (which peer gets which slice, plus whatever the transport
+precomputes: peer pointers, kernel arguments). Later calls with the same key skip straight to ``plan.run()``. A
+key that was rejected is never cached, so every rejected call takes the checked path and raises there. A plan is
+used only while its runtime generation is current and its buffer is not freed (the caller checks the generation,
+:meth:`PlanCache.get` the buffer).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from odc_runtime.transport.base import TransferPlan
+
+PLAN_CACHE_SIZE = 8  # plans per ShardedTensor (keys differ only by dtype and stream in normal use)
+
+
+class PlanKey(NamedTuple):
+    """What a cached plan was validated for. ``tensor_type`` is ``None`` for a fetch that allocates its output."""
+
+    op: str
+    tensor_type: type | None
+    shape: torch.Size | None
+    dtype: torch.dtype | None
+    device: torch.device | None
+    contiguous: bool
+    requires_grad: bool
+    stream: object
+
+    @classmethod
+    def for_output(cls, op: str, stream: object) -> PlanKey:
+        """The key of a fetch without ``out=`` (it allocates a fresh contiguous tensor)."""
+        return cls(op, None, None, None, None, True, False, stream)
+
+    @classmethod
+    def for_tensor(cls, op: str, t: torch.Tensor, stream: object) -> PlanKey | None:
+        """The key of ``t``; ``None`` for tensors no plan is ever made for (not strided, nested)."""
+        if t.layout is not torch.strided or t.is_nested:
+            return None  # the checked path refuses these; some have no shape or is_contiguous()
+        return cls(op, type(t), t.shape, t.dtype, t.device, t.is_contiguous(), t.requires_grad, stream)
+
+
+class PlanCache:
+    """A few plans of one ShardedTensor, the oldest evicted first."""
+
+    __slots__ = ("_plans",)
+
+    def __init__(self) -> None:
+        self._plans: dict[PlanKey, TransferPlan] = {}
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def plans(self) -> list[TransferPlan]:
+        """Every cached plan (for introspection)."""
+        return list(self._plans.values())
+
+    def get(self, key: PlanKey | None) -> TransferPlan | None:
+        """The plan stored for ``key`` unless its buffer was freed."""
+        plan = None if key is None else self._plans.get(key)
+        if plan is None or plan.buf.freed:
+            return None
+        return plan
+
+    def put(self, key: PlanKey | None, plan: TransferPlan) -> None:
+        if key is None:
+            return
+        while len(self._plans) >= PLAN_CACHE_SIZE:
+            del self._plans[next(iter(self._plans))]  # oldest first
+        self._plans[key] = plan

@@ -1,0 +1,55 @@
+"""A small public surface for tests, benchmarks and debugging: the live runtime's transport and its state.
+
+Nothing here is needed to train; it exists so that tests and tools do not import private names of the core API.
+The transport returned by :func:`transport` follows the contract of :mod:`odc_runtime.transport.base` (its
+``failure``, ``capabilities``, ``device_type``, heap accounting and one-sided operations).
+"""
+
+from __future__ import annotations
+
+from odc_runtime.errors import OdcError
+from odc_runtime.sharded import ShardedTensor
+from odc_runtime.transport.base import SymmetricBuffer, TransferPlan, Transport
+
+
+def transport() -> Transport:
+    """The live runtime's transport; OdcNotInitializedError before ``init`` / after ``finalize``."""
+    from odc_runtime import api
+
+    return api._require_runtime("testing.transport", read_only=True).transport
+
+
+def failure() -> OdcError | None:
+    """The live runtime's recorded failure (``None`` while healthy or when no runtime is live)."""
+    from odc_runtime import api
+
+    runtime = api._runtime
+    return None if runtime is None else runtime.transport.failure
+
+
+def abandon() -> None:
+    """Release this rank's runtime *locally*, without the collective ``finalize`` (for a rank whose peers may never
+    reach it, e.g. a test rank that raised). Does nothing without a live runtime."""
+    from odc_runtime import api
+
+    runtime, api._runtime = api._runtime, None
+    if runtime is not None:
+        runtime.transport.finalize()
+
+
+def buffers(st: ShardedTensor) -> tuple[SymmetricBuffer, SymmetricBuffer | None]:
+    """The symmetric buffers behind ``st``: ``(parameters, gradient accumulator or None)`` (their ``handle`` is
+    transport-private: the host transport's heap offset)."""
+    return st._param, st._grad
+
+
+def plans(st: ShardedTensor) -> list[TransferPlan]:
+    """The fetch/push plans cached for ``st`` (:mod:`odc_runtime.plans`)."""
+    return st._plans.plans()
+
+
+def in_forked_child() -> bool:
+    """Whether this process is a fork of an initialised rank (where the runtime refuses every mutating call)."""
+    from odc_runtime import api
+
+    return api._in_forked_child

@@ -1,0 +1,81 @@
+"""The host transport's asynchronous operations: one worker thread, FIFO, errors kept until ``quiet``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
+
+from odc_runtime.errors import OdcTimeoutError
+from odc_runtime.transport.base import Work
+
+
+class FutureWork(Work):
+    """Handle of a function running on the worker thread."""
+
+    def __init__(self, future: Future, default_timeout: float, what: str) -> None:
+        self._future = future
+        self._timeout = default_timeout
+        self._what = what
+
+    def wait(self, timeout: float | None = None) -> None:
+        limit = self._timeout if timeout is None else timeout
+        try:
+            self._future.result(timeout=limit)
+        except FutureTimeoutError:
+            # Since Python 3.11 this is the builtin TimeoutError, which OdcTimeoutError derives from: an operation
+            # that itself raised a timeout is done, and its error is what to report.
+            if self._future.done():
+                raise
+            raise OdcTimeoutError(f"odc {self._what}: async operation did not complete within {limit:g} s") from None
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class AsyncWorker:
+    """Runs submitted functions on one thread in issue order; :meth:`quiet` waits for all and reports failures."""
+
+    def __init__(self, rank: int, timeout: float) -> None:
+        self._rank = rank
+        self._timeout = timeout
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+
+    def submit(self, fn: Callable[[], None], what: str) -> Work:
+        """Run ``fn`` on the worker thread (FIFO: asynchronous operations complete in issue order)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="odc-host")
+        future = self._executor.submit(fn)
+        # Keep failed operations until quiet() reports them: a failed push must not vanish silently.
+        self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
+        self._pending.append(future)
+        return FutureWork(future, self._timeout, f"async {what}")
+
+    def quiet(self) -> None:
+        """Wait for every submitted operation; then re-raise the first error of one that failed since the last
+        quiet (so ``sync`` cannot report success after a lost push)."""
+        pending, self._pending = self._pending, []
+        deadline = time.monotonic() + self._timeout
+        error: BaseException | None = None
+        for i, future in enumerate(pending):
+            try:
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeoutError as e:
+                if future.done():  # the operation's own timeout (see FutureWork.wait), not ours
+                    error = error or e
+                    continue
+                self._pending = pending[i:] + self._pending  # still running: the next quiet waits for them
+                raise OdcTimeoutError(
+                    f"odc quiet on rank {self._rank}: async operations still running after {self._timeout:g} s"
+                ) from None
+            except BaseException as e:  # re-raised below, after the others completed
+                error = error or e
+        if error is not None:
+            raise error
+
+    def shutdown(self) -> None:
+        """Wait for the running operations, then stop the thread."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=False)
