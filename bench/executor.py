@@ -24,7 +24,8 @@ replicas) with one real ``all_reduce`` per layer, in both modes; the expected su
 micro-batches of all ranks.
 
 Time accounting per rank: *busy* = time in compute; *comm* = time blocked waiting for communication (includes
-waiting for slower ranks inside a collective); *sync* = end-of-minibatch work and fences. Each minibatch
+waiting for slower ranks inside a collective; on CUDA also until the stream has finished the operation, since the
+host-modelled compute needs its data); *sync* = end-of-minibatch work and fences. Each minibatch
 starts after a ``dist.barrier``; its wall time runs from the first rank's start to the last rank's end.
 """
 
