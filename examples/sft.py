@@ -421,10 +421,11 @@ def train(args: argparse.Namespace) -> None:
 
 def rank_placement(args: argparse.Namespace, local_rank: int, local_world: int) -> Placement:
     """:func:`placement` for this machine's visible GPUs and the parsed arguments (``ODC_BACKEND`` when no
-    ``--odc-backend``)."""
+    ``--odc-backend``; collective mode runs no ODC transport, so none is checked)."""
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = config.backend_name(args.odc_backend) if args.comm == "odc" else None
     return placement(cuda_devices=cuda_devices, local_rank=local_rank, local_world=local_world,
-                     pes_per_gpu=args.pes_per_gpu, odc_backend=config.backend_name(args.odc_backend))
+                     pes_per_gpu=args.pes_per_gpu, odc_backend=backend)
 
 
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
