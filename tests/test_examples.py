@@ -177,3 +177,16 @@ def test_sft_pes_per_gpu_refused_without_a_gpu() -> None:
     assert "step" not in proc.stdout  # refused before any rank was spawned
     proc = subprocess.run([*cmd[:3], "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 2 and "--pes-per-gpu must be at least 1" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_sft_collective_mode_checks_no_odc_transport(monkeypatch) -> None:
+    import argparse
+
+    sft = _sft_module()
+    monkeypatch.setattr(sft.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sft.torch.cuda, "device_count", lambda: 1)
+    args = argparse.Namespace(comm="collective", odc_backend="host", pes_per_gpu=4)
+    assert sft.rank_placement(args, 3, 4).dist_backend == "gloo"  # --odc-backend unused: not checked
+    args.comm = "odc"
+    with pytest.raises(ValueError, match="--odc-backend nvshmem"):
+        sft.rank_placement(args, 3, 4)
