@@ -19,9 +19,9 @@ Phases (each step runs as a child process with its own timeout; a failing step i
   256 MiB with 1 PE, with the locked push protocol (1 PE, and 4 PEs contending), with 2 and 4 PEs on one GPU (CUDA
   MPS, started and stopped here), as 2 virtual nodes of 2, and with every GPU (up to 8) against NCCL when there
   are several; then the issue's targets (1 PE, 64 MiB) checked against its JSON (``TARGETS``).
-- ``e2e``: ``examples/sft.py --comm collective`` and ``--comm odc`` on 4 PEs (same losses, rel 1e-4; with fewer
-  than 4 GPUs the PEs share the first one, which needs ``examples/sft.py --pes-per-gpu``), and
-  ``bench/imbalance.py --quick`` (the main job; with ``--backend nvshmem`` once it has that flag).
+- ``e2e``: ``examples/sft.py --comm collective`` and ``--comm odc`` on 4 PEs (same losses, rel 1e-4), and the main
+  job ``bench/imbalance.py --quick --backend nvshmem`` on 4 PEs (exact gradients, else it fails). With fewer than 4
+  GPUs the PEs share the first one (``--pes-per-gpu 4``: gloo instead of NCCL, under CUDA MPS).
 
 Output (``--out``, else ``ODC_GPU_REPORT_DIR``, else ``gpu-report/``): ``report.md`` (a table per phase:
 check, result, time, numbers; the targets; the benchmark rows; the log tail of every failure), ``report.json``
@@ -396,6 +396,31 @@ def sft_evaluator(json_path: Path, reference: Path | None) -> Callable[[int, str
     return evaluate
 
 
+def imbalance_evaluator(json_path: Path) -> Callable[[int, str], tuple[str, dict, str]]:
+    """A ``bench/imbalance.py`` run passes when it exits 0 (it fails itself on a wrong gradient) and its JSON says
+    every configuration's gradients were exact; the numbers are ODC + lb_mini's speedups over the collective
+    baselines (measured, and what the compute-only simulation predicts)."""
+
+    def evaluate(rc: int, text: str) -> tuple[str, dict, str]:
+        if rc != 0:
+            return "fail", {}, f"exit status {rc}"
+        runs = (_json_or_none(json_path) or {}).get("runs", [])
+        if not runs:
+            return "fail", {}, f"no runs in {json_path.name}"
+        wrong = [f"{r['comm']}/{r['policy']}" for r in runs if not r.get("grad_check_ok")]
+        if wrong:
+            return "fail", {}, f"wrong gradients in {', '.join(wrong)}"
+        numbers: dict = {}
+        for r in runs:
+            if (r["comm"], r["policy"]) == ("odc", "lb_mini"):  # × collective + each baseline policy
+                numbers = {f"odc_lb_mini_x_{b}": r.get(f"speedup_vs_collective_{b}")
+                           for b in ("local_sort", "verl_lb_micro", "lb_micro")}
+                numbers.update(sim_x_local_sort=r.get("sim_speedup"), tokens_per_s=r.get("tokens_per_s"))
+        return "pass", numbers, f"{len(runs)} configurations, exact gradients"
+
+    return evaluate
+
+
 def _json_or_none(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -406,14 +431,6 @@ def _json_or_none(path: Path) -> dict | None:
 def sft_losses(path: Path) -> list[float]:
     rec = _json_or_none(path) or {}
     return [float(r["loss"]) for r in rec.get("records", [])]
-
-
-def _source_has(relpath: str, flag: str) -> bool:
-    """Whether a script's source defines a command-line flag (read, not run: no torch import)."""
-    try:
-        return f'"{flag}"' in (REPO / relpath).read_text()
-    except OSError:
-        return False
 
 
 def plan(phases: Sequence[str], machine: Machine, out: Path) -> list[Step]:
@@ -465,26 +482,21 @@ def plan(phases: Sequence[str], machine: Machine, out: Path) -> list[Step]:
         comm(f"{min(max(ngpu, 2), 8)}gpu-vs-nccl", min(max(ngpu, 2), 8), need=2)
 
     if "e2e" in phases:
-        shared = ngpu < SFT_PES
+        shared = ngpu < SFT_PES  # the PEs share the first GPU (gloo instead of NCCL, under MPS)
         extra = ["--pes-per-gpu", str(SFT_PES)] if shared else []
-        skip = None
-        if shared and not _source_has("examples/sft.py", "--pes-per-gpu"):
-            skip = (f"examples/sft.py has no --pes-per-gpu, so {SFT_PES} ranks cannot share {ngpu} GPU"
-                    f"{'s' if ngpu != 1 else ''} (it gives each rank its own GPU and NCCL)")
+        env = {**deadline, **(first_gpu if shared else {})}
         paths = {c: logs / f"sft-{c}.json" for c in ("collective", "odc")}
         for comm_mode in ("collective", "odc"):
             argv = [py, "examples/sft.py", "--comm", comm_mode, "--nproc", str(SFT_PES), "--steps", str(SFT_STEPS),
                     "--odc-backend", "nvshmem", "--json", str(paths[comm_mode]), *extra]
             ref = paths["collective"] if comm_mode == "odc" else None
-            env = {**deadline, **(first_gpu if shared else {})}
-            steps.append(Step("e2e", f"sft --comm {comm_mode}, {SFT_PES} PEs", argv, 240, env, mps=shared,
-                              evaluate=sft_evaluator(paths[comm_mode], ref), skip=skip, outputs=[paths[comm_mode]]))
-        argv = [py, "bench/imbalance.py", "--quick", "--json", str(logs / "imbalance.json"), "--plot", "none"]
-        gpu_backend = _source_has("bench/imbalance.py", "--backend")
-        if gpu_backend:
-            argv[3:3] = ["--backend", "nvshmem"]
-        steps.append(Step("e2e", "imbalance --quick" + ("" if gpu_backend else " (host transport: no --backend)"),
-                          argv, 240, dict(deadline), evaluate=_rc_only, outputs=[logs / "imbalance.json"]))
+            steps.append(Step("e2e", f"sft --comm {comm_mode}, {SFT_PES} PEs", argv, 240, dict(env), mps=shared,
+                              evaluate=sft_evaluator(paths[comm_mode], ref), outputs=[paths[comm_mode]]))
+        path = logs / "imbalance.json"
+        argv = [py, "bench/imbalance.py", "--quick", "--backend", "nvshmem", "--nproc", str(SFT_PES), *extra,
+                "--json", str(path), "--plot", "none"]
+        steps.append(Step("e2e", f"imbalance --quick --backend nvshmem, {SFT_PES} PEs", argv, 240, dict(env),
+                          mps=shared, evaluate=imbalance_evaluator(path), outputs=[path]))
 
     if machine.no_gpu:
         for s in steps:

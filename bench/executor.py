@@ -24,7 +24,8 @@ replicas) with one real ``all_reduce`` per layer, in both modes; the expected su
 micro-batches of all ranks.
 
 Time accounting per rank: *busy* = time in compute; *comm* = time blocked waiting for communication (includes
-waiting for slower ranks inside a collective); *sync* = end-of-minibatch work and fences. Each minibatch
+waiting for slower ranks inside a collective; on CUDA also until the stream has finished the operation, since the
+host-modelled compute needs its data); *sync* = end-of-minibatch work and fences. Each minibatch
 starts after a ``dist.barrier``; its wall time runs from the first rank's start to the last rank's end.
 """
 
@@ -67,6 +68,7 @@ class Comm(Protocol):
     """What :func:`run_minibatch` needs of a communication mode (:class:`CollectiveComm`, :class:`OdcComm`)."""
 
     name: str
+    device: torch.device  # where its tensors live (cuda: a wait also waits for the GPU, see run_minibatch)
     group_rank: int  # this rank's rank in its shard group (the whole world without HSDP)
     group_size: int
 
@@ -105,7 +107,7 @@ class CollectiveComm:
 
     def __init__(self, num_layers: int, shard_numel: int, world: int, device: torch.device, *,
                  group: dist.ProcessGroup | None = None, replica_group: dist.ProcessGroup | None = None) -> None:
-        self.group, self.replica_group = group, replica_group
+        self.group, self.replica_group, self.device = group, replica_group, device
         self.group_rank, self.group_size = dist.get_rank(group), world
         self.shards = [torch.zeros(shard_numel, device=device) for _ in range(num_layers)]
         self.grad_acc = [torch.zeros(shard_numel, device=device) for _ in range(num_layers)]
@@ -151,7 +153,7 @@ class OdcComm:
         import odc_runtime as odc
 
         self.odc = odc
-        self.group, self.replica_group = group, replica_group
+        self.group, self.replica_group, self.device = group, replica_group, device
         numel = world * shard_numel
         self.sts = [odc.shard(torch.zeros(numel, device=device), name=f"layer{i}", group=group)
                     for i in range(num_layers)]
@@ -222,10 +224,14 @@ def run_minibatch(
     scatters: deque = deque()
     pending_scatter: dict[int, object] = {}
 
+    on_gpu = comm.device.type == "cuda"
+
     def wait_for(handle: Handle) -> None:
         nonlocal wait
         t0 = now()
         handle.wait()
+        if on_gpu:  # a wait orders the stream only; the (host-modelled) compute needs the data, so wait for it
+            torch.cuda.current_stream().synchronize()
         t1 = now()
         wait += t1 - t0
         if record:

@@ -28,6 +28,14 @@ utilisation (time in compute / (ranks × wall)), idle seconds per rank (wall −
 collective baseline (local_sort; verl_lb_micro, veRL's dynamic batching, what a veRL user runs; lb_micro, the
 best collective schedule), and what the simulator (:mod:`simulate`) predicts for the same schedule from the
 compute alone (``sim``), which separates the effect of balancing from that of this machine's communication.
+
+``--backend nvshmem`` runs the same job on GPUs: tensors on CUDA, ODC on the nvshmem transport, collectives on
+NCCL (one rank per GPU) or on gloo when ranks share a GPU (``--pes-per-gpu K``: rank r on GPU r // K; NCCL refuses
+two ranks on one GPU; several nvshmem PEs on one GPU need CUDA MPS, ``nvidia-cuda-mps-control -d``). The compute is
+still modelled on the host; a rank waits for each gather and scatter to finish on the GPU (stream synchronised)
+before it counts as done. Refused with a clear error where CUDA or the ``odc_runtime._C`` extension is missing.
+
+    python bench/imbalance.py --quick --backend nvshmem --pes-per-gpu 4   # 4 ranks on one GPU (MPS running)
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ import time
 import _common
 from _common import launch, progress
 from schedule import COMMS, GPU_PEAK_FLOPS, MODELS, POLICIES, Schedule, build_schedule, grid
+
+from odc_runtime import transport as transports
 
 Schedules = dict[tuple[str, str], Schedule]  # (comm, policy) → schedule
 
@@ -73,6 +83,11 @@ def parse_hsdp(text: str) -> tuple[int, int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
+    p.add_argument("--backend", choices=transports.names(), default="host",
+                   help="ODC transport; its device is the job's: host = CPU tensors and gloo collectives, nvshmem "
+                        "= CUDA tensors and NCCL (gloo with --pes-per-gpu > 1)")
+    p.add_argument("--pes-per-gpu", type=int, default=1, metavar="K",
+                   help="GPU backend: K ranks share each GPU (rank r on GPU r // K; CUDA MPS needed for K > 1)")
     p.add_argument("--quick", action="store_true",
                    help=f"short run (under a minute: 45-50 s on 2 busy cores): {QUICK}")
     _common.add_workload_args(p)
@@ -124,6 +139,62 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.layers == 0:
         args.layers = MODELS[args.model].num_layers
     return args
+
+
+def gpu_placement(local_rank: int, local_world: int, pes_per_gpu: int, cuda_devices: int) -> tuple[int, str]:
+    """(GPU index, torch.distributed backend) of a rank of the GPU backend; ``ValueError`` saying what to change
+    when the node's ranks do not fit its GPUs at ``pes_per_gpu`` per GPU. A pure function."""
+    if pes_per_gpu < 1:
+        raise ValueError(f"--pes-per-gpu must be at least 1, got {pes_per_gpu}")
+    need = -(-local_world // pes_per_gpu)
+    if need > cuda_devices:
+        hint = (f"pass --pes-per-gpu {-(-local_world // max(cuda_devices, 1))} (ranks sharing a GPU need CUDA MPS)"
+                if pes_per_gpu == 1 else "raise --pes-per-gpu or start fewer ranks")
+        raise ValueError(f"{local_world} ranks at {pes_per_gpu} per GPU need {need} GPUs, {cuda_devices} visible: "
+                         f"{hint}")
+    return local_rank // pes_per_gpu, "nccl" if pes_per_gpu == 1 else "gloo"
+
+
+def check_backend(args: argparse.Namespace, local_world: int) -> str | None:
+    """Why ``args`` cannot run on this machine (None: it can): a GPU backend without CUDA, without the extension,
+    or with more ranks than its GPUs hold."""
+    spec = transports.get(args.backend)
+    if spec.device_type != "cuda":
+        return None if args.pes_per_gpu == 1 else f"--pes-per-gpu needs a GPU backend (--backend {args.backend})"
+    import torch
+
+    if not torch.cuda.is_available():
+        return (f"--backend {args.backend} runs the job on CUDA GPUs, and none is visible here; run it on a GPU "
+                "machine, or drop --backend (the host transport on the CPU)")
+    if not spec.is_available():
+        return (f"--backend {args.backend}: the odc_runtime._C extension does not load here; build it for this "
+                'GPU: pip install -e ".[cu13]" (or ".[cu12]"), or .ci/build_ext.sh')
+    try:
+        gpu_placement(0, local_world, args.pes_per_gpu, torch.cuda.device_count())
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def init_ranks(args: argparse.Namespace) -> tuple[int, int, object]:
+    """torch.distributed for the job's device: (rank, world, device)."""
+    if transports.get(args.backend).device_type != "cuda":
+        return _common.init_distributed("cpu")
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    gpu, backend = gpu_placement(local, local_world, args.pes_per_gpu, torch.cuda.device_count())
+    device = torch.device("cuda", gpu)
+    torch.cuda.set_device(device)
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    else:  # NCCL refuses two ranks on one GPU
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    return rank, world, device
 
 
 def make_schedules(args: argparse.Namespace, batches: list[list[int]], world: int) -> Schedules:
@@ -192,7 +263,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import odc_runtime as odc
 
-    rank, world, device = _common.init_distributed("cpu")
+    rank, world, device = init_ranks(args)
     load_before = os.getloadavg()
     batches, source = _common.load_minibatches(args, args.minibatches, args.minibatch_size)
     schedules = make_schedules(args, batches, world)
@@ -210,7 +281,7 @@ def worker(args: argparse.Namespace) -> None:
     if any(c == "collective" for c, _ in schedules):
         comms["collective"] = CollectiveComm(args.layers, shard_numel, shard_size, device, **groups)
     if any(c == "odc" for c, _ in schedules):
-        odc.init("host")
+        odc.init(args.backend)
         comms["odc"] = OdcComm(args.layers, shard_numel, shard_size, device, **groups)
     for comm in comms.values():
         warm_up(comm, args.layers, world)
@@ -280,9 +351,9 @@ def summarize(schedules: Schedules, gathered: list[dict], world: int, time_scale
 
 
 LEGEND = {
-    "comm": "collective = gloo all-gather / reduce-scatter per layer in lockstep; odc = odc.fetch / odc.push, "
-            "one odc.sync per minibatch (--hsdp: both within the shard group, plus one gloo all-reduce of the "
-            "gradient shards across replicas per minibatch)",
+    "comm": "collective = gloo (GPU backend: NCCL) all-gather / reduce-scatter per layer in lockstep; odc = "
+            "odc.fetch / odc.push, one odc.sync per minibatch (--hsdp: both within the shard group, plus one "
+            "all-reduce of the gradient shards across replicas per minibatch)",
     "policy": "balancing policy (odc_runtime.balance.POLICY_REGISTRY); every configuration plans the same samples",
     "tokens/s": "real tokens / wall seconds at the scaled compute",
     "util": "device utilisation: modelled compute time / (ranks × wall)",
@@ -313,8 +384,13 @@ def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict],
     spec = MODELS[args.model]
     n_mb = len(next(iter(schedules.values())).minibatches)
     hsdp = f" as HSDP {args.hsdp[0]}×{args.hsdp[1]} (replicas × shard group)" if args.hsdp else ""
+    import torch.distributed as dist
+
+    collective = dist.get_backend()  # gloo, or nccl for the GPU backend at one rank per GPU
+    per_gpu = f", {args.pes_per_gpu} per GPU" if args.pes_per_gpu > 1 else ""
     print(
-        f"\n{world} ranks{hsdp} (gloo collectives vs ODC host transport), {n_mb} minibatches × {args.minibatch_size} "
+        f"\n{world} ranks{hsdp}{per_gpu} ({collective} collectives vs ODC {args.backend} transport), {n_mb} "
+        f"minibatches × {args.minibatch_size} "
         f"samples from {source}; compute modelled for {spec.name} on {args.gpu.upper()} at MFU {args.mfu:g}, "
         f"×{args.time_scale:g} time scale, {args.compute}; {args.layers} layers × {args.layer_mb:g} MiB; "
         f"max {args.max_tokens} tokens per micro-batch"
@@ -365,6 +441,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.hsdp and not _common.under_torchrun() and args.hsdp[0] * args.hsdp[1] != args.nproc:
         parser.error(f"--hsdp {args.hsdp[0]}x{args.hsdp[1]} needs --nproc {args.hsdp[0] * args.hsdp[1]}, "
                      f"got {args.nproc}")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if _common.under_torchrun() else args.nproc
+    problem = check_backend(args, local_world)
+    if problem:
+        parser.error(problem)
     launch(worker, args.nproc, args)
 
 

@@ -27,7 +27,14 @@ global number of target tokens, so the loss curves agree (up to float summation 
 loss normalisation do not change: the plan spans all ``R * S`` ranks (LB-Mini over every rank in ODC mode).
 
 CPU ranks use gloo and ODC's ``host`` backend; with CUDA the same command uses nccl, one GPU per rank, and ODC's
-default GPU backend (``nvshmem``). Logs one line per step (rank 0): loss, tokens/s, the number of non-empty
+default GPU backend (``nvshmem``). ``--pes-per-gpu K`` lets K consecutive ranks share each GPU (rank r on GPU
+r // K; spawned: ``--nproc`` defaults to GPUs x K): NCCL refuses two ranks on one GPU, so torch.distributed then
+uses gloo (on the CUDA tensors) and ODC mode the ``nvshmem`` transport, which needs CUDA MPS for several PEs on one
+GPU (start it first: ``nvidia-cuda-mps-control -d``; without it ``odc.init`` refuses, saying so):
+
+    python examples/sft.py --comm odc --pes-per-gpu 4       # 4 ranks on one GPU (MPS running)
+
+Logs one line per step (rank 0): loss, tokens/s, the number of non-empty
 micro-batches per rank (in collective mode the ranks with fewer also run empty ones, as the log line says).
 """
 
@@ -41,6 +48,7 @@ import re
 import socket
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -52,7 +60,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import odc_runtime as odc
 import odc_runtime.fsdp as odc_fsdp
-from odc_runtime import balance, gang, split, workloads
+from odc_runtime import balance, config, gang, split, workloads
+from odc_runtime import transport as transports
+from odc_runtime.errors import OdcError
 
 # --------------------------------------------------------------------------------------------------- model
 
@@ -151,7 +161,53 @@ def micro_batch_loss(model: nn.Module, samples: list[torch.Tensor], device: torc
 # --------------------------------------------------------------------------------------------------- main
 
 
-def parse_args() -> argparse.Namespace:
+@dataclass(frozen=True)
+class Placement:
+    """Where one rank runs: its torch device, the torch.distributed backend and the ODC transport."""
+
+    device: str  # "cpu" or "cuda:<index>"
+    dist_backend: str  # "gloo" or "nccl"
+    odc_backend: str | None  # odc.init's backend (None: its automatic choice)
+
+
+def placement(*, cuda_devices: int, local_rank: int, local_world: int, pes_per_gpu: int = 1,
+              odc_backend: str | None = None) -> Placement:
+    """The device and backends of local rank ``local_rank`` of ``local_world`` ranks on a node with
+    ``cuda_devices`` visible GPUs (0: CPU), ``pes_per_gpu`` ranks per GPU. A pure function.
+
+    One rank per GPU: nccl. Several (``pes_per_gpu > 1``): rank r on GPU r // pes_per_gpu, gloo (NCCL refuses two
+    ranks on one GPU) and a GPU transport for ODC (``nvshmem`` unless another CUDA one is named). Raises
+    ``ValueError`` saying what to change when the ranks do not fit the visible devices."""
+    if pes_per_gpu < 1:
+        raise ValueError(f"--pes-per-gpu must be at least 1, got {pes_per_gpu}")
+    if not 0 <= local_rank < local_world:
+        raise ValueError(f"local rank {local_rank} outside the {local_world} ranks of this node")
+    if cuda_devices == 0:
+        if pes_per_gpu > 1:
+            raise ValueError(f"--pes-per-gpu {pes_per_gpu} shares GPUs between ranks, but no CUDA GPU is visible "
+                             "(drop the flag to train on the CPU)")
+        return Placement("cpu", "gloo", odc_backend)
+    need = -(-local_world // pes_per_gpu)
+    if need > cuda_devices:
+        hint = (f"pass --pes-per-gpu {-(-local_world // cuda_devices)} to let ranks share GPUs (CUDA MPS needed "
+                "in ODC mode)" if pes_per_gpu == 1 else "raise --pes-per-gpu or start fewer ranks")
+        raise ValueError(f"{local_world} ranks on this node at {pes_per_gpu} per GPU need {need} GPUs, but "
+                         f"{cuda_devices} are visible: {hint}")
+    device = f"cuda:{local_rank // pes_per_gpu}"
+    if pes_per_gpu == 1:
+        return Placement(device, "nccl", odc_backend)
+    name = odc_backend or "nvshmem"
+    try:
+        kind = transports.get(name).device_type
+    except OdcError as e:
+        raise ValueError(str(e)) from None
+    if kind != "cuda":
+        raise ValueError(f"--pes-per-gpu {pes_per_gpu}: ODC's {name!r} transport works on {kind} tensors; ranks "
+                         "sharing a GPU need a GPU transport (--odc-backend nvshmem)")
+    return Placement(device, "gloo", name)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--comm", choices=("collective", "odc"), default="odc")
     p.add_argument("--steps", type=int, default=10)
@@ -182,15 +238,25 @@ def parse_args() -> argparse.Namespace:
         metavar="RxS",
         help="HSDP: a 2-D (replicate, shard) mesh of R replicas x S shard ranks, e.g. 2x2 (default: 1-D)",
     )
-    p.add_argument("--odc-backend", default=None, help="host | nvshmem (default: automatic)")
+    p.add_argument("--odc-backend", default=None, help="host | nvshmem (default: automatic; ODC_BACKEND)")
+    p.add_argument(
+        "--pes-per-gpu",
+        type=int,
+        default=1,
+        metavar="K",
+        help="ranks sharing each GPU (rank r on GPU r // K): gloo instead of nccl, ODC on nvshmem (needs CUDA MPS)",
+    )
     p.add_argument("--json", default=None, help="write per-step records to this file (rank 0)")
     p.add_argument(
         "--nproc",
         type=int,
         default=None,
-        help="ranks to spawn when not launched by torchrun (default on CPU: R*S with --mesh, else 4; one per GPU)",
+        help="ranks to spawn when not launched by torchrun (default on CPU: R*S with --mesh, else 4; with "
+        "CUDA: GPUs x --pes-per-gpu)",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.pes_per_gpu < 1:
+        p.error(f"--pes-per-gpu must be at least 1, got {args.pes_per_gpu}")
     args.mesh_shape = None
     if args.mesh is not None:
         m = re.fullmatch(r"(\d+)x(\d+)", args.mesh)
@@ -206,14 +272,18 @@ def parse_args() -> argparse.Namespace:
 
 def train(args: argparse.Namespace) -> None:
     """One rank of the job (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT`` in the environment)."""
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    try:
+        place = rank_placement(args, int(os.environ.get("LOCAL_RANK", 0)), local_world)
+    except ValueError as e:
+        raise SystemExit(f"examples/sft.py: {e}") from None
+    device = torch.device(place.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if place.dist_backend == "nccl":
         dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    else:  # CPU ranks, or ranks sharing a GPU (gloo on CUDA tensors)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -236,7 +306,7 @@ def train(args: argparse.Namespace) -> None:
             block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 2])
             block.set_modules_to_backward_prefetch(blocks[max(0, i - 1) : i])
     if args.comm == "odc":
-        odc.init(args.odc_backend)
+        odc.init(place.odc_backend)
         odc_fsdp.enable(model)
     exchange = None
     if balance.get_policy(args.policy).splits:  # K/V exchange of split samples (odc_runtime.gang)
@@ -248,6 +318,7 @@ def train(args: argparse.Namespace) -> None:
     if rank == 0:
         print(
             f"comm={args.comm} policy={args.policy} world={world} mesh={args.mesh or world} device={device.type} "
+            f"dist={place.dist_backend} pes_per_gpu={args.pes_per_gpu} "
             f"params={n_params} "
             f"preset={args.preset} scale={args.scale:g} samples/step={args.samples} max_tokens={args.max_tokens}",
             flush=True,
@@ -348,6 +419,15 @@ def train(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def rank_placement(args: argparse.Namespace, local_rank: int, local_world: int) -> Placement:
+    """:func:`placement` for this machine's visible GPUs and the parsed arguments (``ODC_BACKEND`` when no
+    ``--odc-backend``; collective mode runs no ODC transport, so none is checked)."""
+    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = config.backend_name(args.odc_backend) if args.comm == "odc" else None
+    return placement(cuda_devices=cuda_devices, local_rank=local_rank, local_world=local_world,
+                     pes_per_gpu=args.pes_per_gpu, odc_backend=backend)
+
+
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -376,9 +456,14 @@ def main() -> None:
         train(args)
         _finish()
     default = args.mesh_shape[0] * args.mesh_shape[1] if args.mesh_shape else 4
-    nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else default)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nproc = args.nproc or (gpus * args.pes_per_gpu if gpus else default)
     if nproc < 1:
         raise SystemExit(f"--nproc must be at least 1, got {nproc}")
+    try:  # the ranks must fit the visible devices: say so once, before spawning them
+        rank_placement(args, 0, nproc)
+    except ValueError as e:
+        raise SystemExit(f"examples/sft.py: {e}") from None
     if args.mesh_shape and nproc != args.mesh_shape[0] * args.mesh_shape[1]:
         need = args.mesh_shape[0] * args.mesh_shape[1]
         raise SystemExit(f"--mesh {args.mesh} needs {need} ranks, got --nproc {nproc}")

@@ -634,3 +634,106 @@ def test_benchmark_defaults_hold_only_trainable_samples(tool):
     assert not defaults.allow_oversized
     assert set(MAX_LENGTHS) == set(PRESETS)
     assert max(MAX_LENGTHS.values()) <= defaults.max_tokens
+
+
+# --------------------------------------------------------------------------------------------------- imbalance GPU
+
+
+def test_imbalance_gpu_placement():
+    import imbalance
+
+    assert [imbalance.gpu_placement(r, 4, 4, 1) for r in range(4)] == [(0, "gloo")] * 4
+    assert [imbalance.gpu_placement(r, 4, 2, 2) for r in range(4)] == [(0, "gloo"), (0, "gloo"), (1, "gloo"),
+                                                                        (1, "gloo")]
+    assert imbalance.gpu_placement(3, 4, 1, 8) == (3, "nccl")
+    with pytest.raises(ValueError, match=r"4 ranks at 1 per GPU need 4 GPUs, 1 visible: pass --pes-per-gpu 4"):
+        imbalance.gpu_placement(0, 4, 1, 1)
+    with pytest.raises(ValueError, match="raise --pes-per-gpu"):
+        imbalance.gpu_placement(0, 4, 2, 1)
+    with pytest.raises(ValueError, match="at least 1"):
+        imbalance.gpu_placement(0, 4, 0, 1)
+
+
+def test_imbalance_backend_parsing():
+    import imbalance
+
+    parser = imbalance.build_parser()
+    assert parser.parse_args(["--quick"]).backend == "host"  # --quick on the CPU unchanged
+    assert parser.parse_args(["--backend", "nvshmem", "--pes-per-gpu", "4"]).pes_per_gpu == 4
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--backend", "mpi"])
+
+
+def test_imbalance_gpu_backend_refused_without_cuda(capsys, monkeypatch):
+    import imbalance
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:  # refused in the parent, before any rank is spawned
+        imbalance.main(["--quick", "--backend", "nvshmem"])
+    assert exc.value.code == 2
+    assert "--backend nvshmem runs the job on CUDA GPUs, and none is visible here" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        imbalance.main(["--quick", "--pes-per-gpu", "2"])  # host: the CPU has no GPUs to share
+    assert "--pes-per-gpu needs a GPU backend" in capsys.readouterr().err
+
+
+def test_imbalance_gpu_backend_refused_without_extension_or_enough_gpus(capsys, monkeypatch):
+    import imbalance
+    import torch
+
+    from odc_runtime.transport import TransportSpec
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(TransportSpec, "is_available", lambda self: self.device_type == "cpu")
+    with pytest.raises(SystemExit):
+        imbalance.main(["--quick", "--backend", "nvshmem", "--pes-per-gpu", "4"])
+    assert "the odc_runtime._C extension does not load here" in capsys.readouterr().err
+    monkeypatch.setattr(TransportSpec, "is_available", lambda self: True)
+    with pytest.raises(SystemExit):  # 4 ranks, one GPU, one rank per GPU
+        imbalance.main(["--quick", "--backend", "nvshmem"])
+    assert "need 4 GPUs, 1 visible: pass --pes-per-gpu 4" in capsys.readouterr().err
+
+
+def test_executor_waits_for_the_gpu_on_a_cuda_comm(monkeypatch):
+    """On a CUDA comm a gather or scatter counts as done only once the stream has finished it (the host-modelled
+    compute needs the data): run_minibatch synchronises the current stream after every wait."""
+    import torch
+    import torch.distributed as dist
+    from executor import run_minibatch
+    from schedule import Task
+
+    events = []
+
+    class Stream:
+        def synchronize(self):
+            events.append("sync")
+
+    class Work:
+        def __init__(self, what):
+            self.what = what
+
+        def wait(self):
+            events.append(self.what)
+
+    class FakeCudaComm:
+        name, device, group_rank, group_size = "fake", torch.device("cuda"), 0, 1
+
+        def gather(self, layer, slot):
+            return Work(f"gather{layer}")
+
+        def scatter(self, layer, empty):
+            return Work(f"scatter{layer}")
+
+        def end_minibatch(self, expected):
+            return True
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    tasks = [Task(0, 0, "fwd", 0.0, False, False), Task(0, 0, "bwd", 0.0, True, False)]
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        run_minibatch(FakeCudaComm(), tasks, expected_grad=1, time_scale=0.0, record=False)
+    finally:
+        dist.destroy_process_group()
+    assert events == ["gather0", "sync", "gather0", "sync", "scatter0", "sync"]

@@ -119,20 +119,16 @@ def test_the_build_uses_the_nvshmem_wheel_torch_pins_only_when_it_is_installed()
 # --------------------------------------------------------------------------------------------------- plan
 
 
-def _fake_repo(tmp_path: Path, monkeypatch, sft_flag: bool) -> None:
+def _fake_repo(tmp_path: Path, monkeypatch) -> None:
     repo = tmp_path / "repo"
     (repo / "tests" / "gpu").mkdir(parents=True)
-    (repo / "examples").mkdir()
-    (repo / "bench").mkdir()
     for name in ("test_zeta_gpu.py", "test_dead_peer_gpu.py", "test_nvshmem_gpu.py", "_worker.py"):
         (repo / "tests" / "gpu" / name).write_text("")
-    (repo / "examples" / "sft.py").write_text('p.add_argument("--pes-per-gpu")\n' if sft_flag else "")
-    (repo / "bench" / "imbalance.py").write_text("")
     monkeypatch.setattr(gr, "REPO", repo)
 
 
 def test_plan_on_one_gpu(tmp_path, monkeypatch):
-    _fake_repo(tmp_path, monkeypatch, sft_flag=False)
+    _fake_repo(tmp_path, monkeypatch)
     machine = gr.Machine(gpus=gr.parse_gpu_query(H100))
     steps = gr.plan(list(gr.PHASES), machine, tmp_path / "out")
     by = {s.name: s for s in steps}
@@ -147,27 +143,33 @@ def test_plan_on_one_gpu(tmp_path, monkeypatch):
     assert [s.name for s in steps if s.phase == "bench"][:2] == ["comm 1pe", "comm 1pe-locked"]  # the targets' runs
     assert all("ODC_TIMEOUT" not in s.env for s in steps if s.phase == "tests")  # tests/gpu choose their own
     assert by["comm 2gpu-vs-nccl"].na == "needs >= 2 GPUs, 1 visible" and by["comm 2gpu-vs-nccl"].skip is None
-    sft = [s for s in steps if s.name.startswith("sft")]
-    assert len(sft) == 2 and all("has no --pes-per-gpu" in s.skip for s in sft)
-    assert not any(s.skip for s in steps if not s.name.startswith("sft"))
+    assert not any(s.skip for s in steps)
     assert [s.name for s in steps if s.na] == ["comm 2gpu-vs-nccl"]
     assert all(s.timeout <= gr.DEFAULT_PHASE_BUDGET_S for s in steps)
 
 
-def test_plan_uses_sft_pes_per_gpu_when_it_exists_and_every_gpu_on_eight(tmp_path, monkeypatch):
-    _fake_repo(tmp_path, monkeypatch, sft_flag=True)
+def test_plan_e2e_shares_one_gpu_between_4_pes_and_uses_every_gpu_on_eight(tmp_path, monkeypatch):
+    _fake_repo(tmp_path, monkeypatch)
     monkeypatch.delenv("ODC_TIMEOUT", raising=False)
     one = gr.plan(["e2e"], gr.Machine(gpus=gr.parse_gpu_query(H100)), tmp_path)
+    assert [s.name for s in one] == ["sft --comm collective, 4 PEs", "sft --comm odc, 4 PEs",
+                                     "imbalance --quick --backend nvshmem, 4 PEs"]
     assert [s.skip for s in one] == [None, None, None]
-    assert one[1].mps and one[1].argv[-2:] == ["--pes-per-gpu", "4"]
-    assert one[1].env == {"CUDA_VISIBLE_DEVICES": "0", "ODC_TIMEOUT": gr.RUN_ODC_TIMEOUT_S}
+    for step in one:  # 4 ranks on GPU 0: --pes-per-gpu 4 (gloo, nvshmem) under MPS
+        assert step.mps and step.argv[step.argv.index("--pes-per-gpu") + 1] == "4"
+        assert step.argv[step.argv.index("--nproc") + 1] == "4"
+        assert step.env == {"CUDA_VISIBLE_DEVICES": "0", "ODC_TIMEOUT": gr.RUN_ODC_TIMEOUT_S}
+    assert one[1].argv[one[1].argv.index("--odc-backend") + 1] == "nvshmem"
+    imb = one[2].argv
+    assert imb[1:3] == ["bench/imbalance.py", "--quick"] and imb[imb.index("--backend") + 1] == "nvshmem"
     monkeypatch.setenv("ODC_TIMEOUT", "30")  # the user's deadline is kept
     assert all("ODC_TIMEOUT" not in s.env for s in gr.plan(["bench", "e2e"], gr.Machine(gpus=[]), tmp_path))
     rows = "".join(H100.replace("0,", f"{i},", 1) for i in range(8))
     eight = gr.plan(["bench", "e2e"], gr.Machine(gpus=gr.parse_gpu_query(rows)), tmp_path)
     by = {s.name: s for s in eight}
     assert by["comm 8gpu-vs-nccl"].na is None and by["comm 8gpu-vs-nccl"].argv[4:6] == ["--nproc", "8"]
-    assert not by["sft --comm odc, 4 PEs"].mps and "--pes-per-gpu" not in by["sft --comm odc, 4 PEs"].argv
+    for name in ("sft --comm odc, 4 PEs", "imbalance --quick --backend nvshmem, 4 PEs"):  # a GPU per rank: NCCL
+        assert not by[name].mps and "--pes-per-gpu" not in by[name].argv and "CUDA_VISIBLE_DEVICES" not in by[name].env
 
 
 # --------------------------------------------------------------------------------------------------- evaluation
@@ -303,6 +305,25 @@ def test_sft_losses_must_match_the_collective_run(tmp_path):
     assert off[0] == "fail" and "differ" in off[2]
     assert gr.sft_evaluator(write("odc3.json", [6.25, 6.0]), ref)(0, "")[2] == "2 losses, expected 4"
     assert gr.sft_evaluator(ref, None)(3, "") == ("fail", {}, "exit status 3")
+
+
+def test_imbalance_run_passes_only_with_exact_gradients(tmp_path):
+    path = tmp_path / "imbalance.json"
+    ev = gr.imbalance_evaluator(path)
+    assert ev(1, "") == ("fail", {}, "exit status 1")
+    assert ev(0, "") == ("fail", {}, "no runs in imbalance.json")
+
+    def run(comm, policy, ok=True, x=1.0):
+        return {"comm": comm, "policy": policy, "grad_check_ok": ok, "tokens_per_s": 10.0, "sim_speedup": 1.5,
+                **{f"speedup_vs_collective_{b}": x for b in ("local_sort", "verl_lb_micro", "lb_micro")}}
+
+    path.write_text(json.dumps({"runs": [run("collective", "lb_micro"), run("odc", "lb_mini", x=1.25)]}))
+    status, numbers, detail = ev(0, "")
+    assert (status, detail) == ("pass", "2 configurations, exact gradients")
+    assert numbers == {"odc_lb_mini_x_local_sort": 1.25, "odc_lb_mini_x_verl_lb_micro": 1.25,
+                       "odc_lb_mini_x_lb_micro": 1.25, "sim_x_local_sort": 1.5, "tokens_per_s": 10.0}
+    path.write_text(json.dumps({"runs": [run("collective", "lb_micro", ok=False), run("odc", "lb_mini")]}))
+    assert ev(0, "") == ("fail", {}, "wrong gradients in collective/lb_micro")
 
 
 # --------------------------------------------------------------------------------------------------- running
@@ -518,6 +539,7 @@ def test_dry_run_without_a_gpu_lists_every_step_skipped_with_its_reason(tmp_path
     for f in (ROOT / "tests" / "gpu").glob("test_*.py"):
         assert f"[tests] tests/gpu/{f.name}: skip" in proc.stdout
     assert "bench/comm.py --backend nvshmem" in proc.stdout and "examples/sft.py --comm odc" in proc.stdout
+    assert "bench/imbalance.py --quick --backend nvshmem" in proc.stdout
     assert not (tmp_path / "rep").exists()  # a dry run writes nothing
 
 

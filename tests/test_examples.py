@@ -118,3 +118,75 @@ def test_sft_example_split_samples_same_losses_as_collective() -> None:
         losses[name] = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
         assert len(losses[name]) == 2, out
     assert losses["split"] == pytest.approx(losses["collective"], abs=1e-4)
+
+
+def _sft_module():
+    """examples/sft.py imported as a module (its functions, not a run)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sft_example", os.path.join(ROOT, "examples", "sft.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sft_placement_one_rank_per_gpu_and_cpu() -> None:
+    sft = _sft_module()
+    assert sft.placement(cuda_devices=0, local_rank=3, local_world=4) == sft.Placement("cpu", "gloo", None)
+    assert sft.placement(cuda_devices=0, local_rank=0, local_world=4, odc_backend="host").odc_backend == "host"
+    assert sft.placement(cuda_devices=8, local_rank=5, local_world=8) == sft.Placement("cuda:5", "nccl", None)
+
+
+def test_sft_placement_ranks_sharing_a_gpu_use_gloo_and_nvshmem() -> None:
+    sft = _sft_module()
+    got = [sft.placement(cuda_devices=1, local_rank=r, local_world=4, pes_per_gpu=4) for r in range(4)]
+    assert got == [sft.Placement("cuda:0", "gloo", "nvshmem")] * 4
+    # K consecutive ranks per GPU: 4 ranks at 2 per GPU on 2 GPUs
+    devices = [sft.placement(cuda_devices=2, local_rank=r, local_world=4, pes_per_gpu=2).device for r in range(4)]
+    assert devices == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
+    # fewer ranks than the flag allows still fit (2 ranks, up to 4 per GPU)
+    assert sft.placement(cuda_devices=1, local_rank=1, local_world=2, pes_per_gpu=4).device == "cuda:0"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"cuda_devices": 0, "local_world": 4, "pes_per_gpu": 2}, "no CUDA GPU is visible"),
+        ({"cuda_devices": 1, "local_world": 4, "pes_per_gpu": 1}, "pass --pes-per-gpu 4"),
+        ({"cuda_devices": 1, "local_world": 4, "pes_per_gpu": 2}, "need 2 GPUs, but 1 are visible"),
+        ({"cuda_devices": 1, "local_world": 4, "pes_per_gpu": 4, "odc_backend": "host"}, "--odc-backend nvshmem"),
+        ({"cuda_devices": 1, "local_world": 4, "pes_per_gpu": 4, "odc_backend": "nope"}, "nope"),
+        ({"cuda_devices": 1, "local_world": 4, "pes_per_gpu": 0}, "at least 1"),
+    ],
+)
+def test_sft_placement_refuses_ranks_that_do_not_fit(kwargs: dict, message: str) -> None:
+    sft = _sft_module()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sft.placement(local_rank=0, **kwargs)
+
+
+@pytest.mark.timeout(120)
+def test_sft_pes_per_gpu_refused_without_a_gpu() -> None:
+    if _sft_module().torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the refusal is for a machine without one")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "examples/sft.py", "--pes-per-gpu", "2", "--steps", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1 and "no CUDA GPU is visible" in proc.stderr, proc.stderr[-2000:]
+    assert "step" not in proc.stdout  # refused before any rank was spawned
+    proc = subprocess.run([*cmd[:3], "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2 and "--pes-per-gpu must be at least 1" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_sft_collective_mode_checks_no_odc_transport(monkeypatch) -> None:
+    import argparse
+
+    sft = _sft_module()
+    monkeypatch.setattr(sft.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sft.torch.cuda, "device_count", lambda: 1)
+    args = argparse.Namespace(comm="collective", odc_backend="host", pes_per_gpu=4)
+    assert sft.rank_placement(args, 3, 4).dist_backend == "gloo"  # --odc-backend unused: not checked
+    args.comm = "odc"
+    with pytest.raises(ValueError, match="--odc-backend nvshmem"):
+        sft.rank_placement(args, 3, 4)
