@@ -39,6 +39,14 @@ def test_custom_trainer_on_virtual_nodes_matches_single_process() -> None:
     _check_custom_trainer(_run(args, ODC_NODE_SIZE="1"))
 
 
+@pytest.mark.timeout(180)
+def test_custom_trainer_with_another_policy_matches_single_process() -> None:
+    # verl_lb_micro: equal counts padded with empty micro-batches, which the trainer skips (nothing to push)
+    args = ["examples/custom_trainer.py", "--nproc", "2", "--steps", "3", "--samples", "12",
+            "--policy", "verl_lb_micro"]
+    _check_custom_trainer(_run(args))
+
+
 @pytest.mark.timeout(240)
 def test_sft_example_same_losses_in_both_modes() -> None:
     # one mode launched by torchrun, the other spawning its own ranks (plain `python examples/sft.py`)
@@ -96,6 +104,17 @@ def test_grpo_example_matches_single_process_replay() -> None:
     odc_losses = [float(v) for v in re.findall(r"odc \+ lb_mini\s+loss (\S+)", out)]
     coll_losses = [float(v) for v in re.findall(r"collective \+ lb_micro\s+loss (\S+)", out)]
     assert odc_losses == pytest.approx(coll_losses, abs=1e-5), out
+
+
+@pytest.mark.timeout(300)
+def test_grpo_example_with_other_policies_matches_single_process_replay() -> None:
+    pytest.importorskip("transformers", reason="examples/grpo.py needs the hf extra")
+    policies = ["--policy", "verl_lb_micro", "--collective-policy", "local_sort"]
+    out = _run(["examples/grpo.py", "--quick", "--nproc", "2", "--layers", "1", *policies], timeout=280)
+    for mode in ("odc + verl_lb_micro", "collective + local_sort"):
+        assert len(re.findall(rf"step\s+\d+\s+{re.escape(mode)}\s+loss", out)) == 2, out
+    checks = re.findall(r"^replay check (\w+)\s*: max \|loss - replay\| .*: OK$", out, re.M)
+    assert sorted(checks) == ["collective", "odc"], out
 
 
 @pytest.mark.timeout(300)
