@@ -30,10 +30,11 @@ import torch
 import torch.distributed as dist
 
 import odc_runtime as odc
+from odc_runtime import testing
 
 
 def _transport():
-    return odc.api._runtime.transport  # the transport interface itself (the hierarchy's layer)
+    return testing.transport()  # the transport interface itself (the hierarchy's layer)
 
 
 def scenario_signal() -> dict:
