@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import odc_runtime as odc
 from odc_runtime.balance import POLICIES, CostModel, get_policy, plan
-from odc_runtime.launch import launch
+from odc_runtime.launch import gloo_rank, launch
 from odc_runtime.workloads import sample_lengths
 
 DIM, HIDDEN = 24, 37  # 24*37 = 888 and 37 elements: neither divides evenly over 4 ranks
@@ -101,15 +101,6 @@ def reference_step(params: dict[str, torch.Tensor], xs, ys, total_rows: int, lr:
     return float(loss.detach())
 
 
-def _run(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        train(dist.get_rank(), dist.get_world_size(), args)
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=4, help="ranks to spawn when not under torchrun")
@@ -120,7 +111,7 @@ def main() -> None:
     whole = [name for name in POLICIES if not get_policy(name).splits]  # split samples need gang attention
     parser.add_argument("--policy", choices=whole, default="lb_mini", help="minibatch balancing policy")
     args = parser.parse_args()
-    launch(_run, args.nproc, args)  # in this process under torchrun, else spawned ranks
+    launch(gloo_rank, args.nproc, train, args)  # in this process under torchrun, else spawned ranks
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ import torch.distributed as dist
 import odc_runtime as odc
 import odc_runtime.fsdp as odc_fsdp
 from odc_runtime import balance, workloads
-from odc_runtime.launch import launch
+from odc_runtime.launch import gloo_rank, launch
 
 CLIP_EPS = 0.2
 PROMPT_LENS = (16, 48)
@@ -466,20 +466,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _run(args: argparse.Namespace) -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built from a config: never reach the Hub
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        train(dist.get_rank(), dist.get_world_size(), args)
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     args = parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built from a config: never reach the Hub (ranks too)
     # In this process under torchrun, else spawned ranks; each ends with odc_runtime.launch.exit_process().
-    launch(_run, args.nproc, args, exit_after=True)
+    launch(gloo_rank, args.nproc, train, args, exit_after=True)
 
 
 if __name__ == "__main__":
