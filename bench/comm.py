@@ -79,7 +79,7 @@ from odc_runtime.errors import OdcError
 if TYPE_CHECKING:
     import torch
 
-    from odc_runtime.api import ShardedTensor
+    from odc_runtime import ShardedTensor
 
 OPS = ("copy", "add", "all_gather", "fetch", "red_scatter", "push", "sync", "sync_flush", "sync_busy", "mm",
        "mm+fetch", "mm+push")

@@ -1,8 +1,8 @@
 """A custom trainer on the core API: fetch / push per micro-batch, one sync per minibatch.
 
 Each rank runs a *different* number of micro-batches per step (planned by the minibatch-level balancer from
-sequence lengths), so no per-layer collective could be used. Rank 0 replays every step in a single process on
-the union of the data and prints both losses: they agree to float rounding.
+sequence lengths; ``--policy``, default ``lb_mini``), so no per-layer collective could be used. Rank 0 replays
+every step in a single process on the union of the data and prints both losses: they agree to float rounding.
 
     python examples/custom_trainer.py                       # spawns 4 CPU ranks (gloo + host transport)
     torchrun --nproc-per-node 4 examples/custom_trainer.py  # same, launched by torchrun
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import odc_runtime as odc
-from odc_runtime.balance import CostModel, plan
-from odc_runtime.launch import launch
+from odc_runtime.balance import POLICIES, CostModel, get_policy, plan
+from odc_runtime.launch import gloo_rank, launch
 from odc_runtime.workloads import sample_lengths
 
 DIM, HIDDEN = 24, 37  # 24*37 = 888 and 37 elements: neither divides evenly over 4 ranks
@@ -55,10 +55,12 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
     reference = init_params(args.seed) if rank == 0 else None
     for step in range(args.steps):
         xs, ys, lengths = make_minibatch(step, args.samples, args.seed)
-        my_micro_batches = plan(lengths, world, max_tokens=MAX_TOKENS, policy="lb_mini", cost=COST)[rank]
+        my_micro_batches = plan(lengths, world, max_tokens=MAX_TOKENS, policy=args.policy, cost=COST)[rank]
         total_rows = sum(lengths)
         my_loss = 0.0
         for sample_ids in my_micro_batches:  # the count differs between ranks, zero included
+            if not sample_ids:  # an equal-count policy's padding micro-batch: one-sided ODC needs none
+                continue
             params = {n: odc.fetch(st).requires_grad_(True) for n, st in shards.items()}
             loss = sum(loss_sum(params, xs[i], ys[i]) for i in sample_ids) / total_rows
             loss.backward()
@@ -74,7 +76,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
                 st.zero_grad()
         odc.sync(gradients=False)  # updated shards are visible to the next fetch; nothing was pushed since
         losses = [None] * world
-        dist.all_gather_object(losses, (my_loss, len(my_micro_batches)))
+        dist.all_gather_object(losses, (my_loss, sum(1 for mb in my_micro_batches if mb)))
         if rank == 0:
             ref_loss = reference_step(reference, xs, ys, total_rows, args.lr)
             counts = [c for _, c in losses]
@@ -99,15 +101,6 @@ def reference_step(params: dict[str, torch.Tensor], xs, ys, total_rows: int, lr:
     return float(loss.detach())
 
 
-def _run(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        train(dist.get_rank(), dist.get_world_size(), args)
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=4, help="ranks to spawn when not under torchrun")
@@ -115,8 +108,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=24, help="samples per minibatch (all ranks together)")
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
+    whole = [name for name in POLICIES if not get_policy(name).splits]  # split samples need gang attention
+    parser.add_argument("--policy", choices=whole, default="lb_mini", help="minibatch balancing policy")
     args = parser.parse_args()
-    launch(_run, args.nproc, args)  # in this process under torchrun, else spawned ranks
+    launch(gloo_rank, args.nproc, train, args)  # in this process under torchrun, else spawned ranks
 
 
 if __name__ == "__main__":

@@ -18,11 +18,13 @@ Each step is what an RL framework's actor update does with one batch of rollouts
 
 The same steps run twice on two copies of the model (same initial weights):
 
-- ``odc``: ``odc_runtime.fsdp.enable(model)``; every pass is planned by ``lb_mini`` (each rank's *total* work
+- ``odc``: ``odc_runtime.fsdp.enable(model)``; every pass is planned by ``--policy`` (any registered
+  policy that keeps samples whole; default ``lb_mini``: each rank's *total* work
   balanced, micro-batch counts differ between ranks, zero allowed) and runs inside ``odc_runtime.fsdp.minibatch``
   with ``divide_factor`` = the global token count. The forward-only pass is also inside a minibatch: ranks with
   different micro-batch counts must not all-gather collectively.
-- ``collective``: stock FSDP2; every pass is planned by ``lb_micro`` (equal counts, each micro-batch step balanced
+- ``collective``: stock FSDP2; every pass is planned by ``--collective-policy`` (any registered
+  policy with equal counts; default ``lb_micro``: equal counts, each micro-batch step balanced
   as collectives need), ranks short of a micro-batch run a zero-weight dummy one, and each micro-batch's loss is
   scaled by ``world / global tokens`` (FSDP averages gradients over ranks).
 
@@ -60,7 +62,7 @@ import torch.distributed as dist
 import odc_runtime as odc
 import odc_runtime.fsdp as odc_fsdp
 from odc_runtime import balance, workloads
-from odc_runtime.launch import launch
+from odc_runtime.launch import gloo_rank, launch
 
 CLIP_EPS = 0.2
 PROMPT_LENS = (16, 48)
@@ -193,11 +195,15 @@ def dummy_rollout() -> Rollout:
     return Rollout(torch.zeros(3, dtype=torch.long), 1, 0.0, 0.0)
 
 
+def policy_of(mode: str, args: argparse.Namespace) -> str:
+    """The balancing policy that plans ``mode``'s passes (``--policy`` / ``--collective-policy``)."""
+    return args.policy if mode == "odc" else args.collective_policy
+
+
 def plan(rollouts: list[Rollout], ids: list[int], mode: str, world: int, args, cost) -> balance.Plan:
     """``result[rank]`` = micro-batches of rollout ids (``[]`` = padding micro-batch under collectives)."""
-    policy = "lb_mini" if mode == "odc" else "lb_micro"
-    p = balance.plan([len(rollouts[i].tokens) for i in ids], world, max_tokens=args.max_tokens, policy=policy,
-                     cost=cost)
+    p = balance.plan([len(rollouts[i].tokens) for i in ids], world, max_tokens=args.max_tokens,
+                     policy=policy_of(mode, args), cost=cost)
     return [[[ids[j] for j in mb] for mb in rank_mbs] for rank_mbs in p]
 
 
@@ -356,8 +362,12 @@ def replay(args: argparse.Namespace) -> tuple[list[float], list[torch.Tensor]]:
 # --------------------------------------------------------------------------------------------------- main
 
 
-def _print_step(rec: dict, mode: str) -> None:
-    label = "odc + lb_mini" if mode == "odc" else "collective + lb_micro"
+def _label(mode: str, args: argparse.Namespace) -> str:
+    return f"{mode} + {policy_of(mode, args)}"
+
+
+def _print_step(rec: dict, mode: str, args: argparse.Namespace) -> None:
+    label = _label(mode, args)
     extra = f"  sync wait {rec['sync_wait']:5.1%} (measured)" if rec["sync_wait"] is not None else ""
     pad = f" (+{rec['padding']} padding)" if rec["padding"] else ""
     print(
@@ -384,7 +394,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
         for mode, trainer in trainers.items():
             trainer.step(step, rollouts)
             if rank == 0:
-                _print_step(trainer.records[-1], mode)
+                _print_step(trainer.records[-1], mode, args)
     params = {mode: t.full_parameters() for mode, t in trainers.items()}
     odc_fsdp.disable(trainers["odc"].model)
     odc.finalize()
@@ -395,8 +405,8 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
         steady = t.records[1:] or t.records  # step 0 includes warm-up
         summary[mode] = sum(r["tokens"] for r in steady) / sum(r["seconds"] for r in steady)
     print(
-        f"tokens/s (steps 1..{args.steps - 1}): odc + lb_mini {summary['odc']:.0f}, collective + lb_micro "
-        f"{summary['collective']:.0f} ({summary['odc'] / summary['collective']:.2f}x)",
+        f"tokens/s (steps 1..{args.steps - 1}): {_label('odc', args)} {summary['odc']:.0f}, "
+        f"{_label('collective', args)} {summary['collective']:.0f} ({summary['odc'] / summary['collective']:.2f}x)",
         flush=True,
     )
     ref_losses, ref_params = replay(args)
@@ -424,6 +434,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="rollouts per prompt (GRPO group size)")
     p.add_argument("--mini-batches", type=int, default=2, help="PPO mini-batches (optimizer steps) per step")
+    whole = [name for name in balance.POLICIES if not balance.get_policy(name).splits]  # no gang attention here
+    p.add_argument("--policy", choices=whole, default="lb_mini", help="balancing policy of the ODC run")
+    p.add_argument("--collective-policy", choices=[n for n in whole if balance.get_policy(n).equal_counts],
+                   default="lb_micro", help="balancing policy of the collective run (equal micro-batch counts)")
     p.add_argument("--quick", action="store_true", help="2 steps of 4 prompts (for tests)")
     p.add_argument("--arch", choices=("qwen2", "llama"), default="qwen2")
     p.add_argument("--vocab", type=int, default=512)
@@ -452,20 +466,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _run(args: argparse.Namespace) -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built from a config: never reach the Hub
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        train(dist.get_rank(), dist.get_world_size(), args)
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     args = parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built from a config: never reach the Hub (ranks too)
     # In this process under torchrun, else spawned ranks; each ends with odc_runtime.launch.exit_process().
-    launch(_run, args.nproc, args, exit_after=True)
+    launch(gloo_rank, args.nproc, train, args, exit_after=True)
 
 
 if __name__ == "__main__":

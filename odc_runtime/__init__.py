@@ -85,6 +85,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'odc_runtime' has no attribute {name!r}")
 
 
+def device_type() -> str:
+    """``torch.device`` type of the tensors the active transport works on (``"cpu"`` for ``host``, ``"cuda"`` for
+    ``nvshmem``: :attr:`odc_runtime.transport.Transport.device_type`); OdcNotInitializedError before ``init``."""
+    from odc_runtime import api
+
+    return api._require_runtime("device_type", read_only=True).transport.device_type
+
+
 if TYPE_CHECKING:
     from odc_runtime.api import (
         Handle,
@@ -115,6 +123,7 @@ __all__ = [
     "ShardedTensor",
     "__version__",
     "backend",
+    "device_type",
     "fetch",
     "finalize",
     "init",

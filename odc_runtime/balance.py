@@ -596,7 +596,7 @@ def _refine(job: _Job, parts: list[list[int]], cap: int | None) -> list[list[int
     the result is never worse than the input. It stops early once the dearest part is within
     :data:`_GOOD_ENOUGH` of the mean. With ``cap`` every touched part stays within ``cap`` tokens.
     """
-    state = _Exchange(job, parts, cap)
+    state = _RefineState(job, parts, cap)
     target = (1 + _GOOD_ENOUGH) * math.fsum(state.totals) / len(parts)
     for _ in range(4 * len(job.lengths) + 16):
         if max(state.totals) <= target or not state.improve_dearest():
@@ -610,7 +610,7 @@ def _refine(job: _Job, parts: list[list[int]], cap: int | None) -> list[list[int
 _GOOD_ENOUGH = 1e-4
 
 
-class _Exchange:
+class _RefineState:
     """Mutable state of :func:`_refine`.
 
     Per part, parallel lists sorted by cost: costs, sample indices, lengths (cost grows with length, so the

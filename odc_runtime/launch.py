@@ -36,6 +36,21 @@ def exit_process() -> None:
     os._exit(0)
 
 
+def gloo_rank(fn: Callable[..., None], *args: object) -> None:
+    """One CPU rank's body: one torch thread (ranks share the machine's cores), the default process group on
+    gloo, ``fn(rank, world_size, *args)``, and the group destroyed however ``fn`` ends. Launch it with
+    ``launch(gloo_rank, nproc, fn, *args)`` (``fn`` module-level, as for :func:`launch`)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        fn(dist.get_rank(), dist.get_world_size(), *args)
+    finally:
+        dist.destroy_process_group()
+
+
 def _entry(local_rank: int, fn: Callable[..., None], world_size: int, port: int, args: tuple, exit_after: bool) -> None:
     os.environ.update(
         RANK=str(local_rank),

@@ -1,13 +1,17 @@
 """A small public surface for tests, benchmarks and debugging: the live runtime's transport and its state.
 
 Nothing here is needed to train; it exists so that tests and tools do not import private names of the core API.
+:func:`install` / :func:`uninstall` run the public API over a transport built by hand (a fake extension, a cost
+model); :func:`abandon` drops a runtime without the collective ``finalize``.
 The transport returned by :func:`transport` follows the contract of :mod:`odc_runtime.transport.base` (its
 ``failure``, ``capabilities``, ``device_type``, heap accounting and one-sided operations).
 """
 
 from __future__ import annotations
 
-from odc_runtime.errors import OdcError
+import itertools
+
+from odc_runtime.errors import OdcError, OdcUsageError
 from odc_runtime.sharded import ShardedTensor
 from odc_runtime.transport.base import SymmetricBuffer, TransferPlan, Transport
 
@@ -27,14 +31,32 @@ def failure() -> OdcError | None:
     return None if runtime is None else runtime.transport.failure
 
 
-def abandon() -> None:
-    """Release this rank's runtime *locally*, without the collective ``finalize`` (for a rank whose peers may never
-    reach it, e.g. a test rank that raised). Does nothing without a live runtime."""
+def install(transport: Transport) -> None:
+    """Make ``transport``, built outside ``odc.init`` (a transport over a fake extension, a cost model), the live
+    runtime's transport (one node: no hierarchy), so that the public API runs on it. The caller owns it: undo
+    with :func:`uninstall`. OdcUsageError while a runtime is live."""
+    from odc_runtime import api
+
+    if api._runtime is not None:
+        raise OdcUsageError("odc_runtime.testing.install(): a runtime is live; finalize or uninstall it first")
+    api._runtime = api._Runtime(transport=transport, generation=next(api._generations), shards=itertools.count())
+
+
+def uninstall() -> Transport | None:
+    """Drop the live runtime *locally* without finalizing its transport (the caller owns it, as after
+    :func:`install`); returns that transport, or ``None`` when no runtime was live."""
     from odc_runtime import api
 
     runtime, api._runtime = api._runtime, None
-    if runtime is not None:
-        runtime.transport.finalize()
+    return None if runtime is None else runtime.transport
+
+
+def abandon() -> None:
+    """Release this rank's runtime *locally*, without the collective ``finalize`` (for a rank whose peers may never
+    reach it, e.g. a test rank that raised). Does nothing without a live runtime."""
+    transport = uninstall()
+    if transport is not None:
+        transport.finalize()
 
 
 def buffers(st: ShardedTensor) -> tuple[SymmetricBuffer, SymmetricBuffer | None]:

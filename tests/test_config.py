@@ -7,6 +7,7 @@ import pathlib
 import re
 
 import pytest
+from _dist import run_ranks
 
 import odc_runtime as odc
 from odc_runtime import config
@@ -59,13 +60,24 @@ def test_values_are_validated(monkeypatch, tmp_path) -> None:
     with pytest.raises(odc.OdcUsageError, match="backend must be"):
         config.backend_name(3)  # type: ignore[arg-type]
 
-    monkeypatch.setenv("ODC_BACKEND", "tcp")
-    from odc_runtime.api import _select_backend
 
+def _rank_backend_from_env(rank: int, world: int) -> None:
+    import os
+
+    os.environ["ODC_BACKEND"] = "tcp"
     with pytest.raises(odc.OdcUsageError, match=r"unknown ODC backend 'tcp'; choose one of"):
-        _select_backend(None)
-    monkeypatch.setenv("ODC_BACKEND", "host")
-    assert _select_backend(None) == "host"
+        odc.init(heap_size="1M")
+    assert not odc.is_initialized()
+    os.environ["ODC_BACKEND"] = "host"
+    odc.init(heap_size="1M")
+    try:
+        assert odc.backend() == "host"
+    finally:
+        odc.finalize()
+
+
+def test_backend_is_read_from_odc_backend_by_init() -> None:
+    run_ranks(_rank_backend_from_env, 1, timeout=60)
 
 
 def test_generic_parsers(monkeypatch) -> None:

@@ -39,16 +39,30 @@ def test_custom_trainer_on_virtual_nodes_matches_single_process() -> None:
     _check_custom_trainer(_run(args, ODC_NODE_SIZE="1"))
 
 
+@pytest.mark.timeout(180)
+def test_custom_trainer_with_another_policy_matches_single_process() -> None:
+    # verl_lb_micro: equal counts padded with empty micro-batches, which the trainer skips (nothing to push)
+    args = ["examples/custom_trainer.py", "--nproc", "2", "--steps", "3", "--samples", "12",
+            "--policy", "verl_lb_micro"]
+    _check_custom_trainer(_run(args))
+
+
 @pytest.mark.timeout(240)
 def test_sft_example_same_losses_in_both_modes() -> None:
-    # one mode launched by torchrun, the other spawning its own ranks (plain `python examples/sft.py`)
+    _sft_same_losses_in_both_modes(2)
+
+
+def _sft_same_losses_in_both_modes(nproc: int, *extra: str, expect: str = "") -> None:
+    """examples/sft.py in each mode, collective launched by torchrun and odc spawning its own ranks (plain
+    ``python examples/sft.py``): two steps each, the same losses; ``expect`` must appear in both outputs."""
     launch = {
-        "collective": ["-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/sft.py"],
-        "odc": ["examples/sft.py", "--nproc", "2"],
+        "collective": ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "examples/sft.py"],
+        "odc": ["examples/sft.py", "--nproc", str(nproc)],
     }
     losses = {}
     for comm in ("collective", "odc"):
-        out = _run([*launch[comm], "--comm", comm, "--steps", "2", "--samples", "8"])
+        out = _run([*launch[comm], *extra, "--comm", comm, "--steps", "2", "--samples", "8"])
+        assert expect in out, out
         losses[comm] = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
         assert len(losses[comm]) == 2, out
     assert losses["collective"] == pytest.approx(losses["odc"], abs=1e-4)
@@ -70,17 +84,7 @@ def test_sft_example_explicit_prefetch_with_a_rank_without_micro_batches() -> No
 @pytest.mark.timeout(300)
 def test_sft_example_hsdp_same_losses_in_both_modes() -> None:
     # --mesh 2x2: 2 replicas x 2-rank shard groups on 4 ranks; the plans give unequal micro-batch counts in ODC mode
-    launch = {
-        "collective": ["-m", "torch.distributed.run", "--nproc-per-node", "4", "examples/sft.py"],
-        "odc": ["examples/sft.py", "--nproc", "4"],
-    }
-    losses = {}
-    for comm in ("collective", "odc"):
-        out = _run([*launch[comm], "--mesh", "2x2", "--comm", comm, "--steps", "2", "--samples", "8"])
-        assert "mesh=2x2" in out, out
-        losses[comm] = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
-        assert len(losses[comm]) == 2, out
-    assert losses["collective"] == pytest.approx(losses["odc"], abs=1e-4)
+    _sft_same_losses_in_both_modes(4, "--mesh", "2x2", expect="mesh=2x2")
 
 
 @pytest.mark.timeout(300)
@@ -96,6 +100,17 @@ def test_grpo_example_matches_single_process_replay() -> None:
     odc_losses = [float(v) for v in re.findall(r"odc \+ lb_mini\s+loss (\S+)", out)]
     coll_losses = [float(v) for v in re.findall(r"collective \+ lb_micro\s+loss (\S+)", out)]
     assert odc_losses == pytest.approx(coll_losses, abs=1e-5), out
+
+
+@pytest.mark.timeout(300)
+def test_grpo_example_with_other_policies_matches_single_process_replay() -> None:
+    pytest.importorskip("transformers", reason="examples/grpo.py needs the hf extra")
+    policies = ["--policy", "verl_lb_micro", "--collective-policy", "local_sort"]
+    out = _run(["examples/grpo.py", "--quick", "--nproc", "2", "--layers", "1", *policies], timeout=280)
+    for mode in ("odc + verl_lb_micro", "collective + local_sort"):
+        assert len(re.findall(rf"step\s+\d+\s+{re.escape(mode)}\s+loss", out)) == 2, out
+    checks = re.findall(r"^replay check (\w+)\s*: max \|loss - replay\| .*: OK$", out, re.M)
+    assert sorted(checks) == ["collective", "odc"], out
 
 
 @pytest.mark.timeout(300)

@@ -11,7 +11,6 @@ engine's deadline thread surfaces as the late operation's timeout; finalize afte
 from __future__ import annotations
 
 import array
-import itertools
 import types
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 from _dist import run_ranks
 
 import odc_runtime as odc
+from odc_runtime import testing
 
 ARENA = 1 << 40
 
@@ -108,13 +108,19 @@ class _Owner:
     """What a fake symmetric view keeps alive (weakly referenced by the free quarantine)."""
 
 
+def _offsets(st: odc.ShardedTensor) -> tuple[int, int]:
+    """Symmetric heap offsets of ``st``'s parameter and gradient buffers (their nvshmem ``HeapBlock``)."""
+    param, grad = testing.buffers(st)
+    return param.handle.offset, grad.handle.offset  # type: ignore[union-attr]
+
+
 def _install(
     monkeypatch, world: int, peer_bases: list[int], atomic: bool, fetch: str = "copy", node: int | str = 1,
     backed: bool = False,
 ):
     """A fake transport as PE 0. ``backed``: the arena is real CPU memory (views of buffers have addresses inside
     it, as on the GPU), so the heap-membership check of cross-node puts can be exercised."""
-    from odc_runtime import api, config
+    from odc_runtime import config
     from odc_runtime.transport import nvshmem
     from odc_runtime.transport.nvshmem import memory as nv_memory
     from odc_runtime.transport.nvshmem import plans as nv_plans
@@ -148,7 +154,7 @@ def _install(
         ext, 0, world, torch.device("cpu"), 5.0, settings=config.NvshmemSettings(fetch=fetch), scratch_slots=4,
         capacity=1 << 20, arena=arena, peer_bases=peer_bases, engine=ext.Engine(), atomic_push=atomic, node=node,
     )
-    api._runtime = api._Runtime(transport=transport, generation=next(api._generations), shards=itertools.count())
+    testing.install(transport)
     return transport, calls, current
 
 
@@ -170,7 +176,7 @@ def _rank_fake_nvshmem(rank: int, world: int) -> None:
             odc.fetch(st, out=out)
         plans = [c[1] for c in calls if c[0] == "plan"]
         runs = [c for c in calls if c[0] == "run"]
-        offset = st._param.handle.offset
+        offset = _offsets(st)[0]
         assert plans == [(0, [peer + offset], [0], [10], [0])], plans
         assert len(runs) == 3 and all(r[2] == out.data_ptr() and r[3] == 10 and r[5] == 1000 for r in runs), runs
 
@@ -180,7 +186,7 @@ def _rank_fake_nvshmem(rank: int, world: int) -> None:
         odc.push(st, torch.ones(2, 5, dtype=torch.bfloat16), scale=0.25)
         plans = [c[1] for c in calls if c[0] == "plan"]
         runs = [c for c in calls if c[0] == "run"]
-        assert plans == [(3, [peer + st._grad.handle.offset], [0], [10], [0])], plans
+        assert plans == [(3, [peer + _offsets(st)[1]], [0], [10], [0])], plans
         assert [(r[1], r[3], r[4]) for r in runs] == [(3, 11, 0.5), (3, 11, 0.25)], runs
         with pytest.raises(odc.OdcUsageError, match="scale"):
             odc.push(st, torch.ones(2, 5, dtype=torch.bfloat16), scale=math.inf)
@@ -202,15 +208,15 @@ def _rank_fake_nvshmem(rank: int, world: int) -> None:
 
         # free: the range is quarantined while `view` lives, so the next shard gets a different offset.
         view = st.local
-        old = st._param.handle.offset
+        old = _offsets(st)[0]
         st.free()
         st2 = odc.shard(torch.zeros(2, 5), name="w2")
-        assert old not in (st2._param.handle.offset, st2._grad.handle.offset)
+        assert old not in _offsets(st2)
         with pytest.raises(odc.OdcUsageError, match="freed"):
             odc.fetch(st, out=out)
         del view, st
         st3 = odc.shard(torch.zeros(2, 5), name="w3")
-        assert old in (st3._param.handle.offset, st3._grad.handle.offset)  # no view left anywhere: reused
+        assert old in _offsets(st3)  # no view left anywhere: reused
 
         # An abort (deadline passed) fails the transport; every later call raises the timeout.
         FakeEvent.done = False
@@ -223,7 +229,7 @@ def _rank_fake_nvshmem(rank: int, world: int) -> None:
         with pytest.raises(odc.OdcTimeoutError):
             odc.push(st2, torch.ones(2, 5))
         FakeEvent.done = True
-        odc.api._runtime = None
+        testing.uninstall()
         transport._finalized = True
     finally:
         monkeypatch.undo()
@@ -242,7 +248,7 @@ def _rank_fake_far(rank: int, world: int) -> None:
         plans = [c[1] for c in calls if c[0] == "plan"]
         assert [p[0] for p in plans] == [2, 4], plans
         # network plans name the owner's range by its symmetric offset (the same on every PE), never an address
-        assert plans[0][1] == [st._param.handle.offset] and plans[1][1] == [st._grad.handle.offset]
+        assert plans[0][1] == [_offsets(st)[0]] and plans[1][1] == [_offsets(st)[1]]
         runs = [c for c in calls if c[0] == "run"]
         remote = transport._streams.remote
         assert all(r[5] == remote.cuda_stream for r in runs), runs
@@ -252,7 +258,7 @@ def _rank_fake_far(rank: int, world: int) -> None:
         view = st.local
         odc.finalize()  # waits (bounded) for the outstanding barrier and push, then drops all state
         assert transport._finalized
-        assert st._param.freed and view.numel() == 7  # the view stays valid: nothing was unmapped
+        assert testing.buffers(st)[0].freed and view.numel() == 7  # the view stays valid: nothing was unmapped
         with pytest.raises(odc.OdcNotInitializedError):
             odc.fetch(st)
         with pytest.raises(odc.OdcNotInitializedError):
@@ -283,16 +289,18 @@ def _rank_fake_mixed(rank: int, world: int) -> None:
         calls.clear()
         odc.fetch(st)
         plans = [c[1] for c in calls if c[0] == "plan"]
-        off = st._param.handle.offset
+        off = _offsets(st)[0]
         # owners in rotated order 1, 2, 0; near (copy engines) for 2 and 0, far (staged) for 1
         assert plans == [(0, [p2 + off, p0 + off], [8, 0], [2, 4], [2, 0]), (2, [off], [4], [4], [1])], plans
         calls.clear()
         odc.push(st, torch.ones(10))
         plans = [c[1] for c in calls if c[0] == "plan"]
-        goff = st._grad.handle.offset
+        goff = _offsets(st)[1]
         # locked protocol for the whole job: every owner, those with peer pointers included, in one far plan
         assert plans == [(4, [goff] * 3, [4, 8, 0], [4, 2, 4], [1, 2, 0])], plans
-        odc.api._runtime = None
+        with pytest.raises(odc.OdcUsageError, match="a runtime is live"):
+            testing.install(transport)
+        assert testing.uninstall() is transport and not odc.is_initialized() and testing.uninstall() is None
         transport._finalized = True
     finally:
         monkeypatch.undo()
@@ -418,7 +426,7 @@ def _rank_fake_hierarchy(rank: int, world: int) -> None:
         with pytest.raises(odc.OdcTimeoutError):
             transport.fetch(buf, [FetchRequest(1, dst, 0)])
         monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-        odc.api._runtime = None
+        testing.uninstall()
         transport._finalized = True
     finally:
         monkeypatch.undo()
@@ -434,7 +442,7 @@ def _rank_fake_node_unknown(rank: int, world: int) -> None:
         transport, _, _ = _install(monkeypatch, 2, [1, 0], atomic=False, node="why it cannot be derived")
         with pytest.raises(odc.OdcUsageError, match="why it cannot be derived"):
             transport.node_size()
-        odc.api._runtime = None
+        testing.uninstall()
         transport._finalized = True
     finally:
         monkeypatch.undo()
@@ -469,7 +477,7 @@ def _rank_fake_node_atomics(rank: int, world: int) -> None:
         with pytest.raises(odc.OdcUsageError, match="on another node outside the hierarchical protocol"):
             transport.push(buf, [PushRequest(1, src), PushRequest(2, src)], 1.0)
         assert calls == []
-        odc.api._runtime = None
+        testing.uninstall()
         transport._finalized = True
     finally:
         monkeypatch.undo()
@@ -559,7 +567,7 @@ def _rank_locked_push_different_heap_bases(rank: int, world: int) -> None:
         _run_locked_kernel(runs, owner, cell)
         off = bufs[0].handle.offset // 4
         assert torch.equal(owner[off : off + 64], torch.full((64,), 3.0)), "an update was lost"
-        odc.api._runtime = None
+        testing.uninstall()
         transport0._finalized = transport1._finalized = True
     finally:
         monkeypatch.undo()
@@ -585,9 +593,9 @@ def _rank_finalize_after_failure(rank: int, world: int) -> None:
         assert isinstance(transport.failure, odc.OdcTimeoutError)  # the contract's failure state
         calls.clear()
         odc.finalize()  # documented: after a failure it releases the local state and returns
-        assert transport._finalized and st._param.freed
+        assert transport._finalized and testing.buffers(st)[0].freed
         assert not [c for c in calls if c[0] == "barrier"], "finalize must not wait for the peers again"
-        assert odc.api._runtime is None
+        assert not odc.is_initialized()
     finally:
         FakeEvent.done = True
         monkeypatch.undo()
@@ -623,7 +631,7 @@ def _rank_deadline_thread_abort(rank: int, world: int) -> None:
         with pytest.raises(odc.OdcTimeoutError, match="did not arrive"):
             odc.fetch(st)
         FakeEvent.done = True
-        odc.api._runtime = None
+        testing.uninstall()
         transport._finalized = True
     finally:
         FakeEvent.done = True

@@ -41,12 +41,17 @@ def _setup(name: str, rank: int) -> torch.device:
     return torch.device(spec.device_type)
 
 
+def test_device_type_before_init_says_so() -> None:
+    with pytest.raises(odc.OdcNotInitializedError, match=r"device_type"):
+        odc.device_type()
+
+
 def _rank_contract(rank: int, world: int, name: str) -> dict[str, object]:
     device = _setup(name, rank)
     odc.init(name, heap_size="8M")
     assert odc.backend() == name and odc.world_size() == world and odc.rank() == rank
     t = testing.transport()
-    assert t.device.type == device.type == t.device_type == registry.get(name).device_type
+    assert t.device.type == device.type == t.device_type == registry.get(name).device_type == odc.device_type()
     # the declared contract: failure state, capabilities, exchange
     assert t.failure is None
     assert isinstance(t.capabilities, Capabilities)

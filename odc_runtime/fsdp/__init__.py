@@ -212,7 +212,7 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
             "odc_runtime.fsdp.enable() on a single rank: FSDP2 communicates nothing there, so ODC mode has nothing "
             "to replace; train with plain FSDP2 (or launch at least 2 ranks)"
         )
-    device_type = "cpu" if odc.backend() == "host" else "cuda"
+    device_type = odc.device_type()
     # Reshard so that the sharded parameters are the registered ones and the next forward gathers again.
     for _, m in modules:
         m.reshard()

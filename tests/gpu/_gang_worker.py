@@ -4,18 +4,16 @@ nvshmem transport's signalled puts, checked against the unsplit CPU reference.""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _worker
 import test_gang as tg
 
-import odc_runtime as odc
 from odc_runtime.gang import GangExchange, gang_attention
 from odc_runtime.split import Chunk
 
@@ -53,23 +51,8 @@ def scenario_exact() -> dict:
 
 def main() -> None:
     out_path, scenario = sys.argv[1], sys.argv[2]
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank % torch.cuda.device_count())  # several PEs per GPU when nproc > GPUs
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    odc.init(backend="nvshmem", heap_size="256M")
-    try:
-        result = globals()[f"scenario_{scenario}"]()
-    except Exception:
-        result = {"result": f"rank {dist.get_rank()}: {traceback.format_exc()[-3000:]}"}
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result)
-    odc.finalize()
-    if dist.get_rank() == 0:
-        merged = next((r for r in gathered if r["result"] != "ok"), gathered[0])
-        with open(out_path, "w") as f:
-            json.dump(merged, f)
-    dist.destroy_process_group()
+    _worker.start(heap_size="256M")
+    _worker.run_scenario(out_path, globals()[f"scenario_{scenario}"])
 
 
 if __name__ == "__main__":

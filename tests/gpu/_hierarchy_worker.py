@@ -20,20 +20,19 @@ Rank 0 writes ``{"result": "ok" | error text, ...}`` to RESULT.json, merged over
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
-import traceback
 
+import _worker
 import torch
 import torch.distributed as dist
 
 import odc_runtime as odc
+from odc_runtime import testing
 
 
 def _transport():
-    return odc.api._runtime.transport  # the transport interface itself (the hierarchy's layer)
+    return testing.transport()  # the transport interface itself (the hierarchy's layer)
 
 
 def scenario_signal() -> dict:
@@ -165,25 +164,8 @@ def scenario_hierarchy() -> dict:
 def main() -> None:
     out_path, scenario = sys.argv[1], sys.argv[2]
     node_size = int(sys.argv[3]) if len(sys.argv) > 3 else None
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank % torch.cuda.device_count())  # several PEs per GPU when nproc > GPUs
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    kwargs = {"node_size": node_size} if node_size is not None else {}
-    odc.init(backend="nvshmem", heap_size="1G", **kwargs)
-    try:
-        result = globals()[f"scenario_{scenario}"]()
-    except Exception:
-        result = {"result": f"rank {dist.get_rank()}: {traceback.format_exc()[-3000:]}"}
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result)
-    if scenario != "signal_timeout":
-        odc.finalize()
-    if dist.get_rank() == 0:
-        merged = next((r for r in gathered if r["result"] != "ok"), gathered[0])
-        with open(out_path, "w") as f:
-            json.dump(merged, f)
-    dist.destroy_process_group()
+    _worker.start(heap_size="1G", **({"node_size": node_size} if node_size is not None else {}))
+    _worker.run_scenario(out_path, globals()[f"scenario_{scenario}"], finalize=scenario != "signal_timeout")
 
 
 if __name__ == "__main__":

@@ -1,36 +1,43 @@
 """A private CUDA MPS daemon for GPU tests that run several NVSHMEM PEs on one GPU (the nvshmem transport refuses
-that configuration without MPS). Skips the test, saying what is missing, when MPS cannot be started."""
+that configuration without MPS): the GPU report's daemon (``.ci/gpu_report.py``, one implementation), with a test
+skipped, saying what is missing, when MPS cannot be started."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import subprocess
+import importlib.util
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+
+_REPORT = Path(__file__).resolve().parents[2] / ".ci" / "gpu_report.py"
+
+
+def _gpu_report() -> ModuleType:
+    """``.ci/gpu_report.py`` as the module ``gpu_report`` (loaded once per process; ``.ci`` is no package)."""
+    module = sys.modules.get("gpu_report")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("gpu_report", _REPORT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["gpu_report"] = module  # its dataclasses look their module up
+        spec.loader.exec_module(module)
+    return module
 
 
 @contextlib.contextmanager
 def mps_daemon(enabled: bool, tmp: Path) -> Iterator[dict[str, str]]:
-    """Start MPS with its pipe/log directories under ``tmp``; yields the environment the job's processes need
-    (empty when ``enabled`` is false). Stops the daemon on exit."""
+    """Start MPS with its logs under ``tmp``; yields the environment the job's processes need (empty when
+    ``enabled`` is false). Stops the daemon on exit."""
     if not enabled:
         yield {}
         return
-    control = shutil.which("nvidia-cuda-mps-control")
-    if control is None:
-        pytest.skip("nvidia-cuda-mps-control not found: cannot start CUDA MPS for the multi-PE-per-GPU run")
-    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp / "mps-pipe"), "CUDA_MPS_LOG_DIRECTORY": str(tmp / "mps-log")}
-    for d in env.values():
-        os.makedirs(d, exist_ok=True)
-    full = {**os.environ, **env}
-    started = subprocess.run([control, "-d"], env=full, capture_output=True, text=True, timeout=30)
-    if started.returncode != 0:
-        pytest.skip(f"could not start CUDA MPS ({started.stderr.strip() or started.stdout.strip()})")
-    try:
+    report = _gpu_report()
+    with contextlib.ExitStack() as stack:
+        try:
+            env = stack.enter_context(report.mps_daemon(tmp / "mps-log"))
+        except report.MpsError as e:
+            pytest.skip(f"{e} (the multi-PE-per-GPU run needs CUDA MPS)")
         yield env
-    finally:
-        subprocess.run([control], input="quit\n", env=full, capture_output=True, text=True, timeout=30)

@@ -8,11 +8,9 @@ writes ``{scenario: "ok" | error text}`` to RESULT.json, merged over ranks.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import traceback
 
+import _worker
 import torch
 import torch.distributed as dist
 
@@ -199,26 +197,17 @@ SCENARIOS = {name[len("scenario_") :]: fn for name, fn in sorted(globals().items
 
 def main() -> None:
     out_path, names = sys.argv[1], sys.argv[2:] or list(SCENARIOS)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank % torch.cuda.device_count())  # several PEs per GPU when nproc > GPUs
-    dist.init_process_group("gloo")
-    odc.init(backend="nvshmem", heap_size="2G")
+    _worker.start(heap_size="2G")
     results = {}
     for name in names:
         try:
             SCENARIOS[name]()
             results[name] = "ok"
         except Exception:
-            results[name] = f"rank {dist.get_rank()}: {traceback.format_exc()[-2000:]}"
+            results[name] = _worker.failure()
         dist.barrier()
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    odc.finalize()
-    if dist.get_rank() == 0:
-        merged = {n: next((r[n] for r in gathered if r[n] != "ok"), "ok") for n in names}
-        with open(out_path, "w") as f:
-            json.dump(merged, f)
-    dist.destroy_process_group()
+    _worker.finish(out_path, results,
+                   lambda gathered: {n: next((r[n] for r in gathered if r[n] != "ok"), "ok") for n in names})
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ class _CudaArray:
 
 
 @dataclass
-class Handle:
+class HeapBlock:
     offset: int  # symmetric offset in the heap arena (the same on every PE)
     ptr: int  # this PE's address of the range
     views: weakref.ref  # to the _CudaArray behind `local`: dead once no tensor views the range
@@ -107,7 +107,7 @@ class SymmetricHeap:
         local = raw.view(dtype)[:numel]
         local.zero_()
         buf = SymmetricBuffer(
-            numel=numel, dtype=dtype, local=local, handle=Handle(offset, self.arena + offset, weakref.ref(owner)),
+            numel=numel, dtype=dtype, local=local, handle=HeapBlock(offset, self.arena + offset, weakref.ref(owner)),
             tag=tag,
         )
         del owner, raw  # only the tensors view it now; the weak reference tells when the last one died
@@ -116,7 +116,7 @@ class SymmetricHeap:
 
     def release(self, buf: SymmetricBuffer) -> None:
         """After the caller's barrier: nobody reads or pushes into ``buf`` any more; quarantine its range."""
-        h: Handle = buf.handle  # type: ignore[assignment]
+        h: HeapBlock = buf.handle  # type: ignore[assignment]
         buf.freed = True
         buf.local = torch.empty(0, dtype=buf.dtype, device=self.device)
         self.buffers = [b for b in self.buffers if b is not buf]

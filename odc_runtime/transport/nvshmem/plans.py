@@ -22,7 +22,7 @@ from odc_runtime import config
 from odc_runtime.errors import OdcUsageError
 from odc_runtime.transport.base import Piece, SymmetricBuffer, TransferPlan, Work
 from odc_runtime.transport.nvshmem.extension import backend_call
-from odc_runtime.transport.nvshmem.memory import Handle
+from odc_runtime.transport.nvshmem.memory import HeapBlock
 from odc_runtime.transport.nvshmem.watchdog import Pending
 
 if TYPE_CHECKING:
@@ -84,14 +84,14 @@ class PlanBuilder:
                 f"[0, {buf.numel}) (offset {offset}, {numel} elements)"
             )
 
-    def remote(self, h: Handle, peer: int, direct: bool, byte_offset: int) -> int:
+    def remote(self, h: HeapBlock, peer: int, direct: bool, byte_offset: int) -> int:
         """Where ``byte_offset`` of ``peer``'s region of a buffer lies: its address through the peer pointer
         (``direct``), else its symmetric offset in the arena (the same number on every PE)."""
         return (self.peer_bases[peer] + h.offset if direct else h.offset) + byte_offset
 
     def build(self, buf: SymmetricBuffer, kind: str, entries: Sequence[Entry]) -> tuple[object | None, object | None]:
         """Extension plans ``(near, far)``; everything is validated before any plan is made."""
-        h: Handle = buf.handle  # type: ignore[assignment]
+        h: HeapBlock = buf.handle  # type: ignore[assignment]
         if buf.freed:
             raise OdcUsageError(f"nvshmem {kind}: buffer {buf.tag!r} was freed")
         if kind == "push" and buf.dtype != torch.float32:

@@ -61,7 +61,7 @@ from odc_runtime.transport.base import (
     Work,
 )
 from odc_runtime.transport.nvshmem import extension, plans
-from odc_runtime.transport.nvshmem.memory import Handle, SymmetricHeap
+from odc_runtime.transport.nvshmem.memory import HeapBlock, SymmetricHeap
 from odc_runtime.transport.nvshmem.watchdog import Pending, Watchdog
 
 
@@ -257,7 +257,7 @@ class NvshmemTransport(Transport):
         self._check("put_signal")
         if buf.freed:
             raise OdcUsageError(f"nvshmem put_signal: buffer {buf.tag!r} was freed")
-        h: Handle = buf.handle  # type: ignore[assignment]
+        h: HeapBlock = buf.handle  # type: ignore[assignment]
         item = buf.dtype.itemsize
         remote: list[int] = []
         local: list[int] = []
