@@ -51,15 +51,19 @@ class HostPlan(TransferPlan):
             return super().run(tensor, scale, async_op=async_op)
         if tensor.requires_grad:
             tensor = tensor.detach()  # adds must not join the caller's autograd graph
-        flat = tensor.view(-1)  # the caller passes contiguous tensors
+        # The caller passes contiguous tensors; a view costs about two thirds of a 4 KiB copy, so none is made for
+        # a tensor that is flat already, nor a slice for a piece that is the whole tensor (world 1, a group of 1).
+        flat = tensor if tensor.dim() == 1 else tensor.view(-1)
         n = flat.numel()
         if self.kind == "fetch":
             for start, stop, src in self._reads:
                 (flat if start == 0 and stop == n else flat[start:stop]).copy_(src)
             return None
-        transport.add_chunks(
-            [(peer, fd, flat if start == 0 and stop == n else flat[start:stop], chunks)
-             for peer, fd, start, stop, chunks in self._adds],
-            scale,
-        )
+        adds = self._adds
+        if len(adds) == 1:
+            peer, fd, start, stop, chunks = adds[0]
+            work: Sequence = ((peer, fd, flat if start == 0 and stop == n else flat[start:stop], chunks),)
+        else:
+            work = [(peer, fd, flat[start:stop], chunks) for peer, fd, start, stop, chunks in adds]
+        transport.add_chunks(work, scale)
         return None
