@@ -40,27 +40,23 @@ class ByteRangeLocks:
         kernel, so that a holder that is stopped (not dead: the kernel releases a dead process's locks) cannot
         hang us forever."""
         mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
-        try:
-            fcntl.lockf(fd, mode, length, start)
-            return
-        except OSError as e:
-            if e.errno not in (errno.EACCES, errno.EAGAIN):
-                raise
-        deadline = Deadline(self._timeout)
-        backoff = Backoff(spins=20, step=1e-5, cap=2e-4)
+        deadline: Deadline | None = None  # made only when contended: the uncontended call is one system call
+        backoff: Backoff | None = None
         while True:
-            if deadline.passed():
-                raise OdcTimeoutError(
-                    f"odc {op}: rank {self._rank} could not lock bytes [{start}, {start + length}) of rank {peer}'s "
-                    f"segment within {self._timeout:g} s; a process holding it is stopped or stuck"
-                )
-            backoff.pause()
             try:
                 fcntl.lockf(fd, mode, length, start)
                 return
             except OSError as e:
                 if e.errno not in (errno.EACCES, errno.EAGAIN):
                     raise
+            if deadline is None or backoff is None:
+                deadline, backoff = Deadline(self._timeout), Backoff(spins=20, step=1e-5, cap=2e-4)
+            if deadline.passed():
+                raise OdcTimeoutError(
+                    f"odc {op}: rank {self._rank} could not lock bytes [{start}, {start + length}) of rank {peer}'s "
+                    f"segment within {self._timeout:g} s; a process holding it is stopped or stuck"
+                )
+            backoff.pause()
 
     @staticmethod
     def unlock(fd: int, start: int, length: int) -> None:

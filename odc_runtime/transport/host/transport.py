@@ -22,7 +22,6 @@ import torch
 
 from odc_runtime.agree import gather_checked, op_digest, process_alive, process_start_time, require_same, shorten
 from odc_runtime.errors import (
-    OdcBackendError,
     OdcError,
     OdcMismatchError,
     OdcPeerLostError,
@@ -63,16 +62,6 @@ Chunk = tuple[int, int, int, int, torch.Tensor]
 class _RoundMismatch(OdcMismatchError):
     """Ranks in different collectives at the same round: each raises, and their round counts stay aligned (every
     rank announced the round), so this alone leaves the transport usable."""
-
-
-def _as_failure(op: str, error: BaseException, what: str) -> OdcError:
-    """The error recorded as the failure when ``error`` interrupted ``op`` after it changed shared state."""
-    if isinstance(error, OdcError):
-        return error
-    return OdcBackendError(
-        f"odc {shorten(op)}: interrupted by {type(error).__name__} after {what}; the ranks' state is no longer "
-        "consistent, so the runtime is unusable (call odc_runtime.finalize() and restart the job)"
-    )
 
 
 class HostTransport(Transport):
