@@ -133,6 +133,7 @@ def _nvshmem_fake(runs_: int, calls: int) -> dict[str, float]:
 
     import odc_runtime as odc
     from odc_runtime import api, config
+    from odc_runtime import plans as plan_keys
     from odc_runtime.transport.nvshmem import memory, plans
     from odc_runtime.transport.nvshmem.transport import NvshmemTransport
 
@@ -166,16 +167,16 @@ def _nvshmem_fake(runs_: int, calls: int) -> dict[str, float]:
             raise RuntimeError(f"the fake extension did not see the expected plans: {launched}")
         result = _measure(_ops(odc, st, out, grad, src), runs_, calls)
         # Where the fetch's time goes (same runs discipline): the pieces of api.fetch's fast path, in call order.
-        key = api._tensor_key("fetch", out, transport.stream_key())
-        plan = api._cached_plan(st, key)
+        key = plan_keys.tensor_key("fetch", out, transport.stream_key())
+        plan = st._plans.get(key)
         fetch = api.fetch
         parts = _measure({
             "copy_": lambda: out.copy_(src),
-            "odc.fetch lookup": lambda: odc.fetch,  # the package's lazy __getattr__ (import + getattr) per call
+            "odc.fetch lookup": lambda: odc.fetch,  # the package attribute (bound on first use)
             "api.fetch direct": lambda: fetch(st, out=out),
             "stream_key": transport.stream_key,
-            "_tensor_key": lambda: api._tensor_key("fetch", out, key[-1]),
-            "_cached_plan": lambda: api._cached_plan(st, key),
+            "tensor_key": lambda: plan_keys.tensor_key("fetch", out, key[-1]),
+            "plan cache get": lambda: st._plans.get(key),
             "plan.run (transport)": lambda: plan.run(out),  # type: ignore[union-attr]
         }, runs_, calls)
         result["breakdown"] = parts  # type: ignore[assignment]

@@ -78,10 +78,13 @@ _API_NAMES = frozenset(
 
 
 def __getattr__(name: str) -> Any:
+    # Called only for names not bound yet: the first access binds every API name into this module, so later
+    # accesses (``odc.fetch`` on the per-call fast path) are plain attribute lookups, not a call of this hook.
     if name in _API_NAMES:
         from odc_runtime import api
 
-        return getattr(api, name)
+        globals().update({n: getattr(api, n) for n in _API_NAMES})
+        return globals()[name]
     raise AttributeError(f"module 'odc_runtime' has no attribute {name!r}")
 
 

@@ -34,7 +34,7 @@ from odc_runtime.errors import (
     OdcUsageError,
 )
 from odc_runtime.hierarchy import Hierarchy
-from odc_runtime.plans import PlanKey
+from odc_runtime.plans import CONTIGUOUS, output_key, tensor_key
 from odc_runtime.sharded import Handle, ShardedTensor
 from odc_runtime.transport.base import (
     Group,
@@ -363,13 +363,6 @@ def _make_plan(runtime: _Runtime, st: ShardedTensor, kind: str) -> TransferPlan:
     return runtime.transport.plan(buf, kind, pieces)
 
 
-def _cached_plan(runtime: _Runtime, st: ShardedTensor, key: PlanKey | None) -> TransferPlan | None:
-    """The plan cached for ``key`` if ``st`` belongs to the live runtime (and its buffer is not freed)."""
-    if st._generation != runtime.generation:
-        return None
-    return st._plans.get(key)
-
-
 def _issue(
     plan: TransferPlan, tensor: torch.Tensor, scale: float, async_op: bool, result: torch.Tensor | None
 ) -> torch.Tensor | Handle | None:
@@ -380,6 +373,10 @@ def _issue(
     return result
 
 
+# The fast paths below are written out inline (no helper calls): they run once per tensor per micro-batch, and each
+# Python call costs about a tenth of a 4 KiB copy. A plan is taken only from a ShardedTensor of the live runtime
+# (its generation) in the process that owns it, under a key that an earlier call passed every check with
+# (odc_runtime.plans); the PlanCache refuses plans of freed buffers. Anything else takes the checked path.
 def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool = False) -> torch.Tensor | Handle:
     """Gather the full tensor (original shape) by reading every owner's shard; the owners do nothing.
 
@@ -387,23 +384,30 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
     Returns the tensor, or a :class:`Handle` whose ``wait()`` returns it when ``async_op=True``.
     """
     runtime = _runtime
-    # Fast path: a plan validated by an earlier call with the same key (a fork takes the checked path and fails).
-    if runtime is not None and type(st) is ShardedTensor and not _in_forked_child:
+    if (
+        runtime is not None and type(st) is ShardedTensor and not _in_forked_child
+        and st._generation == runtime.generation
+    ):
         transport = runtime.transport
         if out is None:
-            plan = _cached_plan(runtime, st, PlanKey.for_output("fetch", transport.stream_key()))
+            plan = st._plans.get(output_key("fetch", transport.stream_key()))
             if plan is not None:
                 out = torch.empty(st.shape, dtype=st.dtype, device=transport.device)
-                return _issue(plan, out, 1.0, async_op, out)  # type: ignore[return-value]
         elif isinstance(out, torch.Tensor):
-            plan = _cached_plan(runtime, st, PlanKey.for_tensor("fetch", out, transport.stream_key()))
-            if plan is not None:  # the key says out is contiguous (only such keys are cached)
-                return _issue(plan, out, 1.0, async_op, out)  # type: ignore[return-value]
+            # a cached key says out is contiguous (only such keys are cached)
+            plan = st._plans.get(tensor_key("fetch", out, transport.stream_key()))
+        else:
+            plan = None
+        if plan is not None:
+            if async_op:
+                return Handle(plan.run(out, 1.0, async_op=True), out)  # type: ignore[arg-type]
+            plan.run(out, 1.0)
+            return out  # type: ignore[return-value]
     runtime = _check_st(st, "fetch")
     transport = runtime.transport
     device = transport.device
     if out is None:
-        key = PlanKey.for_output("fetch", transport.stream_key())
+        key = output_key("fetch", transport.stream_key())
         out = torch.empty(st.shape, dtype=st.dtype, device=device)
     else:
         checks.check_tensor("fetch(out=...)", out, st, device, (st.dtype,))
@@ -411,7 +415,7 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
             raise OdcUsageError("odc_runtime.fetch(out=...): out must be contiguous")
         if out.requires_grad:
             raise OdcUsageError("odc_runtime.fetch(out=...): out must not require grad (pass a detached tensor)")
-        key = PlanKey.for_tensor("fetch", out, transport.stream_key())
+        key = tensor_key("fetch", out, transport.stream_key())
     plan = _make_plan(runtime, st, "fetch")
     st._plans.put(key, plan)
     return _issue(plan, out, 1.0, async_op, out)  # type: ignore[return-value]
@@ -425,13 +429,20 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     ``grad`` until the returned handle's ``wait()`` returned.
     """
     runtime = _runtime
-    fast = runtime is not None and type(st) is ShardedTensor and not _in_forked_child
-    if fast and isinstance(grad, torch.Tensor):  # fast path, see fetch
-        key = PlanKey.for_tensor("push", grad, runtime.transport.stream_key())
-        plan = _cached_plan(runtime, st, key)
+    if (
+        runtime is not None and type(st) is ShardedTensor and not _in_forked_child
+        and st._generation == runtime.generation and isinstance(grad, torch.Tensor)
+    ):  # fast path, see fetch
+        key = tensor_key("push", grad, runtime.transport.stream_key())
+        plan = st._plans.get(key)
         if plan is not None:  # plans take contiguous tensors of any shape
-            src = grad if key.contiguous else grad.detach().reshape(-1)  # type: ignore[union-attr]
-            return _issue(plan, src, checks.scale_value(scale), async_op, None)  # type: ignore[return-value]
+            src = grad if key[CONTIGUOUS] else grad.detach().reshape(-1)  # type: ignore[index]
+            # the scale can change from call to call: checked every time, before any remote effect
+            value = checks.scale_value(scale)
+            if async_op:
+                return Handle(plan.run(src, value, async_op=True), None)  # type: ignore[arg-type]
+            plan.run(src, value)
+            return None
     runtime = _check_st(st, "push")
     if st._grad is None:
         raise OdcUsageError(
@@ -440,7 +451,7 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     transport = runtime.transport
     checks.check_tensor("push(grad)", grad, st, transport.device, PARAM_DTYPES)
     value = checks.scale_value(scale)
-    key = PlanKey.for_tensor("push", grad, transport.stream_key())
+    key = tensor_key("push", grad, transport.stream_key())
     plan = _make_plan(runtime, st, "push")
     st._plans.put(key, plan)
     src = grad if grad.is_contiguous() else grad.detach().reshape(-1)

@@ -10,6 +10,7 @@ Every rank maps every rank's segment, so a *fetch* is a ``memcpy`` from a peer's
   and the failed flag.
 * :mod:`.fences`: group fences (``sync(group=...)``) and crossed-collective detection.
 * :mod:`.worker`: the asynchronous operations' thread.
+* :mod:`.plan`: :class:`~.plan.HostPlan`, a fetch/push plan with its segment views and lock ranges resolved once.
 * :mod:`.transport`: :class:`HostTransport` itself (the data paths, rounds, waits and fail-stop).
 * :mod:`.bootstrap`: :func:`create`, the collective construction.
 

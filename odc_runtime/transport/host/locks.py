@@ -34,32 +34,40 @@ class ByteRangeLocks:
         """The lock that serialises this process's threads on ``peer``'s segment."""
         return self._threads[peer]
 
-    @contextlib.contextmanager
-    def held(self, peer: int, start: int, length: int, *, exclusive: bool, op: str) -> Iterator[None]:
-        """Hold a POSIX lock on bytes ``[start, start+length)`` of ``peer``'s segment.
-
-        Uncontended, this is one system call. Contended, it polls instead of blocking in the kernel, so that a
-        holder that is stopped (not dead: the kernel releases a dead process's locks) cannot hang us forever.
-        """
-        fd = self._segments.get(peer).fd
-        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-        deadline: Deadline | None = None
-        backoff = Backoff(spins=20, step=1e-5, cap=2e-4)
+    def lock(self, peer: int, fd: int, start: int, length: int, *, exclusive: bool, op: str) -> None:
+        """Take a POSIX lock on bytes ``[start, start+length)`` of ``peer``'s segment (``fd``); release it with
+        :meth:`unlock`. Uncontended, this is one system call. Contended, it polls instead of blocking in the
+        kernel, so that a holder that is stopped (not dead: the kernel releases a dead process's locks) cannot
+        hang us forever."""
+        mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+        deadline: Deadline | None = None  # made only when contended: the uncontended call is one system call
+        backoff: Backoff | None = None
         while True:
             try:
-                fcntl.lockf(fd, mode | fcntl.LOCK_NB, length, start)
-                break
+                fcntl.lockf(fd, mode, length, start)
+                return
             except OSError as e:
                 if e.errno not in (errno.EACCES, errno.EAGAIN):
                     raise
-            deadline = deadline or Deadline(self._timeout)
+            if deadline is None or backoff is None:
+                deadline, backoff = Deadline(self._timeout), Backoff(spins=20, step=1e-5, cap=2e-4)
             if deadline.passed():
                 raise OdcTimeoutError(
                     f"odc {op}: rank {self._rank} could not lock bytes [{start}, {start + length}) of rank {peer}'s "
                     f"segment within {self._timeout:g} s; a process holding it is stopped or stuck"
                 )
             backoff.pause()
+
+    @staticmethod
+    def unlock(fd: int, start: int, length: int) -> None:
+        fcntl.lockf(fd, fcntl.LOCK_UN, length, start)
+
+    @contextlib.contextmanager
+    def held(self, peer: int, start: int, length: int, *, exclusive: bool, op: str) -> Iterator[None]:
+        """Hold :meth:`lock` on bytes ``[start, start+length)`` of ``peer``'s segment for the ``with`` block."""
+        fd = self._segments.get(peer).fd
+        self.lock(peer, fd, start, length, exclusive=exclusive, op=op)
         try:
             yield
         finally:
-            fcntl.lockf(fd, fcntl.LOCK_UN, length, start)
+            self.unlock(fd, start, length)

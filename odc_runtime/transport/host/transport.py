@@ -22,7 +22,6 @@ import torch
 
 from odc_runtime.agree import gather_checked, op_digest, process_alive, process_start_time, require_same, shorten
 from odc_runtime.errors import (
-    OdcBackendError,
     OdcError,
     OdcMismatchError,
     OdcPeerLostError,
@@ -33,9 +32,11 @@ from odc_runtime.transport.base import (
     Capabilities,
     FetchRequest,
     Group,
+    Piece,
     PushRequest,
     PutRequest,
     SymmetricBuffer,
+    TransferPlan,
     Transport,
     Work,
     as_failure,
@@ -44,6 +45,7 @@ from odc_runtime.transport.heap import HeapAllocator
 from odc_runtime.transport.host.control import FAILED, HEALTHY, LEFT, NAME_BYTES, SLOT_BYTES, ControlPage
 from odc_runtime.transport.host.fences import MAX_GROUPS, CrossedError, GroupFences, find_cycle
 from odc_runtime.transport.host.locks import ByteRangeLocks
+from odc_runtime.transport.host.plan import HostPlan
 from odc_runtime.transport.host.segments import CONTROL_BYTES, Segments
 from odc_runtime.transport.host.worker import AsyncWorker
 from odc_runtime.transport.wait import wait_for
@@ -52,25 +54,14 @@ log = logging.getLogger("odc_runtime.transport.host")
 
 _TOO_BIG = b"\0odc-payload-too-big"
 
+# One chunk of a push: (lo, hi) of the pushed elements, the locked byte range (start, length) in the owner's segment
+# file, and the owner's elements it adds into.
+Chunk = tuple[int, int, int, int, torch.Tensor]
+
 
 class _RoundMismatch(OdcMismatchError):
     """Ranks in different collectives at the same round: each raises, and their round counts stay aligned (every
     rank announced the round), so this alone leaves the transport usable."""
-
-
-class _RoundMismatch(OdcMismatchError):
-    """Ranks in different collectives at the same round: each raises, and their round counts stay aligned (every
-    rank announced the round), so this alone leaves the transport usable."""
-
-
-def _as_failure(op: str, error: BaseException, what: str) -> OdcError:
-    """The error recorded as the failure when ``error`` interrupted ``op`` after it changed shared state."""
-    if isinstance(error, OdcError):
-        return error
-    return OdcBackendError(
-        f"odc {shorten(op)}: interrupted by {type(error).__name__} after {what}; the ranks' state is no longer "
-        "consistent, so the runtime is unusable (call odc_runtime.finalize() and restart the job)"
-    )
 
 
 class HostTransport(Transport):
@@ -186,37 +177,69 @@ class HostTransport(Transport):
         self._push_now(buf, requests, scale)
         return None
 
-    def _fetch_now(self, buf: SymmetricBuffer, requests: Sequence[FetchRequest]) -> None:
-        base: int = buf.handle  # type: ignore[assignment]
+    def plan(self, buf: SymmetricBuffer, kind: str, pieces: Sequence[Piece]) -> TransferPlan:
+        return HostPlan(self, buf, kind, pieces, self.stream_key())
+
+    def fast_path_ok(self) -> bool:
+        """Whether a plan may run on its resolved views: not failed, not finalized, not in a forked child (else
+        it takes the generic path, which raises the right error)."""
+        return self.failure is None and not self._closed and not self.segments.forked
+
+    def region(self, buf: SymmetricBuffer, peer: int, offset: int, numel: int) -> torch.Tensor:
+        """Elements ``[offset, offset + numel)`` of ``peer``'s part of ``buf`` (a view of its segment)."""
+        return self.segments.get(peer).view(buf.handle + offset * buf.dtype.itemsize, numel, buf.dtype)  # type: ignore[operator]
+
+    def chunks(self, buf: SymmetricBuffer, peer: int, offset: int, numel: int) -> tuple[Chunk, ...]:
+        """A push of ``numel`` elements at element ``offset`` of ``peer``'s part of ``buf``, cut into chunks of at
+        most ``chunk_bytes``: ``(lo, hi, lock start, lock length, destination view)``, ``lo``/``hi`` relative to
+        the pushed elements, each chunk added under its own byte-range lock."""
         itemsize = buf.dtype.itemsize
+        step = max(1, self.chunk_bytes // itemsize)
+        first = buf.handle + offset * itemsize  # type: ignore[operator]
+        seg = self.segments.get(peer)
+        out = []
+        for lo in range(0, numel, step):
+            n = min(step, numel - lo)
+            at = first + lo * itemsize
+            out.append((lo, lo + n, CONTROL_BYTES + at, n * itemsize, seg.view(at, n, buf.dtype)))
+        return tuple(out)
+
+    def _fetch_now(self, buf: SymmetricBuffer, requests: Sequence[FetchRequest]) -> None:
         for req in requests:
-            src = self.segments.get(req.peer).view(base + req.offset * itemsize, req.dst.numel(), buf.dtype)
-            req.dst.view(-1).copy_(src)
+            req.dst.view(-1).copy_(self.region(buf, req.peer, req.offset, req.dst.numel()))
 
     def _push_now(self, buf: SymmetricBuffer, requests: Sequence[PushRequest], scale: float) -> None:
-        """All-or-nothing only up to its first chunk: an exception after any chunk landed is fail-stop (a retry
-        would add the landed chunks twice); before that, nothing changed and the error is an ordinary one."""
         self.check_usable("push")  # an asynchronous push queued before another one failed the transport
-        itemsize = buf.dtype.itemsize
-        chunk = max(1, self.chunk_bytes // itemsize)
-        base: int = buf.handle  # type: ignore[assignment]
+        work = [
+            (req.peer, self.segments.get(req.peer).fd, req.src.view(-1),
+             self.chunks(buf, req.peer, req.offset, req.src.numel()))
+            for req in requests
+        ]
+        self.add_chunks(work, scale)
+
+    def add_chunks(self, work: Sequence[tuple[int, int, torch.Tensor, Sequence[Chunk]]], scale: float) -> None:
+        """Add each ``(peer, segment fd, flat source, chunks)`` of ``work`` into its peer's segment, every chunk
+        under an exclusive byte-range lock (one lock held at a time), this process's threads serialised per peer.
+
+        All-or-nothing only up to its first chunk: an exception after any chunk landed is fail-stop (a retry
+        would add the landed chunks twice); before that, nothing changed and the error is an ordinary one."""
+        locks = self.locks
         landed = False
         try:
-            for req in requests:
-                seg = self.segments.get(req.peer)
-                src = req.src.view(-1)
-                first = base + req.offset * itemsize
-                with self.locks.thread_lock(req.peer):
-                    for lo in range(0, src.numel(), chunk):
-                        n = min(chunk, src.numel() - lo)
-                        start = CONTROL_BYTES + first + lo * itemsize
-                        with self.locks.held(req.peer, start, n * itemsize, exclusive=True, op="push"):
-                            dst = seg.view(first + lo * itemsize, n, buf.dtype)
+            for peer, fd, src, chunks in work:
+                whole = len(chunks) == 1
+                with locks.thread_lock(peer):
+                    for lo, hi, start, length, dst in chunks:
+                        part = src if whole else src[lo:hi]
+                        locks.lock(peer, fd, start, length, exclusive=True, op="push")
+                        try:
                             landed = True  # conservative: an interrupt inside add_ may have changed dst
                             if scale == 1.0:
-                                dst.add_(src[lo : lo + n])
+                                dst.add_(part)
                             else:
-                                dst.add_(src[lo : lo + n], alpha=scale)
+                                dst.add_(part, alpha=scale)
+                        finally:
+                            locks.unlock(fd, start, length)
         except BaseException as e:
             if not landed:
                 raise
