@@ -198,10 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _draw(results: dict[str, dict[str, float]]) -> Callable[[object, str], None]:
     def draw(plots: object, path: str) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # bench/plots.py (imported by the caller) chose the Agg backend
 
         fig, ax = plt.subplots(figsize=(6, 2.8))
         names = list(results)
@@ -210,9 +207,7 @@ def _draw(results: dict[str, dict[str, float]]) -> Callable[[object, str], None]
         ax.set_yticks([j + 0.27 for j in range(len(names))], names)
         ax.set_xlabel("host µs per call (4 KiB)")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(path)
-        plt.close(fig)
+        plots._save(fig, path)  # type: ignore[attr-defined]  # creates the folder, like every benchmark's plot
 
     return draw
 
