@@ -38,9 +38,10 @@ from _common import check_plan  # _common also makes odc_runtime importable from
 from odc_runtime.balance import POLICY_REGISTRY, CostModel, get_policy, plan
 from odc_runtime.split import Chunk, chunk_cost
 
-#: The policies the executor (bench/imbalance.py) runs: whole samples only (it has no gang attention yet).
+#: The policies bench/imbalance.py runs by default: whole samples only (a split plan, e.g. lb_mini_split, runs
+#: when asked for by name, ODC only: its gang micro-batches exchange K/V through odc_runtime.gang).
 POLICIES = tuple(name for name, p in POLICY_REGISTRY.items() if not p.splits)
-#: The policies the simulator (bench/simulate.py) replays: all, split plans' gang micro-batches included.
+#: Every policy, split plans' gang micro-batches included: what the simulator replays and the executor can run.
 SIMULATED_POLICIES = tuple(POLICY_REGISTRY)
 
 COMMS = ("collective", "odc")
@@ -150,6 +151,7 @@ class Task:
     compute_s: float
     scatter: bool  # backward tasks push / reduce-scatter the layer's gradient
     empty: bool  # padded micro-batch: a zero gradient
+    chunk: Chunk | None = None  # a gang micro-batch's layer: it also exchanges K/V (fwd) or dK/dV (bwd)
 
 
 @dataclass(frozen=True)
@@ -183,8 +185,8 @@ class Schedule:
         for i, mb in enumerate(self.minibatches[minibatch].ranks[rank]):
             fwd = mb.cost_s * FORWARD_FRACTION / n
             bwd = mb.cost_s * (1.0 - FORWARD_FRACTION) / n
-            tasks += [Task(i, layer, "fwd", fwd, False, mb.empty) for layer in range(n)]
-            tasks += [Task(i, layer, "bwd", bwd, True, mb.empty) for layer in reversed(range(n))]
+            tasks += [Task(i, layer, "fwd", fwd, False, mb.empty, mb.chunk) for layer in range(n)]
+            tasks += [Task(i, layer, "bwd", bwd, True, mb.empty, mb.chunk) for layer in reversed(range(n))]
         return tasks
 
     def digest(self) -> str:
