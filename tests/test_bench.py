@@ -202,6 +202,41 @@ def test_imbalance_hsdp_2x2_four_ranks(tmp_path):
     assert data["config"]["hsdp"] == [2, 2] and data["config"]["world_size"] == 4
 
 
+@pytest.mark.parametrize("world, lengths", [(2, [30000, 1000, 1000, 1000]), (3, [40000, 1000, 1000, 1000, 2000, 500])])
+def test_imbalance_runs_split_plans_with_a_real_kv_exchange(tmp_path, world, lengths):
+    """lb_mini_split (named in --policies, ODC only): the outlier is split over every rank, its gang's K/V and
+    dK/dV really move at every layer (calls and bytes counted by the executor), and every gradient and every
+    exchanged K/V row is exact."""
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps(lengths))
+    out = tmp_path / "imb.json"
+    layers = 2
+    proc = _run([str(BENCH / "imbalance.py"), "--nproc", str(world), "--lengths-file", str(path), "--minibatches",
+                 "1", "--minibatch-size", str(len(lengths)), "--time-scale", "0.002", "--layers", str(layers),
+                 "--layer-mb", "0.0625", "--comms", "odc", "--policies", "lb_mini,lb_mini_split", "--json", str(out),
+                 "--plot", "none"], tmp_path, timeout=110)
+    runs = {r["policy"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"lb_mini", "lb_mini_split"} and all(r["comm"] == "odc" for r in runs.values())
+    assert all(r["grad_check_ok"] for r in runs.values())
+    split = runs["lb_mini_split"]
+    assert runs["lb_mini"]["kv_exchange_calls"] == 0
+    assert split["kv_exchange_calls"] == world * layers * 2  # every member: every layer, forward and backward
+    # One fp32 element of K and of V per token (7b's K/V scaled like 0.0625 MiB layers rounds up to 1): per layer,
+    # every member sends its chunk to the other world-1 members and gets the others' dK/dV back.
+    parts, length = world, lengths[0]
+    assert split["kv_exchange_bytes"] == layers * 2 * (parts - 1) * 2 * length * 4
+    assert "K/V exchange through odc_runtime.gang" in proc.stdout
+
+
+def test_imbalance_runs_split_policies_only_when_named_and_only_with_odc():
+    import imbalance
+
+    default = imbalance.resolve(imbalance.build_parser().parse_args([]))
+    assert "lb_mini_split" not in default.policies  # --quick's rows stay the whole-sample policies
+    args = imbalance.resolve(imbalance.build_parser().parse_args(["--policies", "lb_mini,lb_mini_split"]))
+    assert sch.grid(args.comms, args.policies) == [("odc", "lb_mini"), ("odc", "lb_mini_split")]
+
+
 def test_hsdp_argument_parsing():
     import imbalance
 
