@@ -228,6 +228,51 @@ def test_imbalance_runs_split_plans_with_a_real_kv_exchange(tmp_path, world, len
     assert "K/V exchange through odc_runtime.gang" in proc.stdout
 
 
+def _gang_kv_rank(rank: int, world: int) -> dict[str, list[bool]]:
+    import types
+
+    import torch
+    from executor import GangKV
+    from schedule import Task
+
+    import odc_runtime as odc
+    from odc_runtime import gang
+    from odc_runtime.split import Chunk
+
+    odc.init("host")
+    kv = GangKV(2, 64, 3)
+    corruptions = {
+        "none": lambda k: k,
+        "forward": lambda k: k + 1.0,  # a wrong value delivered
+        "backward": lambda k: k + (k - k.detach()),  # right values, every dK contribution doubled
+    }
+    oks = {}
+    for name, corrupt in corruptions.items():
+        def exchange(step, layer, k, v, corrupt=corrupt):
+            k_all, v_all = gang.exchange_kv(step, layer, k, v)
+            return corrupt(k_all), v_all
+
+        kv.gang = types.SimpleNamespace(exchange_kv=exchange)
+        chunk = Chunk(0, rank, world, 50, 0, tuple(range(world)))
+        tasks = [Task(0, layer, "fwd", 0.0, False, False, chunk) for layer in range(2)]
+        tasks += [Task(0, layer, "bwd", 0.0, True, False, chunk) for layer in reversed(range(2))]
+        oks[name] = [kv.run(t)[0] for t in tasks]
+    torch.distributed.barrier()
+    kv.free()
+    return oks
+
+
+def test_gang_kv_check_catches_wrong_exchanges():
+    """The executor's exact check of a gang exchange passes on the real exchange and fails when a K row arrives
+    wrong (forward) or an owner gets a wrong dK sum back (backward)."""
+    from _dist import run_ranks
+
+    for oks in run_ranks(_gang_kv_rank, 2, timeout=60):
+        assert oks["none"] == [True] * 4
+        assert oks["forward"] == [False, False, True, True]
+        assert oks["backward"] == [True, True, False, False]
+
+
 def test_imbalance_runs_split_policies_only_when_named_and_only_with_odc():
     import imbalance
 
