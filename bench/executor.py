@@ -250,6 +250,17 @@ class GangKV:
         others = sum(self._step.counts) - chunk.tokens
         return ok, 2 * others * f * 4
 
+    def warm_up(self) -> None:
+        """Collective: one gang of every rank exchanges a small chunk through every layer, both directions, and
+        checks it (maps the buffers, starts autograd's engine: half a second on the first backward pass, which
+        would otherwise land in the first timed minibatch). Raises ``RuntimeError`` if an exchange was wrong."""
+        world = self.exchange.transport.world_size
+        chunk = Chunk(0, self.exchange.rank, world, 2 * world, 0, tuple(range(world)))
+        tasks = [Task(0, layer, "fwd", 0.0, False, False, chunk) for layer in range(self.num_layers)]
+        tasks += [Task(0, layer, "bwd", 0.0, True, False, chunk) for layer in reversed(range(self.num_layers))]
+        if not all([self.run(task)[0] for task in tasks]):
+            raise RuntimeError("gang K/V warm-up exchange delivered wrong values: the transport lost or mixed data")
+
     def free(self) -> None:
         self.exchange.free()
 

@@ -309,6 +309,8 @@ def worker(args: argparse.Namespace) -> None:
         gang = GangKV(args.layers, args.max_tokens, kv_features(args, shard_numel * shard_size))
     for comm in comms.values():
         warm_up(comm, args.layers, world)
+    if gang is not None:
+        gang.warm_up()
     records: dict = {key: [] for key in schedules}
     steps = [(k, key) for k in range(len(batches)) for key in schedules]
     t_run = time.perf_counter()
