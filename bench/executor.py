@@ -47,7 +47,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from _common import tensor_collectives
-from schedule import Schedule, Task
+from schedule import Schedule, Task, micro_batch_tasks
 
 from odc_runtime.split import Chunk
 
@@ -256,9 +256,7 @@ class GangKV:
         would otherwise land in the first timed minibatch). Raises ``RuntimeError`` if an exchange was wrong."""
         world = self.exchange.transport.world_size
         chunk = Chunk(0, self.exchange.rank, world, 2 * world, 0, tuple(range(world)))
-        tasks = [Task(0, layer, "fwd", 0.0, False, False, chunk) for layer in range(self.num_layers)]
-        tasks += [Task(0, layer, "bwd", 0.0, True, False, chunk) for layer in reversed(range(self.num_layers))]
-        if not all([self.run(task)[0] for task in tasks]):
+        if not all([self.run(task)[0] for task in micro_batch_tasks(0, self.num_layers, chunk=chunk)]):
             raise RuntimeError("gang K/V warm-up exchange delivered wrong values: the transport lost or mixed data")
 
     def free(self) -> None:
@@ -383,11 +381,7 @@ def warm_up(comm: Comm, num_layers: int, world: int) -> None:
     """Check that gathers return the owners' parameters (:func:`check_gather`), then run one zero-compute
     micro-batch through every layer (maps pages, starts threads) and check its gradients, then reset: no
     configuration is timed unless its communication moved the right data."""
-    from schedule import Task as T
-
     check_gather(comm, num_layers)
-    tasks = [T(0, layer, "fwd", 0.0, False, False) for layer in range(num_layers)]
-    tasks += [T(0, layer, "bwd", 0.0, True, False) for layer in reversed(range(num_layers))]
-    rec = run_minibatch(comm, tasks, expected_grad=world, time_scale=0.0, record=False)
+    rec = run_minibatch(comm, micro_batch_tasks(0, num_layers), expected_grad=world, time_scale=0.0, record=False)
     if not rec.grad_ok:
         raise RuntimeError(f"{comm.name}: warm-up gradients are wrong: the transport lost or duplicated data")

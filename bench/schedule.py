@@ -180,20 +180,24 @@ class Schedule:
 
     def program(self, minibatch: int, rank: int) -> list[Task]:
         """The tasks rank ``rank`` runs in minibatch ``minibatch``, in order."""
-        tasks = []
-        n = self.num_layers
-        for i, mb in enumerate(self.minibatches[minibatch].ranks[rank]):
-            fwd = mb.cost_s * FORWARD_FRACTION / n
-            bwd = mb.cost_s * (1.0 - FORWARD_FRACTION) / n
-            tasks += [Task(i, layer, "fwd", fwd, False, mb.empty, mb.chunk) for layer in range(n)]
-            tasks += [Task(i, layer, "bwd", bwd, True, mb.empty, mb.chunk) for layer in reversed(range(n))]
-        return tasks
+        return [task for i, mb in enumerate(self.minibatches[minibatch].ranks[rank])
+                for task in micro_batch_tasks(i, self.num_layers, mb.cost_s, empty=mb.empty, chunk=mb.chunk)]
 
     def digest(self) -> str:
         """Hash of the schedule (ranks check they all built the same one)."""
         blob = json.dumps([self.comm, self.policy, self.world_size, self.replicas, self.num_layers,
                            [[[list(m.samples) for m in mbs] for mbs in mb.ranks] for mb in self.minibatches]])
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def micro_batch_tasks(index: int, num_layers: int, cost_s: float = 0.0, *, empty: bool = False,
+                      chunk: Chunk | None = None) -> list[Task]:
+    """FSDP's program of micro-batch ``index``: forward layers ``0..L-1``, then backward ``L-1..0`` (each scatters
+    its gradient); ``cost_s`` split evenly over the layers, :data:`FORWARD_FRACTION` of it forward."""
+    fwd = cost_s * FORWARD_FRACTION / num_layers
+    bwd = cost_s * (1.0 - FORWARD_FRACTION) / num_layers
+    return ([Task(index, layer, "fwd", fwd, False, empty, chunk) for layer in range(num_layers)]
+            + [Task(index, layer, "bwd", bwd, True, empty, chunk) for layer in reversed(range(num_layers))])
 
 
 def build_schedule(

@@ -233,7 +233,7 @@ def _gang_kv_rank(rank: int, world: int) -> dict[str, list[bool]]:
 
     import torch
     from executor import GangKV
-    from schedule import Task
+    from schedule import micro_batch_tasks
 
     import odc_runtime as odc
     from odc_runtime import gang
@@ -254,9 +254,7 @@ def _gang_kv_rank(rank: int, world: int) -> dict[str, list[bool]]:
 
         kv.gang = types.SimpleNamespace(exchange_kv=exchange)
         chunk = Chunk(0, rank, world, 50, 0, tuple(range(world)))
-        tasks = [Task(0, layer, "fwd", 0.0, False, False, chunk) for layer in range(2)]
-        tasks += [Task(0, layer, "bwd", 0.0, True, False, chunk) for layer in reversed(range(2))]
-        oks[name] = [kv.run(t)[0] for t in tasks]
+        oks[name] = [kv.run(t)[0] for t in micro_batch_tasks(0, 2, chunk=chunk)]
     torch.distributed.barrier()
     kv.free()
     return oks
