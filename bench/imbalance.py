@@ -460,7 +460,7 @@ def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict],
     payload = {"runs": runs, "config": config, "machine": _common.machine_info()}
     timelines = {
         f"{comm} + {policy}": [g[(comm, policy)][timeline_k]["events"] for g in gathered]
-        for comm, policy in (*(("collective", p) for p in BASELINES), ("odc", "lb_mini"))
+        for comm, policy in (*(("collective", p) for p in BASELINES), ("odc", "lb_mini"), ("odc", "lb_mini_split"))
         if (comm, policy) in schedules
     }
     title = f"{world} ranks, {source}, {spec.name} on {args.gpu.upper()} (×{args.time_scale:g} time)"
