@@ -23,7 +23,10 @@ what evens out the minibatch's end.
 Per micro-batch, the program of one rank is FSDP's: forward layers ``0..L-1`` (gather the layer's parameters,
 compute), then backward layers ``L-1..0`` (gather, compute, scatter the layer's gradient). The micro-batch's
 cost (the sum of its sequences' costs, :class:`odc_runtime.balance.CostModel`, seconds on the modelled GPU)
-is split evenly over the ``L`` layers, one third forward and two thirds backward.
+is split evenly over the ``L`` layers, one third forward and two thirds backward. A gang micro-batch (a split
+plan's :class:`~odc_runtime.split.Chunk`, ODC only) has the same program on each member, its cost the chunk's
+compute (:func:`odc_runtime.split.chunk_cost` without the K/V term: the executor runs the exchange for real, the
+simulator models it), and its tasks name the chunk, so that every layer also exchanges K/V within the gang.
 """
 
 from __future__ import annotations
