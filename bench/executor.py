@@ -12,6 +12,13 @@ Every rank walks its program (:meth:`schedule.Schedule.program`), one task per l
   add into its accumulator (collective), or ``odc.push`` (odc), asynchronously (waited for before the buffer is
   reused and at the end of the minibatch).
 
+Gang micro-batches (split plans, e.g. ``lb_mini_split``; ODC only): every layer task of a chunk also runs the
+split's K/V exchange for real through :func:`odc_runtime.gang.exchange_kv` (:class:`GangKV`): forward tasks give
+this chunk's K/V to the other gang members and gather theirs, backward tasks return each owner its dK/dV, so the
+members of a gang advance layer by layer together, as they would with gang attention. The K/V rows carry values
+derived from (owner, layer), and every member checks what it gathered and what it got back (the sum of every
+member's dK/dV contribution), exactly, like the gradient check below. The exchange's time counts as *comm*.
+
 End of minibatch: collective: wait for the reduce-scatters, optimizer step on the shard; odc: ``odc.sync()``,
 optimizer step on ``st.local``, ``zero_grad``, ``odc.sync()``. Each rank checks that its gradient shard holds
 exactly the number of non-empty micro-batches of all ranks (every micro-batch contributes a gradient of ones),
@@ -40,7 +47,9 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from _common import tensor_collectives
-from schedule import Schedule, Task
+from schedule import Schedule, Task, micro_batch_tasks
+
+from odc_runtime.split import Chunk
 
 all_gather_tensor, reduce_scatter_tensor = tensor_collectives()
 
@@ -56,6 +65,8 @@ class MinibatchRecord:
     sync_s: float
     grad_ok: bool
     events: list[tuple[str, float, float]] = field(default_factory=list)
+    kv_calls: int = 0  # gang K/V exchanges this rank ran (one per layer task of a chunk)
+    kv_bytes: int = 0  # bytes this rank put to its gang members in them
 
 
 class Handle(Protocol):
@@ -193,6 +204,65 @@ class OdcComm:
             st.free()
 
 
+class GangKV:
+    """The K/V exchange of gang micro-batches, run for real through :mod:`odc_runtime.gang` (ODC only).
+
+    Collective: every rank constructs it after ``odc.init``, with the same arguments. ``kv_features``: fp32
+    elements of K (and of V) per token, the modelled model's K/V scaled like its parameters (the executor runs
+    ``layer_mb`` of parameters per layer, not the model's)."""
+
+    def __init__(self, num_layers: int, max_chunk_tokens: int, kv_features: int) -> None:
+        from odc_runtime import gang
+
+        self.gang, self.num_layers = gang, num_layers
+        self.exchange = gang.GangExchange(num_layers=num_layers, max_chunk_tokens=max_chunk_tokens,
+                                          kv_features=kv_features, dtype=torch.float32)
+        self._step = None
+        self._layers: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def _values(self, chunk: Chunk, layer: int) -> torch.Tensor:
+        """K of every gathered row at ``layer``: the owning member's ``rank · L + layer + 1`` (V: its negative)."""
+        step = self._step
+        return torch.cat([torch.full((n,), float(r * self.num_layers + layer + 1), device=step.positions.device)
+                          for r, n in zip(chunk.ranks, step.counts, strict=True)])
+
+    def run(self, task: Task) -> tuple[bool, int]:
+        """The exchange of ``task`` (a layer of a chunk): (exact, bytes this rank put)."""
+        chunk, layer, f = task.chunk, task.layer, self.exchange.kv_features
+        if task.phase == "fwd":
+            if layer == 0:
+                self._step = self.exchange.step(chunk).__enter__()
+            step, n = self._step, chunk.tokens
+            own = float(self.exchange.rank * self.num_layers + layer + 1)
+            k = torch.full((n, f), own, device=step.positions.device, requires_grad=True)
+            v = torch.full((n, f), -own, device=step.positions.device, requires_grad=True)
+            k_all, v_all = self.gang.exchange_kv(step, layer, k, v)
+            want = self._values(chunk, layer)[:, None]
+            ok = bool((k_all == want).all()) and bool((v_all == -want).all())
+            self._layers[layer] = (k, v, k_all, v_all)
+            if layer == self.num_layers - 1:
+                step.__exit__(None, None, None)
+            return ok, (chunk.parts - 1) * 2 * n * f * 4
+        k, v, k_all, v_all = self._layers.pop(layer)
+        # dK = 1 and dV = 2 from every member: each owner must get back exactly parts · (1, 2).
+        torch.autograd.backward([k_all, v_all], [torch.ones_like(k_all), torch.full_like(v_all, 2.0)])
+        ok = bool((k.grad == chunk.parts).all()) and bool((v.grad == 2 * chunk.parts).all())
+        others = sum(self._step.counts) - chunk.tokens
+        return ok, 2 * others * f * 4
+
+    def warm_up(self) -> None:
+        """Collective: one gang of every rank exchanges a small chunk through every layer, both directions, and
+        checks it (maps the buffers, starts autograd's engine: half a second on the first backward pass, which
+        would otherwise land in the first timed minibatch). Raises ``RuntimeError`` if an exchange was wrong."""
+        world = self.exchange.transport.world_size
+        chunk = Chunk(0, self.exchange.rank, world, 2 * world, 0, tuple(range(world)))
+        if not all([self.run(task)[0] for task in micro_batch_tasks(0, self.num_layers, chunk=chunk)]):
+            raise RuntimeError("gang K/V warm-up exchange delivered wrong values: the transport lost or mixed data")
+
+    def free(self) -> None:
+        self.exchange.free()
+
+
 def _compute(seconds: float, mode: str) -> None:
     if seconds <= 0:
         return
@@ -213,8 +283,10 @@ def run_minibatch(
     compute: str = "sleep",
     record: bool = True,
     max_outstanding_scatters: int = 2,
+    gang: GangKV | None = None,
 ) -> MinibatchRecord:
-    """Run one rank's program for one minibatch (collective: every rank must call it with the same shape)."""
+    """Run one rank's program for one minibatch (collective: every rank must call it with the same shape).
+    ``gang``: the K/V exchange of the program's gang micro-batches (required when it has any)."""
     now = time.perf_counter
     events: list[tuple[str, float, float]] = []
     busy = wait = 0.0
@@ -225,6 +297,7 @@ def run_minibatch(
     pending_scatter: dict[int, object] = {}
 
     on_gpu = comm.device.type == "cuda"
+    kv_ok, kv_calls, kv_bytes = True, 0, 0
 
     def wait_for(handle: Handle) -> None:
         nonlocal wait
@@ -241,6 +314,16 @@ def run_minibatch(
         if j + 1 < len(tasks):  # prefetch the next task's layer
             gathers[j + 1] = comm.gather(tasks[j + 1].layer, (j + 1) % 2)
         wait_for(gathers.pop(j))
+        if task.chunk is not None:
+            if gang is None:
+                raise ValueError("a gang micro-batch (split plan) needs run_minibatch(gang=GangKV(...)), ODC only")
+            t0 = now()
+            ok, sent = gang.run(task)
+            t1 = now()
+            kv_ok, kv_calls, kv_bytes = kv_ok and ok, kv_calls + 1, kv_bytes + sent
+            wait += t1 - t0
+            if record:
+                events.append(("comm", t0, t1))
         t0 = now()
         _compute(task.compute_s * time_scale, compute)
         t1 = now()
@@ -264,7 +347,7 @@ def run_minibatch(
     end = now()
     if record:
         events.append(("sync", t0, end))
-    return MinibatchRecord(start, end, busy, wait, end - t0, ok, events)
+    return MinibatchRecord(start, end, busy, wait, end - t0, ok and kv_ok, events, kv_calls, kv_bytes)
 
 
 def expected_grad(schedule: Schedule, k: int) -> int:
@@ -298,11 +381,7 @@ def warm_up(comm: Comm, num_layers: int, world: int) -> None:
     """Check that gathers return the owners' parameters (:func:`check_gather`), then run one zero-compute
     micro-batch through every layer (maps pages, starts threads) and check its gradients, then reset: no
     configuration is timed unless its communication moved the right data."""
-    from schedule import Task as T
-
     check_gather(comm, num_layers)
-    tasks = [T(0, layer, "fwd", 0.0, False, False) for layer in range(num_layers)]
-    tasks += [T(0, layer, "bwd", 0.0, True, False) for layer in reversed(range(num_layers))]
-    rec = run_minibatch(comm, tasks, expected_grad=world, time_scale=0.0, record=False)
+    rec = run_minibatch(comm, micro_batch_tasks(0, num_layers), expected_grad=world, time_scale=0.0, record=False)
     if not rec.grad_ok:
         raise RuntimeError(f"{comm.name}: warm-up gradients are wrong: the transport lost or duplicated data")

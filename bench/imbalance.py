@@ -7,6 +7,17 @@ communication and modelled (slept) compute: no model is trained.
     python bench/imbalance.py --preset swe_agentic --model 1.5b --json out.json --plot out.png
     python bench/imbalance.py --quick --hsdp 2x2     # HSDP: 2 replicas × shard groups of 2 ranks
 
+Split plans (``--comms odc --policies lb_mini,lb_mini_split``, not in the default grid, whose rows stay the
+whole-sample policies): ``lb_mini_split`` runs only when named in ``--policies``, and only with ODC (collectives
+cannot run a plan whose ranks run different micro-batches, let alone a gang). Its gang micro-batches run on all
+their members, and every layer really exchanges the chunk's K/V (forward) and dK/dV (backward) between them
+through :mod:`odc_runtime.gang` (volumes per token scaled like the parameters, :func:`kv_features`), with each
+chunk's modelled compute from the split's cost model (:func:`odc_runtime.split.chunk_cost`); the exchanged values
+are checked exactly. A few samples per rank is where splitting pays:
+
+    python bench/imbalance.py --nproc 4 --minibatch-size 8 --seed 2 --minibatches 6 --budget-s 20 \
+        --comms odc --policies lb_mini,lb_mini_split
+
 For each configuration of the grid {collective, odc} × {local_sort, verl_lb_micro, lb_micro, lb_mini} (lb_mini
 only with odc: its ranks run different numbers of micro-batches, which collectives cannot do) the same
 minibatches are planned (:func:`odc_runtime.balance.plan`), laid out as a schedule (:mod:`schedule`: a pure
@@ -48,7 +59,7 @@ import time
 
 import _common
 from _common import launch, progress
-from schedule import COMMS, GPU_PEAK_FLOPS, MODELS, POLICIES, Schedule, build_schedule, grid
+from schedule import COMMS, GPU_PEAK_FLOPS, MODELS, POLICIES, SIMULATED_POLICIES, Schedule, build_schedule, grid
 
 from odc_runtime import transport as transports
 
@@ -117,8 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the gradient shards across replicas once per minibatch (default: shard over every rank)")
     p.add_argument("--comms", default=",".join(COMMS), type=_common.comma_list(COMMS),
                    help="communication modes to compare")
-    p.add_argument("--policies", default=",".join(POLICIES), type=_common.comma_list(POLICIES),
-                   help="balancing policies (odc_runtime.balance.POLICY_REGISTRY)")
+    p.add_argument("--policies", default=",".join(POLICIES), type=_common.comma_list(SIMULATED_POLICIES),
+                   help="balancing policies (odc_runtime.balance.POLICY_REGISTRY); a splitting policy "
+                        "(lb_mini_split) runs only when named here, with odc only")
     p.add_argument("--timeline-minibatch", type=int, default=None,
                    help="minibatch shown in the timeline plot (default: the one with the median imbalance)")
     _common.add_output_args(p, "imbalance")
@@ -257,9 +269,18 @@ def hsdp_groups(hsdp: tuple[int, int] | None, rank: int, world: int) -> tuple[ob
     return shard, replica, s
 
 
+def kv_features(args: argparse.Namespace, layer_numel: int) -> int:
+    """fp32 elements of K (and of V) per token that a gang exchanges per executed layer: the model's K/V bytes
+    per token scaled like its parameters (an executed layer holds ``layer_numel`` elements for the model's
+    ``layer_params`` bf16 ones; the layer counts cancel), at least 1."""
+    spec = MODELS[args.model]
+    per_token = spec.kv_token_bytes() / (2 * spec.layer_params()) * layer_numel  # fp32 elements, K and V
+    return max(1, round(per_token / 2))
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
-    from executor import CollectiveComm, OdcComm, expected_grad, run_minibatch, warm_up
+    from executor import CollectiveComm, GangKV, OdcComm, expected_grad, run_minibatch, warm_up
 
     import odc_runtime as odc
 
@@ -283,21 +304,29 @@ def worker(args: argparse.Namespace) -> None:
     if any(c == "odc" for c, _ in schedules):
         odc.init(args.backend)
         comms["odc"] = OdcComm(args.layers, shard_numel, shard_size, device, **groups)
+    gang = None
+    if any(m.chunk is not None for s in schedules.values() for mb in s.minibatches for r in mb.ranks for m in r):
+        gang = GangKV(args.layers, args.max_tokens, kv_features(args, shard_numel * shard_size))
     for comm in comms.values():
         warm_up(comm, args.layers, world)
+    if gang is not None:
+        gang.warm_up()
     records: dict = {key: [] for key in schedules}
     steps = [(k, key) for k in range(len(batches)) for key in schedules]
     t_run = time.perf_counter()
     for k, key in progress(steps, enabled=rank == 0, desc="minibatch × config"):
         sched = schedules[key]
         rec = run_minibatch(comms[key[0]], sched.program(k, rank), expected_grad=expected_grad(sched, k),
-                            time_scale=args.time_scale, compute=args.compute, record=k == timeline_k)
+                            time_scale=args.time_scale, compute=args.compute, record=k == timeline_k,
+                            gang=gang if key[0] == "odc" else None)
         records[key].append(rec)
     run_s = time.perf_counter() - t_run
     gathered: list = [None] * world
     dist.all_gather_object(gathered, {key: [vars(r) for r in recs] for key, recs in records.items()})
     if rank == 0:
         report(args, schedules, gathered, world, source, timeline_k, run_s, load_before)
+    if gang is not None:
+        gang.free()
     if "odc" in comms:
         comms["odc"].free()
         odc.finalize()
@@ -336,6 +365,8 @@ def summarize(schedules: Schedules, gathered: list[dict], world: int, time_scale
             "modelled_compute_s": modelled,
             "micro_batches_per_rank": [sum(len(m.ranks[r]) for m in sched.minibatches) for r in range(world)],
             "grad_check_ok": all(rec["grad_ok"] for recs in per_rank for rec in recs),
+            "kv_exchange_calls": sum(rec["kv_calls"] for recs in per_rank for rec in recs),
+            "kv_exchange_bytes": sum(rec["kv_bytes"] for recs in per_rank for rec in recs),
             "sim_compute_only_s": sim.time_s,
             "sim_utilization": sim.utilization,
         })
@@ -370,7 +401,7 @@ LEGEND = {
                    "communication): the part of the speedup due to balancing",
     "sim util": "utilisation the same simulation predicts",
     "grads": "ok: every rank's gradient shard held exactly the expected sum after every minibatch (--hsdp: after "
-             "the cross-replica all-reduce)",
+             "the cross-replica all-reduce); split plans: and every gang K/V exchange delivered exactly",
 }
 
 
@@ -411,6 +442,14 @@ def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict],
     note = _common.oversized_note(sched.oversized, n_mb * args.minibatch_size, args.max_tokens)
     if note:
         print(f"  NOTE: {note}")
+    by_key = {(r["comm"], r["policy"]): r for r in runs}
+    for r in runs:
+        if r["kv_exchange_calls"]:
+            ref = by_key.get(("odc", "lb_mini"))
+            gain = f"; {ref['wall_s'] / r['wall_s']:.3f}× odc + lb_mini's tokens/s in this run" if ref else ""
+            print(f"  {r['comm']} + {r['policy']}: gang micro-batches ran their K/V exchange through odc_runtime.gang: "
+                  f"{r['kv_exchange_calls']} layer exchanges, {r['kv_exchange_bytes'] / 2**20:.1f} MiB put (K/V "
+                  f"scaled like the parameters){gain}; collectives cannot run split plans (ODC only)")
     load_after = os.getloadavg()
     print(f"  executed in {run_s:.1f} s; load average {load_before[0]:.1f} → {load_after[0]:.1f} on "
           f"{os.cpu_count()} cores")
@@ -421,7 +460,7 @@ def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict],
     payload = {"runs": runs, "config": config, "machine": _common.machine_info()}
     timelines = {
         f"{comm} + {policy}": [g[(comm, policy)][timeline_k]["events"] for g in gathered]
-        for comm, policy in (*(("collective", p) for p in BASELINES), ("odc", "lb_mini"))
+        for comm, policy in (*(("collective", p) for p in BASELINES), ("odc", "lb_mini"), ("odc", "lb_mini_split"))
         if (comm, policy) in schedules
     }
     title = f"{world} ranks, {source}, {spec.name} on {args.gpu.upper()} (×{args.time_scale:g} time)"

@@ -60,8 +60,8 @@ def plot_imbalance(runs: list[dict], timelines: dict[str, list[list[tuple]]], pa
     tps = [r["tokens_per_s"] for r in runs]
     bars = ax.bar(xs, tps, color=["#d62728" if r["comm"] == "collective" else "#1f77b4" for r in runs])
     for x, r, b in zip(xs, runs, bars, strict=True):
-        ax.text(x, b.get_height(), f"{r.get('speedup', 1.0):.2f}×\nutil {r['utilization']:.0%}", ha="center",
-                va="bottom", fontsize=8)
+        speedup = f"{r['speedup']:.2f}×\n" if r.get("speedup") else ""  # none without collective + local_sort
+        ax.text(x, b.get_height(), f"{speedup}util {r['utilization']:.0%}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(xs), labels, fontsize=8)
     ax.set_ylabel("tokens / s (measured)")
     ax.set_ylim(0, max(tps) * 1.3 if tps else 1)

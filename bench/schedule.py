@@ -23,7 +23,10 @@ what evens out the minibatch's end.
 Per micro-batch, the program of one rank is FSDP's: forward layers ``0..L-1`` (gather the layer's parameters,
 compute), then backward layers ``L-1..0`` (gather, compute, scatter the layer's gradient). The micro-batch's
 cost (the sum of its sequences' costs, :class:`odc_runtime.balance.CostModel`, seconds on the modelled GPU)
-is split evenly over the ``L`` layers, one third forward and two thirds backward.
+is split evenly over the ``L`` layers, one third forward and two thirds backward. A gang micro-batch (a split
+plan's :class:`~odc_runtime.split.Chunk`, ODC only) has the same program on each member, its cost the chunk's
+compute (:func:`odc_runtime.split.chunk_cost` without the K/V term: the executor runs the exchange for real, the
+simulator models it), and its tasks name the chunk, so that every layer also exchanges K/V within the gang.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ from _common import check_plan  # _common also makes odc_runtime importable from
 from odc_runtime.balance import POLICY_REGISTRY, CostModel, get_policy, plan
 from odc_runtime.split import Chunk, chunk_cost
 
-#: The policies the executor (bench/imbalance.py) runs: whole samples only (it has no gang attention yet).
+#: The policies bench/imbalance.py runs by default: whole samples only (a split plan, e.g. lb_mini_split, runs
+#: when asked for by name, ODC only: its gang micro-batches exchange K/V through odc_runtime.gang).
 POLICIES = tuple(name for name, p in POLICY_REGISTRY.items() if not p.splits)
-#: The policies the simulator (bench/simulate.py) replays: all, split plans' gang micro-batches included.
+#: Every policy, split plans' gang micro-batches included: what the simulator replays and the executor can run.
 SIMULATED_POLICIES = tuple(POLICY_REGISTRY)
 
 COMMS = ("collective", "odc")
@@ -150,6 +154,7 @@ class Task:
     compute_s: float
     scatter: bool  # backward tasks push / reduce-scatter the layer's gradient
     empty: bool  # padded micro-batch: a zero gradient
+    chunk: Chunk | None = None  # a gang micro-batch's layer: it also exchanges K/V (fwd) or dK/dV (bwd)
 
 
 @dataclass(frozen=True)
@@ -178,20 +183,24 @@ class Schedule:
 
     def program(self, minibatch: int, rank: int) -> list[Task]:
         """The tasks rank ``rank`` runs in minibatch ``minibatch``, in order."""
-        tasks = []
-        n = self.num_layers
-        for i, mb in enumerate(self.minibatches[minibatch].ranks[rank]):
-            fwd = mb.cost_s * FORWARD_FRACTION / n
-            bwd = mb.cost_s * (1.0 - FORWARD_FRACTION) / n
-            tasks += [Task(i, layer, "fwd", fwd, False, mb.empty) for layer in range(n)]
-            tasks += [Task(i, layer, "bwd", bwd, True, mb.empty) for layer in reversed(range(n))]
-        return tasks
+        return [task for i, mb in enumerate(self.minibatches[minibatch].ranks[rank])
+                for task in micro_batch_tasks(i, self.num_layers, mb.cost_s, empty=mb.empty, chunk=mb.chunk)]
 
     def digest(self) -> str:
         """Hash of the schedule (ranks check they all built the same one)."""
         blob = json.dumps([self.comm, self.policy, self.world_size, self.replicas, self.num_layers,
                            [[[list(m.samples) for m in mbs] for mbs in mb.ranks] for mb in self.minibatches]])
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def micro_batch_tasks(index: int, num_layers: int, cost_s: float = 0.0, *, empty: bool = False,
+                      chunk: Chunk | None = None) -> list[Task]:
+    """FSDP's program of micro-batch ``index``: forward layers ``0..L-1``, then backward ``L-1..0`` (each scatters
+    its gradient); ``cost_s`` split evenly over the layers, :data:`FORWARD_FRACTION` of it forward."""
+    fwd = cost_s * FORWARD_FRACTION / num_layers
+    bwd = cost_s * (1.0 - FORWARD_FRACTION) / num_layers
+    return ([Task(index, layer, "fwd", fwd, False, empty, chunk) for layer in range(num_layers)]
+            + [Task(index, layer, "bwd", bwd, True, empty, chunk) for layer in reversed(range(num_layers))])
 
 
 def build_schedule(

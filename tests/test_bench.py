@@ -202,6 +202,87 @@ def test_imbalance_hsdp_2x2_four_ranks(tmp_path):
     assert data["config"]["hsdp"] == [2, 2] and data["config"]["world_size"] == 4
 
 
+@pytest.mark.parametrize("world, lengths", [(2, [30000, 1000, 1000, 1000]), (3, [40000, 1000, 1000, 1000, 2000, 500])])
+def test_imbalance_runs_split_plans_with_a_real_kv_exchange(tmp_path, world, lengths):
+    """lb_mini_split (named in --policies, ODC only): the outlier is split over every rank, its gang's K/V and
+    dK/dV really move at every layer (calls and bytes counted by the executor), and every gradient and every
+    exchanged K/V row is exact."""
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps(lengths))
+    out, plot = tmp_path / "imb.json", tmp_path / "imb.png"
+    plot_arg = str(plot) if _has_matplotlib() else "none"  # odc only: no collective baseline to compare with
+    layers = 2
+    proc = _run([str(BENCH / "imbalance.py"), "--nproc", str(world), "--lengths-file", str(path), "--minibatches",
+                 "1", "--minibatch-size", str(len(lengths)), "--time-scale", "0.002", "--layers", str(layers),
+                 "--layer-mb", "0.0625", "--comms", "odc", "--policies", "lb_mini,lb_mini_split", "--json", str(out),
+                 "--plot", plot_arg], tmp_path, timeout=110)
+    if plot_arg != "none":
+        assert plot.stat().st_size > 0
+    runs = {r["policy"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"lb_mini", "lb_mini_split"} and all(r["comm"] == "odc" for r in runs.values())
+    assert all(r["grad_check_ok"] for r in runs.values())
+    split = runs["lb_mini_split"]
+    assert runs["lb_mini"]["kv_exchange_calls"] == 0
+    assert split["kv_exchange_calls"] == world * layers * 2  # every member: every layer, forward and backward
+    # One fp32 element of K and of V per token (7b's K/V scaled like 0.0625 MiB layers rounds up to 1): per layer,
+    # every member sends its chunk to the other world-1 members and gets the others' dK/dV back.
+    parts, length = world, lengths[0]
+    assert split["kv_exchange_bytes"] == layers * 2 * (parts - 1) * 2 * length * 4
+    assert "K/V exchange through odc_runtime.gang" in proc.stdout
+
+
+def _gang_kv_rank(rank: int, world: int) -> dict[str, list[bool]]:
+    import types
+
+    import torch
+    from executor import GangKV
+    from schedule import micro_batch_tasks
+
+    import odc_runtime as odc
+    from odc_runtime import gang
+    from odc_runtime.split import Chunk
+
+    odc.init("host")
+    kv = GangKV(2, 64, 3)
+    corruptions = {
+        "none": lambda k: k,
+        "forward": lambda k: k + 1.0,  # a wrong value delivered
+        "backward": lambda k: k + (k - k.detach()),  # right values, every dK contribution doubled
+    }
+    oks = {}
+    for name, corrupt in corruptions.items():
+        def exchange(step, layer, k, v, corrupt=corrupt):
+            k_all, v_all = gang.exchange_kv(step, layer, k, v)
+            return corrupt(k_all), v_all
+
+        kv.gang = types.SimpleNamespace(exchange_kv=exchange)
+        chunk = Chunk(0, rank, world, 50, 0, tuple(range(world)))
+        oks[name] = [kv.run(t)[0] for t in micro_batch_tasks(0, 2, chunk=chunk)]
+    torch.distributed.barrier()
+    kv.free()
+    return oks
+
+
+def test_gang_kv_check_catches_wrong_exchanges():
+    """The executor's exact check of a gang exchange passes on the real exchange and fails when a K row arrives
+    wrong (forward) or an owner gets a wrong dK sum back (backward)."""
+    from _dist import run_ranks
+
+    for oks in run_ranks(_gang_kv_rank, 2, timeout=60):
+        assert oks["none"] == [True] * 4
+        assert oks["forward"] == [False, False, True, True]
+        assert oks["backward"] == [True, True, False, False]
+
+
+def test_imbalance_runs_split_policies_only_when_named_and_only_with_odc():
+    import imbalance
+
+    default = imbalance.resolve(imbalance.build_parser().parse_args([]))
+    assert "lb_mini_split" not in default.policies  # --quick's rows stay the whole-sample policies
+    args = imbalance.resolve(imbalance.build_parser().parse_args(["--policies", "lb_mini,lb_mini_split"]))
+    assert sch.grid(args.comms, args.policies) == [("odc", "lb_mini"), ("odc", "lb_mini_split")]
+
+
 def test_hsdp_argument_parsing():
     import imbalance
 
