@@ -438,7 +438,7 @@ def test_schedule_grid_follows_the_policy_registry():
 
     assert tuple(name for name, p in POLICY_REGISTRY.items() if not p.splits) == sch.POLICIES
     for name, policy in POLICY_REGISTRY.items():
-        if policy.splits:  # gang micro-batches: not executed or simulated yet
+        if policy.splits:  # gang micro-batches: only when named (imbalance.py --policies), not in the grid
             assert ("odc", name) not in sch.grid()
             continue
         assert ("odc", name) in sch.grid()
