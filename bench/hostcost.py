@@ -132,7 +132,7 @@ def _nvshmem_fake(runs_: int, calls: int) -> dict[str, float]:
     import torch
 
     import odc_runtime as odc
-    from odc_runtime import api, config
+    from odc_runtime import api, config, testing
     from odc_runtime import plans as plan_keys
     from odc_runtime.transport.nvshmem import memory, plans
     from odc_runtime.transport.nvshmem.transport import NvshmemTransport
@@ -158,7 +158,7 @@ def _nvshmem_fake(runs_: int, calls: int) -> dict[str, float]:
             ext, 0, 1, torch.device("cpu"), 60.0, settings=config.NvshmemSettings(), scratch_slots=4,
             capacity=1 << 20, arena=base, peer_bases=[base], engine=ext.Engine(), atomic_push=True, node=1,
         )
-        api._runtime = api._Runtime(transport=transport, generation=next(api._generations), shards=itertools.count())
+        testing.install(transport)  # the public API on the fake-extension transport
         st = odc.shard(torch.zeros(NUMEL), name="hostcost")
         out, grad, src = torch.empty(NUMEL), torch.ones(NUMEL), torch.randn(NUMEL)
         odc.fetch(st, out=out)
@@ -180,7 +180,7 @@ def _nvshmem_fake(runs_: int, calls: int) -> dict[str, float]:
             "plan.run (transport)": lambda: plan.run(out),  # type: ignore[union-attr]
         }, runs_, calls)
         result["breakdown"] = parts  # type: ignore[assignment]
-        api._runtime = None
+        testing.uninstall()
         transport._finalized = True
         return result
     finally:
