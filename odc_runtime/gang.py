@@ -14,7 +14,7 @@ receiver that sees the signal word reach a count sees the data of every put coun
 the owner's own region would need the owner's local write to be visible to a peer without a fence, which the
 interface only promises after a (world-wide) barrier. So member ``s`` *puts* its K/V at layer ``l`` into its next
 slot of every other member's ``kv`` buffer (a ring of ``depth`` slots per sender), plus a tag (gang, sample,
-length, layer, direction) into the matching tag slot, each put adding 1 to word ``s`` of the receiver's signal
+length, layer, direction, pass) into the matching tag slot, each put adding 1 to word ``s`` of the receiver's signal
 buffer; the backward puts dK/dV into the owner's ``dkv`` buffer the same way, counted in word ``world_size + s``.
 A receiver that copied a slot out returns a *credit* (a signalled put into the sender's ``acks``); a sender
 reuses a slot only after the credit of its previous use. Only gang members signal one another: no barrier, no
@@ -24,13 +24,27 @@ the sample, the layer and the rank that did not deliver; a tag that does not mat
 or layers) raises :class:`~odc_runtime.errors.OdcMismatchError`. Owners sum contributions in member order, so the
 result is deterministic.
 
+No host synchronisation per layer. On the GPU ``put_signal``/``wait_signal`` are stream-ordered, so the exchange
+must not read device memory on the host inside the layer loop: every put reads its source from a small symmetric
+*stage* (so a peer on another node, reached by the network, which reads registered memory only, is served too), the
+tags of a step are made on the device once, and received tags are copied aside and compared in one read at the end
+of the pass (when the ``with step:`` block ends for the forward pass, after layer 0 for the backward pass, and
+before a wait error is raised, so a mismatch is named as such rather than as the timeout it leads to).
+
+Activation checkpointing. A checkpointed layer runs its forward pass again during the backward pass; that
+recomputation exchanges K/V again (tagged as a recomputation), in the same order on every member since they run
+the same model, so the ordering argument is unchanged. The recomputation runs outside the ``with step:`` block (and
+on the GPU on autograd's device thread), so :func:`active_step` also returns the step whose forward pass completed
+last while autograd is running a backward pass. Run each gang micro-batch's backward pass before the next gang
+micro-batch's forward pass (as a training loop does).
+
 Ordering and why it cannot deadlock (docs/design.md, "Splitting outlier sequences"): a member sends before it
 waits for its peers' data, at every layer in both directions, and the only wait before a send is for a credit
 that the peer returns as soon as it consumed an *earlier* exchange; every rank runs its gang micro-batches first,
 in increasing gang number; slots are per sender, so gangs sharing a receiver never write the same slot.
 
-Memory: ``2 · world_size · depth · 2 · max_chunk_tokens · kv_features`` elements of symmetric memory per rank (K
-and V slots, forward and backward), plus small tag, credit and signal buffers.
+Memory: ``(2 · world_size · depth + 1) · 2 · max_chunk_tokens · kv_features`` elements of symmetric memory per rank
+(K and V slots, forward and backward, and the stage), plus small tag, credit and signal buffers.
 """
 
 from __future__ import annotations
@@ -41,7 +55,7 @@ import logging
 
 import torch
 
-from odc_runtime.errors import OdcMismatchError, OdcUsageError
+from odc_runtime.errors import OdcError, OdcMismatchError, OdcUsageError
 from odc_runtime.split import Chunk
 from odc_runtime.transport.base import PutRequest, SymmetricBuffer, Transport
 
@@ -49,9 +63,20 @@ __all__ = ["GangExchange", "GangStep", "active_step", "causal_mask", "exchange_k
 
 log = logging.getLogger(__name__)
 
-_TAG_WORDS = 5  # gang, sample, length, layer, direction
-_FORWARD, _BACKWARD = 0, 1
+_TAG_WORDS = 6  # gang, sample, length, layer, direction, pass
+_FORWARD, _BACKWARD = 0, 1  # directions: K/V to the gang, dK/dV back to their owners
+# Passes: what an exchange belongs to, in the tag; the direction follows from it.
+_FIRST, _RECOMPUTE, _GRAD = 0, 1, 2
+_DIRECTION = (_FORWARD, _FORWARD, _BACKWARD)
 _ACTIVE: contextvars.ContextVar[GangStep | None] = contextvars.ContextVar("odc_gang_step", default=None)
+# The step whose forward pass completed last: a checkpointed layer recomputes under it during the backward pass,
+# which runs outside its `with step:` block (and on the GPU on another thread, so not a context variable).
+_PENDING: GangStep | None = None
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (what torch.utils.checkpoint asks too)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _runtime_transport() -> Transport:
@@ -94,6 +119,10 @@ class GangExchange:
         self.dkv = self.transport.alloc(w * depth * self.slot, dtype, "gang.dkv")
         self.tags = self.transport.alloc(2 * w * depth * _TAG_WORDS, torch.int64, "gang.tags")
         self.acks = self.transport.alloc(2 * w, torch.int64, "gang.acks")
+        # Sources of every put (data, then a tag and a credit word): symmetric, so network puts can read them;
+        # reused in stream order, since a put has read its source before anything later on the stream runs.
+        self.stage = self.transport.alloc(self.slot, dtype, "gang.stage")
+        self.stage_words = self.transport.alloc(_TAG_WORDS + 1, torch.int64, "gang.stage_words")
         # Words [d·W + s]: puts from sender s in direction d (data and tag: +2 per layer); [(2 + d)·W + r]: credits
         # from receiver r (+1 per layer it consumed). Words only grow; both sides keep running counts per pair.
         self.signal = self.transport.alloc(4 * w, torch.int64, "gang.signal")
@@ -110,7 +139,7 @@ class GangExchange:
 
     def free(self) -> None:
         """Collective: release the buffers."""
-        for buf in (self.signal, self.acks, self.tags, self.dkv, self.kv):
+        for buf in (self.signal, self.stage_words, self.stage, self.acks, self.tags, self.dkv, self.kv):
             self.transport.free(buf)
 
     def _slot(self, sender: int, n: int) -> int:
@@ -126,7 +155,8 @@ class GangStep:
 
     ``with step:`` makes it the active step (what :func:`active_step` and the Hugging Face attention function
     use); leaving the block after a forward pass that did not exchange at every layer raises
-    :class:`~odc_runtime.errors.OdcUsageError` (the model's attention is not the gang's).
+    :class:`~odc_runtime.errors.OdcUsageError` (the model's attention is not the gang's), and a tag mismatch seen
+    in the forward pass raises :class:`~odc_runtime.errors.OdcMismatchError` there.
     """
 
     def __init__(self, exchange: GangExchange, chunk: Chunk) -> None:
@@ -150,79 +180,123 @@ class GangStep:
         self.positions = torch.tensor(positions[chunk.part], dtype=torch.long, device=device)
         #: Global positions of the gathered K/V rows (members' chunks in member order).
         self.kv_positions = torch.tensor([t for ps in positions for t in ps], dtype=torch.long, device=device)
-        self._next_layer = 0
+        # Every tag this step sends, made on the device once: row pass · num_layers + layer.
+        self._tags = torch.tensor([self._tag(layer, p) for p in (_FIRST, _RECOMPUTE, _GRAD)
+                                   for layer in range(exchange.num_layers)], dtype=torch.int64, device=device)
+        self._next_layer = 0  # first pass: the next layer to exchange
+        self._recomputed: set[int] = set()  # layers whose forward ran again (activation checkpointing)
+        self._received: list[tuple[torch.Tensor, int, int, int]] = []  # (tag copy, pass, layer, peer), unchecked
         self._token = None
 
+    def _tag(self, layer: int, pass_: int) -> list[int]:
+        c = self.chunk
+        return [c.gang, c.sample, c.length, layer, _DIRECTION[pass_], pass_]
+
     def __enter__(self) -> GangStep:
+        global _PENDING
+        _PENDING = None  # a new micro-batch: the previous one's backward pass is over
         self._token = _ACTIVE.set(self)
         return self
 
     def __exit__(self, exc_type: object, *_: object) -> None:
+        global _PENDING
         _ACTIVE.reset(self._token)
-        if exc_type is None and self._next_layer != self.exchange.num_layers:
+        if exc_type is not None:
+            return
+        self._verify()
+        if self._next_layer != self.exchange.num_layers:
             raise OdcUsageError(
                 f"odc gang {self.chunk.gang}: the forward pass exchanged K/V at {self._next_layer} of "
                 f"{self.exchange.num_layers} layers; every attention layer must run the gang attention "
                 "(Hugging Face: odc_runtime.integrations.hf_gang.enable(model))"
             )
+        _PENDING = self
 
-    def _what(self, layer: int, direction: int, peer: int) -> str:
-        kind = "forward K/V" if direction == _FORWARD else "backward dK/dV"
+    def _what(self, layer: int, pass_: int, peer: int) -> str:
+        kind = ("forward K/V", "recomputed forward K/V", "backward dK/dV")[pass_]
         return f"gang {self.chunk.gang} (sample {self.chunk.sample}) layer {layer}: {kind} from rank {peer}"
 
-    def _send(self, buf: SymmetricBuffer, direction: int, layer: int, rows: dict[int, torch.Tensor]) -> None:
-        """Put ``rows[peer]`` into every peer's next slot for this rank, then its tag; both counted in one word.
+    def _verify(self) -> None:
+        """Compare every received tag not yet checked with the expected one: one device-to-host read."""
+        if not self._received:
+            return
+        received, self._received = self._received, []
+        got = torch.stack([t for t, *_ in received]).tolist()
+        for tag, (_, pass_, layer, peer) in zip(got, received, strict=True):
+            if tag != self._tag(layer, pass_):
+                raise OdcMismatchError(
+                    f"odc {self._what(layer, pass_, peer)}: it sent (gang, sample, length, layer, direction, pass) = "
+                    f"{tag}, this rank expected {self._tag(layer, pass_)}; the ranks run different plans or models"
+                )
+
+    def _send(self, buf: SymmetricBuffer, pass_: int, layer: int, rows: torch.Tensor | dict[int, torch.Tensor]) -> None:
+        """Put the rows (one tensor for every peer, or one per peer) into every peer's next slot for this rank, then
+        the tag; both counted in one word. Sources go through the stage.
 
         A slot is reused ``depth`` exchanges later, once the peer's credit says it consumed the previous one."""
         ex, me, w = self.exchange, self.exchange.rank, self.exchange.transport.world_size
+        direction = _DIRECTION[pass_]
         word = direction * w + me
-        c = self.chunk
-        tag = torch.tensor([c.gang, c.sample, c.length, layer, direction], dtype=torch.int64,
-                           device=ex.transport.device)
         order = [self.members[(self.chunk.part + i) % len(self.members)] for i in range(1, len(self.members))]
         sent = {p: ex._sent[direction][p] for p in order}
         for p in order:
             if sent[p] >= ex.depth:  # the slot's previous use must be consumed: wait for that credit
-                what = self._what(layer, direction, p).replace(" from rank ", ": credit (slot free) from rank ")
-                ex.transport.wait_signal(ex.signal, (2 + direction) * w + p, sent[p] - ex.depth + 1, what, [p])
-        ex.transport.put_signal(buf, [PutRequest(p, rows[p], ex._slot(me, sent[p]), word) for p in order], ex.signal)
+                what = self._what(layer, pass_, p).replace(" from rank ", ": credit (slot free) from rank ")
+                self._wait(ex.signal, (2 + direction) * w + p, sent[p] - ex.depth + 1, what, p)
+        stage = ex.stage.local
+        if isinstance(rows, torch.Tensor):  # the same rows for everyone: staged once
+            src = stage[: rows.numel()]
+            src.copy_(rows.reshape(-1))
+            ex.transport.put_signal(buf, [PutRequest(p, src, ex._slot(me, sent[p]), word) for p in order], ex.signal)
+        else:  # rows per peer: staged and put one peer after the other (a put has read its source before the next)
+            for p in order:
+                src = stage[: rows[p].numel()]
+                src.copy_(rows[p].reshape(-1))
+                ex.transport.put_signal(buf, [PutRequest(p, src, ex._slot(me, sent[p]), word)], ex.signal)
+        tag = ex.stage_words.local[:_TAG_WORDS]
+        tag.copy_(self._tags[pass_ * ex.num_layers + layer])
         ex.transport.put_signal(
             ex.tags, [PutRequest(p, tag, ex._tag_offset(direction, me, sent[p]), word) for p in order], ex.signal)
         for p in order:
             ex._sent[direction][p] += 1
 
-    def _receive(self, buf: SymmetricBuffer, direction: int, layer: int, peer: int, numel: int) -> torch.Tensor:
-        """Wait for ``peer``'s put of this layer and direction; a copy of its data."""
+    def _wait(self, signal: SymmetricBuffer, index: int, value: int, what: str, peer: int) -> None:
+        """A bounded wait; a tag mismatch seen before it gave up is the error to report (it is the cause)."""
+        try:
+            self.exchange.transport.wait_signal(signal, index, value, what, [peer])
+        except OdcError as e:
+            self._verify()
+            raise e from None
+
+    def _receive(self, buf: SymmetricBuffer, pass_: int, layer: int, peer: int, numel: int) -> torch.Tensor:
+        """Wait for ``peer``'s put of this layer and pass; a copy of its data (its tag is checked later)."""
         ex, w = self.exchange, self.exchange.transport.world_size
+        direction = _DIRECTION[pass_]
         n = ex._received[direction][peer]
-        ex.transport.wait_signal(ex.signal, direction * w + peer, 2 * (n + 1), self._what(layer, direction, peer),
-                                 [peer])
+        self._wait(ex.signal, direction * w + peer, 2 * (n + 1), self._what(layer, pass_, peer), peer)
         t = ex._tag_offset(direction, peer, n)
-        got = ex.tags.local[t : t + _TAG_WORDS].tolist()
-        c = self.chunk
-        want = [c.gang, c.sample, c.length, layer, direction]
-        if got != want:
-            raise OdcMismatchError(
-                f"odc {self._what(layer, direction, peer)}: it sent (gang, sample, length, layer, direction) = {got}, "
-                f"this rank expected {want}; the ranks run different plans or models"
-            )
+        self._received.append((ex.tags.local[t : t + _TAG_WORDS].clone(), pass_, layer, peer))
         offset = ex._slot(peer, n)
         data = buf.local[offset : offset + numel].clone()
         ex._received[direction][peer] = n + 1
-        # Credit: the slot is free again (the copy above is ordered before the put, on the stream on GPU).
+        # Credit: the slot is free again (the copies above are ordered before the put, on the stream on GPU).
         me = ex.rank
-        credit = torch.full((1,), n + 1, dtype=torch.int64, device=ex.transport.device)
+        credit = ex.stage_words.local[_TAG_WORDS:]
+        credit.fill_(n + 1)
         ex.transport.put_signal(ex.acks, [PutRequest(peer, credit, direction * w + me, (2 + direction) * w + me)],
                                 ex.signal)
         return data
 
     def _forward(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ex = self.exchange
-        if layer != self._next_layer or _ACTIVE.get() is not self:
+        first = self._next_layer < ex.num_layers
+        if active_step() is not self or (layer != self._next_layer if first else
+                                          not 0 <= layer < ex.num_layers or layer in self._recomputed):
             raise OdcUsageError(
-                f"odc gang {self.chunk.gang}: K/V exchange for layer {layer}, expected layer {self._next_layer} "
-                "inside `with step:` (one exchange per layer, in order; activation checkpointing, which runs the "
-                "forward again, is not supported with gang attention)"
+                f"odc gang {self.chunk.gang}: K/V exchange for layer {layer}, expected "
+                + (f"layer {self._next_layer}" if first else "a layer not yet recomputed")
+                + " inside `with step:` or its backward pass (one exchange per layer, in order; a checkpointed layer "
+                "may run its forward pass once more in the backward pass)"
             )
         n, f = self.counts[self.chunk.part], ex.kv_features
         for name, t in (("k", k), ("v", v)):
@@ -231,33 +305,41 @@ class GangStep:
                     f"odc gang {self.chunk.gang} layer {layer}: {name} is {tuple(t.shape)} {t.dtype}, expected "
                     f"({n}, ...) with {f} elements per token, {ex.dtype}"
                 )
-        payload = torch.cat([k.reshape(n, f), v.reshape(n, f)]).reshape(-1).contiguous()
-        self._send(ex.kv, _FORWARD, layer, dict.fromkeys(self.members, payload))
+        pass_ = _FIRST if first else _RECOMPUTE
+        self._send(ex.kv, pass_, layer, torch.cat([k.reshape(n, f), v.reshape(n, f)]))
         ks, vs = [], []
         for p, peer in enumerate(self.members):
             if p == self.chunk.part:
                 ks.append(k.reshape(n, f))
                 vs.append(v.reshape(n, f))
                 continue
-            data = self._receive(ex.kv, _FORWARD, layer, peer, 2 * self.counts[p] * f).view(2, self.counts[p], f)
+            data = self._receive(ex.kv, pass_, layer, peer, 2 * self.counts[p] * f).view(2, self.counts[p], f)
             ks.append(data[0])
             vs.append(data[1])
-        self._next_layer += 1
+        if first:
+            self._next_layer += 1
+        else:
+            self._recomputed.add(layer)
         shape = (-1, *k.shape[1:])
         return torch.cat(ks).reshape(shape), torch.cat(vs).reshape(shape)
 
     def _backward(self, layer: int, dk_all: torch.Tensor, dv_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        global _PENDING
         ex, f = self.exchange, self.exchange.kv_features
         dk_rows = dk_all.reshape(-1, f).to(ex.dtype).split(self.counts)
         dv_rows = dv_all.reshape(-1, f).to(ex.dtype).split(self.counts)
-        rows = {peer: torch.cat([dk_rows[p], dv_rows[p]]).reshape(-1).contiguous()
+        rows = {peer: torch.cat([dk_rows[p], dv_rows[p]])
                 for p, peer in enumerate(self.members) if p != self.chunk.part}
-        self._send(ex.dkv, _BACKWARD, layer, rows)
+        self._send(ex.dkv, _GRAD, layer, rows)
         me, n = self.chunk.part, self.counts[self.chunk.part]
         total = torch.cat([dk_rows[me], dv_rows[me]])
         for p, peer in enumerate(self.members):  # member order: a deterministic sum
             if p != me:
-                total = total + self._receive(ex.dkv, _BACKWARD, layer, peer, 2 * n * f).view(2 * n, f)
+                total = total + self._receive(ex.dkv, _GRAD, layer, peer, 2 * n * f).view(2 * n, f)
+        if layer == 0:  # the last layer of the backward pass
+            if _PENDING is self:
+                _PENDING = None
+            self._verify()
         shape = (n, *dk_all.shape[1:])
         return total[:n].reshape(shape), total[n:].reshape(shape)
 
@@ -282,8 +364,12 @@ def exchange_kv(step: GangStep, layer: int, k: torch.Tensor, v: torch.Tensor) ->
 
 
 def active_step() -> GangStep | None:
-    """The gang step of the enclosing ``with step:`` block, or ``None``."""
-    return _ACTIVE.get()
+    """The gang step of the enclosing ``with step:`` block; during a backward pass, the step whose forward pass
+    completed last (a checkpointed layer recomputing); else ``None``."""
+    step = _ACTIVE.get()
+    if step is None and _PENDING is not None and _in_backward():
+        return _PENDING
+    return step
 
 
 def causal_mask(step: GangStep) -> torch.Tensor:

@@ -36,16 +36,27 @@ def _weights(length: int):
     return x, layers, readout
 
 
-def _forward(x, layers, readout, positions, attend):
-    """The model on the tokens at ``positions``; ``attend(layer, q, k, v)`` is the attention."""
+def _forward(x, layers, readout, positions, attend, checkpoint: str = "none"):
+    """The model on the tokens at ``positions``; ``attend(layer, q, k, v)`` is the attention. ``checkpoint``:
+    ``"none"``, or torch.utils.checkpoint per layer, ``"reentrant"`` or ``"non-reentrant"``."""
+    import torch.utils.checkpoint
+
     h = x[positions]
     for i, w in enumerate(layers):
-        n = h.shape[0]
-        q = (h @ w["q"]).view(n, HEADS, HEAD_DIM).transpose(0, 1)
-        k = (h @ w["k"]).view(n, KV_HEADS, HEAD_DIM).transpose(0, 1)
-        v = (h @ w["v"]).view(n, KV_HEADS, HEAD_DIM).transpose(0, 1)
-        h = h + attend(i, q, k, v).transpose(0, 1).reshape(n, HEADS * HEAD_DIM) @ w["o"]
+        if checkpoint == "none":
+            h = _layer(h, i, attend, *w.values())
+        else:
+            h = torch.utils.checkpoint.checkpoint(_layer, h, i, attend, *w.values(),
+                                                  use_reentrant=checkpoint == "reentrant")
     return (h * readout[positions]).sum()
+
+
+def _layer(h, i, attend, wq, wk, wv, wo):
+    n = h.shape[0]
+    q = (h @ wq).view(n, HEADS, HEAD_DIM).transpose(0, 1)
+    k = (h @ wk).view(n, KV_HEADS, HEAD_DIM).transpose(0, 1)
+    v = (h @ wv).view(n, KV_HEADS, HEAD_DIM).transpose(0, 1)
+    return h + attend(i, q, k, v).transpose(0, 1).reshape(n, HEADS * HEAD_DIM) @ wo
 
 
 def _reference(length: int):
@@ -65,8 +76,7 @@ def _reference(length: int):
     return loss.detach(), [t.grad for t in params]
 
 
-def _run_chunk(exchange, chunk):
-
+def _run_chunk(exchange, chunk, checkpoint: str = "none"):
     from odc_runtime.gang import gang_attention
 
     x, layers, readout = _weights(chunk.length)
@@ -74,12 +84,14 @@ def _run_chunk(exchange, chunk):
     for t in params:
         t.requires_grad_(True)
     with exchange.step(chunk) as step:
-        loss = _forward(x, layers, readout, step.positions, lambda i, q, k, v: gang_attention(q, k, v, step, i))
+        loss = _forward(x, layers, readout, step.positions, lambda i, q, k, v: gang_attention(q, k, v, step, i),
+                        checkpoint)
     loss.backward()
     return loss.detach(), [t.grad for t in params]
 
 
-def _gangs_rank(rank: int, world: int, gangs: list[tuple[int, int, tuple[int, ...]]], depth: int = 2):
+def _gangs_rank(rank: int, world: int, gangs: list[tuple[int, int, tuple[int, ...]]], depth: int = 2,
+                checkpoint: str = "none"):
     """Run every gang (sample length, parts, ranks) this rank belongs to, in gang order; per gang, the loss and
     gradients summed over the members (all_reduce over the world, zeros from non-members)."""
     import torch
@@ -96,7 +108,7 @@ def _gangs_rank(rank: int, world: int, gangs: list[tuple[int, int, tuple[int, ..
     results = []
     for g, (length, parts, ranks) in enumerate(gangs):
         if rank in ranks:
-            loss, grads = _run_chunk(ex, Chunk(g, ranks.index(rank), parts, length, g, ranks))
+            loss, grads = _run_chunk(ex, Chunk(g, ranks.index(rank), parts, length, g, ranks), checkpoint)
         else:
             x, layers, _ = _weights(length)
             loss = torch.zeros((), dtype=torch.float64)
@@ -138,6 +150,15 @@ def test_gangs_sharing_a_rank_run_in_order_without_deadlock() -> None:
     _check_against_reference(run_ranks(_gangs_rank, 3, gangs, 1, timeout=100), gangs)
 
 
+@pytest.mark.parametrize("checkpoint", ["non-reentrant", "reentrant"])
+def test_activation_checkpointing_recomputes_the_exchange(checkpoint: str) -> None:
+    # Every layer checkpointed: the backward pass runs each layer's forward again, outside the `with step:` block,
+    # and the recomputation exchanges K/V again (interleaved with the dK/dV exchanges, in the same order on every
+    # member). Depth 1 reuses each slot at every exchange; two gangs share rank 1.
+    gangs = [(13, 2, (0, 1)), (11, 2, (1, 2))]
+    _check_against_reference(run_ranks(_gangs_rank, 3, gangs, 1, checkpoint, timeout=100), gangs)
+
+
 def test_split_is_not_the_unsplit_without_the_exchange() -> None:
     # The reference check can fail: a chunk attending only to its own tokens gives a different loss.
     import torch
@@ -169,11 +190,12 @@ def _faulty_rank(rank: int, world: int, fault: str):
     ex = GangExchange(num_layers=LAYERS, max_chunk_tokens=16, kv_features=KV_HEADS * HEAD_DIM, dtype=torch.float64)
     sample = rank if fault == "mismatch" else 0
     chunk = Chunk(sample, rank, 2, 12, 0, (0, 1))
+    checkpoint = "non-reentrant" if fault == "checkpoint" and rank == 0 else "none"
     if fault == "leave" and rank == 1:
         torch.distributed.barrier()  # after rank 0 gave up on it
         os._exit(0)  # gone: rank 0's runtime has failed and does not wait for it in finalize
     try:
-        _run_chunk(ex, chunk)
+        _run_chunk(ex, chunk, checkpoint)
     except (OdcTimeoutError, OdcMismatchError) as e:
         return type(e).__name__, str(e)
     finally:
@@ -193,3 +215,11 @@ def test_members_running_different_plans_is_a_mismatch() -> None:
     for rank, (kind, message) in enumerate(results):
         assert kind == "OdcMismatchError"
         assert f"layer 0: forward K/V from rank {1 - rank}" in message and "different plans" in message
+
+
+def test_members_checkpointing_differently_fail_within_the_timeout() -> None:
+    # Rank 0 checkpoints its layers, rank 1 does not: in the backward pass rank 0 recomputes layer 1 (waiting for
+    # rank 1's K/V) while rank 1 waits for rank 0's dK/dV. Neither comes: both raise, naming what they waited for.
+    results = run_ranks(_faulty_rank, 2, "checkpoint", timeout=60, env={"ODC_TIMEOUT": "3"})
+    assert results[0][0] == "OdcTimeoutError" and "layer 1: recomputed forward K/V from rank 1" in results[0][1]
+    assert results[1][0] == "OdcTimeoutError" and "layer 1: backward dK/dV from rank 0" in results[1][1]

@@ -640,3 +640,41 @@ def _rank_deadline_thread_abort(rank: int, world: int) -> None:
 
 def test_abort_raised_by_the_deadline_thread_surfaces_as_the_timeout() -> None:
     run_ranks(_rank_deadline_thread_abort, 1, timeout=60)
+
+
+def _rank_fake_gang_far(rank: int, world: int) -> str:
+    from odc_runtime.errors import OdcMismatchError
+    from odc_runtime.gang import GangExchange
+    from odc_runtime.split import Chunk
+
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        # PE 0 of 2; PE 1 is on another node (no peer pointer): the network reads registered memory only, so every
+        # put of the gang exchange (K/V rows, tags, credits) must read its source from inside the symmetric heap.
+        transport, calls, current = _install(monkeypatch, 2, [1, 0], atomic=False, node=1, backed=True)
+        ex = GangExchange(num_layers=2, max_chunk_tokens=8, kv_features=4, transport=transport)
+        heap = transport._heap
+        calls.clear()
+        k, v = torch.randn(6, 4), torch.randn(6, 4)
+        step = ex.step(Chunk(0, 0, 2, 12, 0, (0, 1)))
+        with pytest.raises(OdcMismatchError, match="layer 0: forward K/V from rank 1") as e, step:
+            step._forward(0, k, v)
+            # the fake moves no data: the tag slot holds zeros, which is only reported when the pass ends
+            step._forward(1, k, v)
+        assert "(gang, sample, length, layer, direction, pass) = [0, 0, 0, 0, 0, 0]" in str(e.value)
+        puts = [c for c in calls if c[0] == "put_signal"]
+        # per layer: K/V, its tag, the credit for PE 1's slot
+        assert [c[4] for c in puts] == [[1]] * 6 and all(c[5] == [False] for c in puts), puts
+        assert all(heap.contains(ptr, n) for c in puts for ptr, n in zip(c[2], c[3], strict=True)), puts
+        assert [c[3] for c in puts[:3]] == [[2 * 6 * 4 * 4], [6 * 8], [8]], puts
+        waits = [c for c in calls if c[0] == "wait_signal"]
+        assert len(waits) == 2 and all(c[3] == current.cuda_stream for c in waits), waits
+        testing.uninstall()
+        transport._finalized = True
+        return "ok"
+    finally:
+        monkeypatch.undo()
+
+
+def test_gang_exchange_puts_from_the_symmetric_heap_to_a_peer_on_another_node() -> None:
+    assert run_ranks(_rank_fake_gang_far, 1, timeout=60) == ["ok"]

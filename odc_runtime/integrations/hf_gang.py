@@ -10,7 +10,8 @@ gang and whole-sample micro-batches alike. Loss: :func:`chunk_loss`, the sum of 
 
 Supported: decoder-only models whose attention modules call the attention interface with ``(module, query, key,
 value, attention_mask, scaling=..., dropout=...)`` and carry ``layer_idx`` (Llama, Qwen2 and most of their kin);
-batch size 1 (packed rows); no attention dropout; no activation checkpointing inside a gang step.
+batch size 1 (packed rows); no attention dropout. Activation checkpointing (``gradient_checkpointing_enable()``)
+works: a recomputed layer exchanges its K/V again (:mod:`odc_runtime.gang`).
 """
 
 from __future__ import annotations

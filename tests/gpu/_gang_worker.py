@@ -1,11 +1,13 @@
 """One PE of the gang-attention GPU test (run by tests/gpu/test_gang_gpu.py under torchrun, CUDA MPS for several PEs
 on one GPU): the model of tests/test_gang.py, float64 on the GPU, one sample split across the PEs through the
-nvshmem transport's signalled puts, checked against the unsplit CPU reference."""
+nvshmem transport's signalled puts, checked against the unsplit CPU reference; with activation checkpointing (the
+recomputation runs on autograd's device thread); and the host synchronisations a gang micro-batch costs."""
 
 from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -20,7 +22,7 @@ from odc_runtime.split import Chunk
 LENGTH = 13
 
 
-def scenario_exact() -> dict:
+def scenario_exact(checkpoint: str = "none") -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
     ex = GangExchange(num_layers=tg.LAYERS, max_chunk_tokens=LENGTH, kv_features=tg.KV_HEADS * tg.HEAD_DIM,
@@ -36,7 +38,7 @@ def scenario_exact() -> dict:
             t.grad = None
         with ex.step(chunk) as step:
             loss = tg._forward(x, layers, readout, step.positions,
-                               lambda i, q, k, v: gang_attention(q, k, v, step, i))
+                               lambda i, q, k, v: gang_attention(q, k, v, step, i), checkpoint)
         loss.backward()
         flat = torch.cat([loss.detach().view(1)] + [t.grad.reshape(-1) for t in params]).cpu()
         dist.all_reduce(flat)
@@ -46,6 +48,43 @@ def scenario_exact() -> dict:
         if err > tg.TOL:
             return {"result": f"rank {rank}: split differs from the unsplit reference by {err}"}
     ex.free()
+    return {"result": "ok"}
+
+
+def scenario_checkpoint() -> dict:
+    return scenario_exact("non-reentrant")
+
+
+def scenario_syncs() -> dict:
+    """Host synchronisations inside a gang micro-batch (torch's sync debug mode): one tag check per pass, none per
+    layer or peer (every put, wait and copy of the exchange is stream-ordered)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    ex = GangExchange(num_layers=tg.LAYERS, max_chunk_tokens=LENGTH, kv_features=tg.KV_HEADS * tg.HEAD_DIM,
+                      dtype=torch.float64)
+    x, layers, readout = tg._weights(LENGTH)
+    x = x.to(device).requires_grad_(True)
+    layers = [{k: w.to(device).requires_grad_(True) for k, w in layer.items()} for layer in layers]
+    readout = readout.to(device)
+    step = ex.step(Chunk(0, rank, world, LENGTH, 0, tuple(range(world))))  # its tags: one copy to the device
+    counts = {}
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as forward:
+            warnings.simplefilter("always")
+            with step:
+                loss = tg._forward(x, layers, readout, step.positions,
+                                   lambda i, q, k, v: gang_attention(q, k, v, step, i))
+        with warnings.catch_warnings(record=True) as backward:
+            warnings.simplefilter("always")
+            loss.backward()
+        for name, caught in (("forward", forward), ("backward", backward)):
+            counts[name] = [str(w.message)[:120] for w in caught if "synchroniz" in str(w.message)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ex.free()
+    if [len(counts["forward"]), len(counts["backward"])] != [1, 1]:
+        return {"result": f"rank {rank}: host syncs per pass (want 1 each, the tag check): {counts}"}
     return {"result": "ok"}
 
 

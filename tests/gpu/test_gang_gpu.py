@@ -1,6 +1,7 @@
 """GPU test of gang attention (odc_runtime.gang) on the nvshmem transport, on ONE GPU: a sample split across 2 and 3
-PEs (CUDA MPS) equals the unsplit reference, twice in a row (slot reuse). Skipped without a GPU, the extension or
-CUDA MPS, saying which. Not yet run on a GPU."""
+PEs (CUDA MPS) equals the unsplit reference, twice in a row (slot reuse), also with activation checkpointing; a gang
+micro-batch synchronises the host once per pass, not per layer. Skipped without a GPU, the extension or CUDA MPS,
+saying which. Not yet run on a GPU."""
 
 from __future__ import annotations
 
@@ -18,14 +19,14 @@ WORKER = os.path.join(os.path.dirname(__file__), "_gang_worker.py")
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
-def test_split_sample_equals_unsplit_on_gpu(nproc: int, tmp_path) -> None:
+@pytest.mark.parametrize(("nproc", "scenario"), [(2, "exact"), (3, "exact"), (2, "checkpoint"), (2, "syncs")])
+def test_gang_on_gpu(nproc: int, scenario: str, tmp_path) -> None:
     _require_backend()
     first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     out = tmp_path / "gang.json"
     with mps_daemon(True, tmp_path) as mps_env:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", WORKER,
-               str(out), "exact"]
+               str(out), scenario]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": first, **mps_env}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=850, env=env)
     assert proc.returncode == 0 and out.exists(), (
