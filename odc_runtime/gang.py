@@ -35,7 +35,7 @@ Activation checkpointing. A checkpointed layer runs its forward pass again durin
 recomputation exchanges K/V again (tagged as a recomputation), in the same order on every member since they run
 the same model, so the ordering argument is unchanged. The recomputation runs outside the ``with step:`` block (and
 on the GPU on autograd's device thread), so :func:`active_step` also returns the step whose forward pass completed
-last while autograd is running a backward pass. Run each gang micro-batch's backward pass before the next gang
+last while autograd is running a backward pass. Run each gang micro-batch's backward pass before the next
 micro-batch's forward pass (as a training loop does).
 
 Ordering and why it cannot deadlock (docs/design.md, "Splitting outlier sequences"): a member sends before it
@@ -365,11 +365,16 @@ def exchange_kv(step: GangStep, layer: int, k: torch.Tensor, v: torch.Tensor) ->
 
 def active_step() -> GangStep | None:
     """The gang step of the enclosing ``with step:`` block; during a backward pass, the step whose forward pass
-    completed last (a checkpointed layer recomputing); else ``None``."""
+    completed last (a checkpointed layer recomputing), unless a forward pass outside any gang step asked since
+    (the step ran forward only, e.g. under ``torch.no_grad()``); else ``None``."""
+    global _PENDING
     step = _ACTIVE.get()
-    if step is None and _PENDING is not None and _in_backward():
+    if step is not None or _PENDING is None:
+        return step
+    if _in_backward():
         return _PENDING
-    return step
+    _PENDING = None  # a forward pass outside any gang step: the last step ran forward only, or its backward is over
+    return None
 
 
 def causal_mask(step: GangStep) -> torch.Tensor:

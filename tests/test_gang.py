@@ -159,6 +159,42 @@ def test_activation_checkpointing_recomputes_the_exchange(checkpoint: str) -> No
     _check_against_reference(run_ranks(_gangs_rank, 3, gangs, 1, checkpoint, timeout=100), gangs)
 
 
+def _forward_only_step_then_checkpointed_rank(rank: int, world: int) -> float:
+    import torch
+
+    import odc_runtime as odc
+    from odc_runtime.gang import GangExchange, active_step, gang_attention
+    from odc_runtime.split import Chunk
+
+    def attend(i, q, k, v):  # what a model's attention does: the gang's inside a gang step, else local causal
+        step = active_step()
+        if step is not None:
+            return gang_attention(q, k, v, step, i)
+        k, v = k.repeat_interleave(HEADS // KV_HEADS, 0), v.repeat_interleave(HEADS // KV_HEADS, 0)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    odc.init("host")
+    ex = GangExchange(num_layers=LAYERS, max_chunk_tokens=16, kv_features=KV_HEADS * HEAD_DIM, dtype=torch.float64)
+    x, layers, readout = _weights(12)
+    with torch.no_grad(), ex.step(Chunk(0, 0, 1, 12, 0, (0,))) as step:  # e.g. log-probs: forward only
+        _forward(x, layers, readout, step.positions, attend)
+    # A checkpointed micro-batch of whole samples next: its recomputation must not be taken for the gang's.
+    length = 10
+    x, layers, readout = _weights(length)
+    params = [x] + [t for w in layers for t in w.values()]
+    for t in params:
+        t.requires_grad_(True)
+    _forward(x, layers, readout, torch.arange(length), attend, "non-reentrant").backward()
+    _, want = _reference(length)
+    ex.free()
+    return max(float((t.grad - g).abs().max()) for t, g in zip(params, want, strict=True))
+
+
+def test_a_forward_only_gang_step_does_not_capture_a_later_recomputation() -> None:
+    (err,) = run_ranks(_forward_only_step_then_checkpointed_rank, 1, timeout=60)
+    assert err < TOL
+
+
 def test_split_is_not_the_unsplit_without_the_exchange() -> None:
     # The reference check can fail: a chunk attending only to its own tokens gives a different loss.
     import torch
