@@ -22,15 +22,20 @@ from odc_runtime.split import Chunk
 LENGTH = 13
 
 
-def scenario_exact(checkpoint: str = "none") -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _setup() -> tuple:
+    """The exchange, and the model of tests/test_gang.py on this PE's GPU (float64, parameters requiring grad)."""
     device = torch.device("cuda", torch.cuda.current_device())
     ex = GangExchange(num_layers=tg.LAYERS, max_chunk_tokens=LENGTH, kv_features=tg.KV_HEADS * tg.HEAD_DIM,
                       dtype=torch.float64)
     x, layers, readout = tg._weights(LENGTH)
     x = x.to(device).requires_grad_(True)
     layers = [{k: w.to(device).requires_grad_(True) for k, w in layer.items()} for layer in layers]
-    readout = readout.to(device)
+    return ex, x, layers, readout.to(device)
+
+
+def scenario_exact(checkpoint: str = "none") -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ex, x, layers, readout = _setup()
     params = [x] + [t for w in layers for t in w.values()]
     chunk = Chunk(0, rank, world, LENGTH, 0, tuple(range(world)))
     for _ in range(2):  # twice: the second gang reuses every slot
@@ -59,13 +64,7 @@ def scenario_syncs() -> dict:
     """Host synchronisations inside a gang micro-batch (torch's sync debug mode): one tag check per pass, none per
     layer or peer (every put, wait and copy of the exchange is stream-ordered)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device())
-    ex = GangExchange(num_layers=tg.LAYERS, max_chunk_tokens=LENGTH, kv_features=tg.KV_HEADS * tg.HEAD_DIM,
-                      dtype=torch.float64)
-    x, layers, readout = tg._weights(LENGTH)
-    x = x.to(device).requires_grad_(True)
-    layers = [{k: w.to(device).requires_grad_(True) for k, w in layer.items()} for layer in layers]
-    readout = readout.to(device)
+    ex, x, layers, readout = _setup()
     step = ex.step(Chunk(0, rank, world, LENGTH, 0, tuple(range(world))))  # its tags: one copy to the device
     counts = {}
     torch.cuda.set_sync_debug_mode("warn")
