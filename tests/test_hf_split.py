@@ -49,6 +49,16 @@ def _plan(world: int, lengths: list[int]):
     return plan(lengths, world, max_tokens=MAX_TOKENS, policy="lb_mini_split")
 
 
+def _chunk_forward(model, exchange, sample, chunk):
+    """This rank's chunk of ``sample`` through ``model`` in its gang step: the logits and the chunk's labels."""
+    from odc_runtime.integrations import hf_gang
+
+    inputs = hf_gang.chunk_inputs(sample, chunk)
+    labels = inputs.pop("labels")
+    with exchange.step(chunk):
+        return model(**inputs).logits, labels
+
+
 def _rank(rank: int, world: int, arch: str, dtype_name: str = "float32"):
     import torch
     import torch.distributed as dist
@@ -67,10 +77,7 @@ def _rank(rank: int, world: int, arch: str, dtype_name: str = "float32"):
     ran = []
     for mb in _plan(world, lengths)[rank]:
         if isinstance(mb[0], Chunk):
-            inputs = hf_gang.chunk_inputs(samples[mb[0].sample], mb[0])
-            labels = inputs.pop("labels")
-            with exchange.step(mb[0]):
-                logits = model(**inputs).logits
+            logits, labels = _chunk_forward(model, exchange, samples[mb[0].sample], mb[0])
             ran.append(("chunk", mb[0].sample, mb[0].part))
         else:  # whole samples packed in one row, positions restarting at 0
             ids = torch.cat([samples[i] for i in mb])[None]
@@ -225,10 +232,7 @@ def _fsdp_rank(rank: int, world: int, arch: str, bf16: bool) -> dict:
         with odc_fsdp.minibatch(model, divide_factor=targets):
             for mb in _plan(world, lengths)[rank]:
                 if isinstance(mb[0], Chunk):
-                    inputs = hf_gang.chunk_inputs(samples[mb[0].sample], mb[0])
-                    labels = inputs.pop("labels")
-                    with exchange.step(mb[0]):
-                        logits = model(**inputs).logits
+                    logits, labels = _chunk_forward(model, exchange, samples[mb[0].sample], mb[0])
                     loss = hf_gang.chunk_loss(logits, labels, 1)  # the sum of the chunk's token losses
                 else:
                     loss = loss_sum(model, [samples[i] for i in mb])
