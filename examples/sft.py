@@ -36,6 +36,14 @@ GPU (start it first: ``nvidia-cuda-mps-control -d``; without it ``odc.init`` ref
 
 Logs one line per step (rank 0): loss, tokens/s, the number of non-empty
 micro-batches per rank (in collective mode the ranks with fewer also run empty ones, as the log line says).
+
+``--check``: after the run rank 0 replays every step in one process without FSDP (same initial weights, samples and
+optimizer, every sample whole and alone in its forward pass, fp32) and compares the run's losses, gradient norms
+and final parameters with the replay's (``--loss-tol``, ``--param-tol``); it prints ``replay check <comm> +
+<policy>: ... OK`` or exits non-zero on a mismatch. It costs about one more run's compute, on one rank, so it is
+off by default:
+
+    python examples/sft.py --policy lb_mini_split --max-len 512 --max-tokens 256 --nproc 2 --steps 2 --check
 """
 
 from __future__ import annotations
@@ -133,6 +141,20 @@ def make_sequence(step: int, index: int, length: int, vocab: int, seed: int) -> 
     for _ in range(length - 1):
         tokens.append(rng.randrange(vocab) if rng.random() < 0.1 else successor[tokens[-1]])
     return torch.tensor(tokens, dtype=torch.long)
+
+
+def step_lengths(args: argparse.Namespace, step: int) -> list[int]:
+    """Sample lengths of minibatch ``step`` (every rank and the replay draw the same)."""
+    lengths = workloads.sample_lengths(
+        args.preset, args.samples, seed=args.seed * 100003 + step, max_len=args.max_len, scale=args.scale
+    )
+    return [max(2, n) for n in lengths]  # a sample needs at least one target
+
+
+def build_model(args: argparse.Namespace, device: torch.device) -> DecoderLM:
+    """The model with the run's initial weights (seeded: the same on every rank and in the replay)."""
+    torch.manual_seed(args.seed)
+    return DecoderLM(args.vocab, args.dim, args.heads, args.ffn, args.layers, args.max_len).to(device)
 
 
 def chunk_loss(model: nn.Module, sample: torch.Tensor, chunk: split.Chunk, device: torch.device) -> torch.Tensor:
@@ -247,6 +269,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ranks sharing each GPU (rank r on GPU r // K): gloo instead of nccl, ODC on nvshmem (needs CUDA MPS)",
     )
     p.add_argument("--json", default=None, help="write per-step records to this file (rank 0)")
+    p.add_argument("--check", action="store_true",
+                   help="rank 0 replays the run in one process (no FSDP, samples whole, fp32) and compares losses,\n"
+                   "gradient norms and final parameters; exits non-zero on a mismatch")
+    # fp32: the run differs from the replay only in summation order (packing, splitting, FSDP's reductions), so
+    # the first step's loss and gradient norm agree to a few ulps; later steps start from parameters that differ by
+    # that rounding, so the difference grows with the steps (measured: 2e-7 after 2 steps, 2e-5 after the 10
+    # default ones): 1e-4. AdamW divides each gradient element by its own magnitude, so an element whose gradient
+    # is near its rounding noise (a few in 10^5, measured) can move by a fraction of lr per step whatever the
+    # gradient's scale: the parameters are compared to lr / 10 (measured: at most 1.3e-4 at lr 1e-2, median 4e-9).
+    # A lost sample, chunk or dK/dV moves many elements by ~lr and the losses by far more than 1e-4; a wrong gradient
+    # scale, which AdamW would hide, shows in the gradient norms.
+    p.add_argument("--loss-tol", type=float, default=1e-4,
+                   help="--check: max |loss - replay| and |grad_norm / replay - 1| per step")
+    p.add_argument("--param-tol", type=float, default=None,
+                   help="--check: max |parameter - replay| at the end (default: --lr / 10)")
     p.add_argument(
         "--nproc",
         type=int,
@@ -265,6 +302,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.mesh_shape = (int(m[1]), int(m[2]))
     if args.policy is None:
         args.policy = "lb_mini" if args.comm == "odc" else "lb_micro"
+    if args.param_tol is None:
+        args.param_tol = args.lr / 10
+    if args.check and args.bf16:
+        p.error("--check compares with an fp32 replay: drop --bf16")
     if balance.get_policy(args.policy).splits and args.comm != "odc":
         p.error(f"--policy {args.policy} splits samples across gangs of ranks, which only --comm odc can run")
     return args
@@ -287,8 +328,7 @@ def train(args: argparse.Namespace) -> None:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    torch.manual_seed(args.seed)  # same initial weights on every rank
-    model = DecoderLM(args.vocab, args.dim, args.heads, args.ffn, args.layers, args.max_len).to(device)
+    model = build_model(args, device)
     n_params = sum(p.numel() for p in model.parameters())
     if args.mesh_shape is None:
         mesh = init_device_mesh(device.type, (world,))
@@ -325,10 +365,7 @@ def train(args: argparse.Namespace) -> None:
         )
     records = []
     for step in range(args.steps):
-        lengths = workloads.sample_lengths(
-            args.preset, args.samples, seed=args.seed * 100003 + step, max_len=args.max_len, scale=args.scale
-        )
-        lengths = [max(2, n) for n in lengths]  # a sample needs at least one target
+        lengths = step_lengths(args, step)
         plan = balance.plan(lengths, world, max_tokens=args.max_tokens, policy=args.policy)
         global_targets = sum(n - 1 for n in lengths)
         mine = plan[rank]
@@ -411,12 +448,59 @@ def train(args: argparse.Namespace) -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"args": vars(args), "records": records, "tokens_per_s": tps}, f, indent=1)
+    final = [p.full_tensor().detach().clone() for p in model.parameters()] if args.check else None  # collective
     if exchange is not None:
         exchange.free()
     if args.comm == "odc":
         odc_fsdp.disable(model)
         odc.finalize()
     dist.destroy_process_group()
+    if args.check and rank == 0:
+        replay_check(args, records, final, device)
+
+
+# --------------------------------------------------------------------------------------------------- replay
+
+
+def replay(args: argparse.Namespace, device: torch.device) -> tuple[list[float], list[float], list[torch.Tensor]]:
+    """Every step in one process without FSDP: each sample whole, alone in its forward pass, its loss sum divided
+    by the minibatch's target count; the run's clipping and optimizer. Returns the losses, the gradient norms
+    (before clipping) and the final parameters."""
+    model = build_model(args, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    losses, norms = [], []
+    for step in range(args.steps):
+        lengths = step_lengths(args, step)
+        global_targets = sum(n - 1 for n in lengths)
+        total = 0.0
+        for i, n in enumerate(lengths):
+            loss, _ = micro_batch_loss(model, [make_sequence(step, i, n, args.vocab, args.seed)], device)
+            (loss / global_targets).backward()
+            total += loss.item()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total / global_targets)
+    return losses, norms, [p.detach() for p in model.parameters()]
+
+
+def replay_check(args: argparse.Namespace, records: list[dict], params: list[torch.Tensor],
+                 device: torch.device) -> None:
+    """Compare the run's per-step losses and gradient norms (relative: ``--loss-tol``) and its final parameters
+    (``--param-tol``) with :func:`replay`'s; ``SystemExit`` on a mismatch."""
+    ref_losses, ref_norms, ref_params = replay(args, device)
+    loss_diff = max(abs(r["loss"] - b) for r, b in zip(records, ref_losses, strict=True))
+    norm_diff = max(abs(r["grad_norm"] / b - 1) for r, b in zip(records, ref_norms, strict=True))
+    param_diff = max((a - b).abs().max().item() for a, b in zip(params, ref_params, strict=True))
+    good = loss_diff <= args.loss_tol and norm_diff <= args.loss_tol and param_diff <= args.param_tol
+    print(
+        f"replay check {args.comm} + {args.policy}: max |loss - replay| {loss_diff:.2e}, max |grad_norm / replay "
+        f"- 1| {norm_diff:.2e} (tol {args.loss_tol:g}), max |param - replay| {param_diff:.2e} (tol "
+        f"{args.param_tol:g}): {'OK' if good else 'MISMATCH'}",
+        flush=True,
+    )
+    if not good:
+        raise SystemExit("examples/sft.py: the distributed run does not match the single-process replay")
 
 
 def rank_placement(args: argparse.Namespace, local_rank: int, local_world: int) -> Placement:

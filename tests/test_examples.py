@@ -116,14 +116,15 @@ def test_grpo_example_with_other_policies_matches_single_process_replay() -> Non
 @pytest.mark.timeout(300)
 def test_sft_example_split_samples_same_losses_as_collective() -> None:
     # --max-len 512 over --max-tokens 256: lb_mini refuses the long samples, lb_mini_split splits them across the two
-    # ranks (gang attention); the collective run packs them whole under a 512 cap. Same samples, same losses.
+    # ranks (gang attention); the collective run packs them whole under a 512 cap. Same samples, same losses; and
+    # --check: the split run's losses, gradient norms and final parameters match the single-process replay.
     common = ["--steps", "2", "--samples", "8", "--max-len", "512"]
     proc = subprocess.run([sys.executable, "examples/sft.py", "--nproc", "2", "--policy", "lb_mini", *common,
                            "--max-tokens", "256"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode != 0 and "more than max_tokens=256" in proc.stderr, proc.stderr[-2000:]
     runs = {
-        "split": ["examples/sft.py", "--nproc", "2", "--policy", "lb_mini_split", "--max-tokens", "256"],
+        "split": ["examples/sft.py", "--nproc", "2", "--policy", "lb_mini_split", "--max-tokens", "256", "--check"],
         "collective": ["-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/sft.py", "--comm",
                        "collective", "--max-tokens", "512"],
     }
@@ -132,6 +133,8 @@ def test_sft_example_split_samples_same_losses_as_collective() -> None:
         out = _run([*args, *common])
         losses[name] = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
         assert len(losses[name]) == 2, out
+        if name == "split":
+            assert re.search(r"^replay check odc \+ lb_mini_split: max \|loss - replay\| .*: OK$", out, re.M), out
     assert losses["split"] == pytest.approx(losses["collective"], abs=1e-4)
 
 
@@ -144,6 +147,27 @@ def _sft_module():
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def test_sft_replay_check_refuses_a_run_that_differs_from_the_replay(capsys) -> None:
+    # --check's comparison in one process (tiny model, one step): the replay's own values pass, and a loss, a gradient
+    # norm (a wrong scale, which AdamW hides from the parameters) or a parameter off by more than its tolerance fail.
+    sft = _sft_module()
+    args = sft.parse_args(["--steps", "1", "--samples", "2", "--max-len", "32", "--dim", "16", "--heads", "2",
+                           "--ffn", "24", "--layers", "1", "--vocab", "31", "--check"])
+    device = sft.torch.device("cpu")
+    losses, norms, params = sft.replay(args, device)
+    records = [{"loss": a, "grad_norm": b} for a, b in zip(losses, norms, strict=True)]
+    sft.replay_check(args, records, params, device)
+    assert re.search(r"^replay check odc \+ lb_mini: .*: OK$", capsys.readouterr().out, re.M)
+    wrong_param = [p.clone() for p in params]
+    wrong_param[0][0, 0] += 2 * args.param_tol
+    cases = [([{**records[0], "loss": losses[0] + 2 * args.loss_tol}], params),
+             ([{**records[0], "grad_norm": norms[0] * 1.01}], params), (records, wrong_param)]
+    for bad_records, bad_params in cases:
+        with pytest.raises(SystemExit, match="does not match the single-process replay"):
+            sft.replay_check(args, bad_records, bad_params, device)
+        assert "MISMATCH" in capsys.readouterr().out
 
 
 def test_sft_placement_one_rank_per_gpu_and_cpu() -> None:
