@@ -204,9 +204,10 @@ def _flat(params) -> list[float]:
     return torch.cat([p.detach().reshape(-1).float() for p in params]).tolist()
 
 
-def _fsdp_rank(rank: int, world: int, arch: str, bf16: bool) -> dict:
+def _fsdp_rank(rank: int, world: int, arch: str, bf16: bool, checkpoint: bool = False) -> dict:
     """FSDP2 (``fully_shard`` per decoder layer and the root) in ODC mode, the gang attention, ``lb_mini_split``
-    plans; per step: the minibatch loss (mean token loss) and the full parameters after the optimizer step."""
+    plans; per step: the minibatch loss (mean token loss) and the full parameters after the optimizer step.
+    ``checkpoint``: HF's activation checkpointing (non-reentrant); ``exchanges`` counts the gang's K/V exchanges."""
     import torch
     import torch.distributed as dist
     from test_hf import build_model, loss_sum, shard
@@ -214,16 +215,20 @@ def _fsdp_rank(rank: int, world: int, arch: str, bf16: bool) -> dict:
 
     import odc_runtime as odc
     import odc_runtime.fsdp as odc_fsdp
+    from odc_runtime.gang import GangStep
     from odc_runtime.integrations import hf_gang
     from odc_runtime.split import Chunk
 
+    exchanges = []
+    forward = GangStep._forward
+    GangStep._forward = lambda self, layer, k, v: exchanges.append(layer) or forward(self, layer, k, v)
     odc.init("host")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    model = shard(hf_gang.enable(build_model(arch, seed=0)), mp)
+    model = shard(hf_gang.enable(build_model(arch, seed=0, ac=checkpoint)), mp)
     odc_fsdp.enable(model)
     exchange = hf_gang.exchange_for(model, MAX_TOKENS, torch.bfloat16 if bf16 else torch.float32)
     opt = torch.optim.SGD(model.parameters(), lr=FSDP_LR, momentum=0.9)
-    out: dict[str, list] = {"loss": [], "params": [], "whole": []}
+    out: dict[str, list] = {"loss": [], "params": [], "whole": [], "exchanges": exchanges}
     for samples in _fsdp_samples(world):
         lengths = [len(s) for s in samples]
         targets = sum(n - 1 for n in lengths)
@@ -303,9 +308,11 @@ def _check_fsdp_plans(world: int, results: list[dict]) -> None:
     assert gangs == {2, world}  # world 2: gangs of 2; world 3: a gang of 3 and gangs of 2
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-@pytest.mark.parametrize("world", [2, 3])
-def test_fsdp_odc_split_samples_match_unsplit_reference(arch: str, world: int) -> None:
+@pytest.mark.parametrize(("arch", "world", "checkpoint"), [
+    ("qwen2", 2, False), ("qwen2", 3, False), ("llama", 2, False), ("llama", 3, False),
+    ("qwen2", 3, True), ("llama", 2, True),  # HF's activation checkpointing: recomputed layers exchange again
+])
+def test_fsdp_odc_split_samples_match_unsplit_reference(arch: str, world: int, checkpoint: bool) -> None:
     """FSDP2 in ODC mode trains on ``lb_mini_split`` plans exactly like one unsplit process (fp32, 2 SGD steps).
 
     The split run reorders sums (attention over gathered K/V, dK/dV summed over the gang, the chunks' and ranks'
@@ -315,8 +322,13 @@ def test_fsdp_odc_split_samples_match_unsplit_reference(arch: str, world: int) -
     moved them by more than 100 times the tolerance)."""
     import torch
 
-    results = run_ranks(_fsdp_rank, world, arch, False, timeout=110)
+    from odc_runtime.split import Chunk
+
+    results = run_ranks(_fsdp_rank, world, arch, False, checkpoint, timeout=110)
     _check_fsdp_plans(world, results)
+    for rank, r in enumerate(results):  # per chunk: layers ascending, then (checkpointing) recomputed descending
+        chunks = sum(isinstance(mb[0], Chunk) for lengths in FSDP_STEPS[world] for mb in _plan(world, lengths)[rank])
+        assert r["exchanges"] == ([0, 1, 1, 0] if checkpoint else [0, 1]) * chunks, r["exchanges"]
     ref = _fsdp_reference(world, arch)
     init = torch.tensor(ref["init"])
     for step, want in enumerate(ref["params"]):
