@@ -12,13 +12,16 @@ Mechanism. Everything goes through the transport's signalled put (:meth:`Transpo
 :meth:`Transport.wait_signal`), the one point-to-point ordering guarantee the transport interface defines: a
 receiver that sees the signal word reach a count sees the data of every put counted in it. A one-sided ``get`` of
 the owner's own region would need the owner's local write to be visible to a peer without a fence, which the
-interface only promises after a (world-wide) barrier. So member ``s`` *puts* its K/V at layer ``l`` into its next
-slot of every other member's ``kv`` buffer (a ring of ``depth`` slots per sender), plus a tag (gang, sample,
-length, layer, direction, pass) into the matching tag slot, each put adding 1 to word ``s`` of the receiver's signal
-buffer; the backward puts dK/dV into the owner's ``dkv`` buffer the same way, counted in word ``world_size + s``.
-A receiver that copied a slot out returns a *credit* (a signalled put into the sender's ``acks``); a sender
-reuses a slot only after the credit of its previous use. Only gang members signal one another: no barrier, no
-collective. Every wait is bounded by the transport's timeout (``ODC_TIMEOUT``) and raises
+interface only promises after a (world-wide) barrier. So member ``s`` *puts* its K/V at layer ``l`` into the next
+slot of its ring in every other member's ``slots`` buffer, plus a tag (gang, sample, length, layer, pass) into the
+matching tag slot, each put adding 1 to word ``s`` of the receiver's signal buffer; the backward pass puts dK/dV
+into the owners' rings the same way. A receiver has one ring of ``depth`` slots per gang position relative to it
+(the member ``i`` places after it uses ring ``i - 1``), so memory grows with the largest gang, not the world. A
+receiver that copied a slot out returns a *credit* (a signalled put into the sender's ``acks``); within a gang
+micro-batch a sender reuses a slot only after the credit of its previous use. A ring serves different senders in
+different gangs, so before its first put of a gang micro-batch a member tells every peer that it started it (a
+*join*: everything of its earlier gangs is consumed) and waits for every peer's join. Only gang members signal one
+another: no barrier, no collective. Every wait is bounded by the transport's timeout (``ODC_TIMEOUT``) and raises
 :class:`~odc_runtime.errors.OdcTimeoutError` (or :class:`~odc_runtime.errors.OdcPeerLostError`) naming the gang,
 the sample, the layer and the rank that did not deliver; a tag that does not match (ranks running different plans
 or layers) raises :class:`~odc_runtime.errors.OdcMismatchError`. Owners sum contributions in member order, so the
@@ -39,12 +42,12 @@ last while autograd is running a backward pass. Run each gang micro-batch's back
 micro-batch's forward pass (as a training loop does).
 
 Ordering and why it cannot deadlock (docs/design.md, "Splitting outlier sequences"): a member sends before it
-waits for its peers' data, at every layer in both directions, and the only wait before a send is for a credit
-that the peer returns as soon as it consumed an *earlier* exchange; every rank runs its gang micro-batches first,
-in increasing gang number; slots are per sender, so gangs sharing a receiver never write the same slot.
+waits for its peers' data, at every layer in both directions; the only waits before a send are for the peers'
+joins, which each peer puts as soon as it reaches the gang micro-batch, and for a credit that the peer returns as
+soon as it consumed an *earlier* exchange; every rank runs its gang micro-batches first, in increasing gang number.
 
-Memory: ``(2 · world_size · depth + 1) · 2 · max_chunk_tokens · kv_features`` elements of symmetric memory per rank
-(K and V slots, forward and backward, and the stage), plus small tag, credit and signal buffers.
+Memory: ``((max_gang_size - 1) · depth + 1) · 2 · max_chunk_tokens · kv_features`` elements of symmetric memory per
+rank (the rings and the stage; :attr:`GangExchange.nbytes`), plus small tag, credit and signal buffers.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -62,12 +67,12 @@ from odc_runtime.transport.base import PutRequest, SymmetricBuffer, Transport
 __all__ = ["GangExchange", "GangStep", "active_step", "causal_mask", "exchange_kv", "gang_attention"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-_TAG_WORDS = 6  # gang, sample, length, layer, direction, pass
-_FORWARD, _BACKWARD = 0, 1  # directions: K/V to the gang, dK/dV back to their owners
-# Passes: what an exchange belongs to, in the tag; the direction follows from it.
+_TAG_WORDS = 5  # gang, sample, length, layer, pass
+# Passes, what an exchange belongs to: the forward pass (K/V), a checkpointed layer's recomputation (K/V again),
+# the backward pass (dK/dV).
 _FIRST, _RECOMPUTE, _GRAD = 0, 1, 2
-_DIRECTION = (_FORWARD, _FORWARD, _BACKWARD)
 _ACTIVE: contextvars.ContextVar[GangStep | None] = contextvars.ContextVar("odc_gang_step", default=None)
 # The step whose forward pass completed last: a checkpointed layer recomputes under it during the backward pass,
 # which runs outside its `with step:` block (and on the GPU on another thread, so not a context variable).
@@ -93,7 +98,11 @@ class GangExchange:
     Collective: every rank constructs it with the same arguments, in the same order relative to other
     allocations. ``num_layers``: attention layers per forward pass; ``max_chunk_tokens``: the most tokens of a
     chunk (the planner's ``max_tokens``); ``kv_features``: elements of K (and of V) per token on one rank
-    (``num_kv_heads · head_dim``); ``dtype``: the dtype of K/V. ``transport`` defaults to the initialised runtime's.
+    (``num_kv_heads · head_dim``); ``dtype``: the dtype of K/V; ``depth``: slots per ring (2: a member may run one
+    exchange ahead of a peer; 1: lockstep, half the memory); ``max_gang_size``: the most ranks in a gang (default
+    the world; memory grows with it, and a larger gang is refused). ``transport`` defaults to the initialised
+    runtime's. Memory per rank: ``((max_gang_size - 1) · depth + 1) · 2 · max_chunk_tokens · kv_features``
+    elements of ``dtype`` (:attr:`nbytes` in all).
     """
 
     def __init__(
@@ -104,34 +113,45 @@ class GangExchange:
         kv_features: int,
         dtype: torch.dtype = torch.float32,
         depth: int = 2,
+        max_gang_size: int | None = None,
         transport: Transport | None = None,
     ) -> None:
         for name, value in (("num_layers", num_layers), ("max_chunk_tokens", max_chunk_tokens),
-                            ("kv_features", kv_features), ("depth", depth)):
+                            ("kv_features", kv_features), ("depth", depth), ("max_gang_size", max_gang_size or 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise OdcUsageError(f"GangExchange: {name} must be a positive int, got {value!r}")
         self.transport = transport if transport is not None else _runtime_transport()
+        w = self.transport.world_size
+        if max_gang_size is not None and max_gang_size > w:
+            raise OdcUsageError(f"GangExchange: max_gang_size={max_gang_size} exceeds the world size {w}")
         self.num_layers, self.max_chunk_tokens, self.kv_features, self.dtype, self.depth = (
             num_layers, max_chunk_tokens, kv_features, dtype, depth)
-        w = self.transport.world_size
+        self.max_gang_size = max_gang_size or w
+        rings = max(self.max_gang_size - 1, 1)  # one ring per gang position of a sender relative to the receiver
         self.slot = 2 * max_chunk_tokens * kv_features
-        self.kv = self.transport.alloc(w * depth * self.slot, dtype, "gang.kv")
-        self.dkv = self.transport.alloc(w * depth * self.slot, dtype, "gang.dkv")
-        self.tags = self.transport.alloc(2 * w * depth * _TAG_WORDS, torch.int64, "gang.tags")
-        self.acks = self.transport.alloc(2 * w, torch.int64, "gang.acks")
+        self.slots = self.transport.alloc(rings * depth * self.slot, dtype, "gang.slots")
+        self.tags = self.transport.alloc(rings * depth * _TAG_WORDS, torch.int64, "gang.tags")
+        self.acks = self.transport.alloc(2 * w, torch.int64, "gang.acks")  # payloads of credits and joins
         # Sources of every put (data, then a tag and a credit word): symmetric, so network puts can read them;
         # reused in stream order, since a put has read its source before anything later on the stream runs.
         self.stage = self.transport.alloc(self.slot, dtype, "gang.stage")
         self.stage_words = self.transport.alloc(_TAG_WORDS + 1, torch.int64, "gang.stage_words")
-        # Words [d·W + s]: puts from sender s in direction d (data and tag: +2 per layer); [(2 + d)·W + r]: credits
-        # from receiver r (+1 per layer it consumed). Words only grow; both sides keep running counts per pair.
-        self.signal = self.transport.alloc(4 * w, torch.int64, "gang.signal")
-        self._sent = [[0] * w for _ in range(2)]  # [direction][peer]: layers this rank put to peer
-        self._received = [[0] * w for _ in range(2)]  # [direction][peer]: layers this rank consumed from peer
+        # Words [s]: puts from sender s (data and tag: +2 per exchange); [W + r]: credits from receiver r (+1 per
+        # exchange it consumed); [2W + r]: joins from member r (+1 per gang micro-batch it starts with this rank).
+        # Words only grow; both sides keep running counts per pair.
+        self.signal = self.transport.alloc(3 * w, torch.int64, "gang.signal")
+        self._sent = [0] * w  # [peer]: exchanges this rank put to peer
+        self._received = [0] * w  # [peer]: exchanges this rank consumed from peer
+        self._joined = [0] * w  # [peer]: gang micro-batches this rank started with peer
 
     @property
     def rank(self) -> int:
         return self.transport.rank
+
+    @property
+    def nbytes(self) -> int:
+        """Symmetric memory this exchange holds on each rank."""
+        return sum(b.numel * b.dtype.itemsize for b in self._buffers())
 
     def step(self, chunk: Chunk) -> GangStep:
         """The exchange state of this rank's gang micro-batch ``chunk``; use as ``with exchange.step(c):``."""
@@ -139,15 +159,18 @@ class GangExchange:
 
     def free(self) -> None:
         """Collective: release the buffers."""
-        for buf in (self.signal, self.stage_words, self.stage, self.acks, self.tags, self.dkv, self.kv):
+        for buf in reversed(self._buffers()):
             self.transport.free(buf)
 
-    def _slot(self, sender: int, n: int) -> int:
-        """Offset of sender's slot for its ``n``-th exchange with this receiver (a ring of ``depth``)."""
-        return (sender * self.depth + n % self.depth) * self.slot
+    def _buffers(self) -> list[SymmetricBuffer]:
+        return [self.slots, self.tags, self.acks, self.stage, self.stage_words, self.signal]
 
-    def _tag_offset(self, direction: int, sender: int, n: int) -> int:
-        return ((direction * self.transport.world_size + sender) * self.depth + n % self.depth) * _TAG_WORDS
+    def _slot(self, ring: int, n: int) -> int:
+        """Offset of the slot of ring ``ring`` used by a pair's ``n``-th exchange."""
+        return (ring * self.depth + n % self.depth) * self.slot
+
+    def _tag_offset(self, ring: int, n: int) -> int:
+        return (ring * self.depth + n % self.depth) * _TAG_WORDS
 
 
 class GangStep:
@@ -174,6 +197,9 @@ class GangStep:
         if max(self.counts) > exchange.max_chunk_tokens:
             raise OdcUsageError(f"odc gang {chunk.gang}: a chunk of {max(self.counts)} tokens exceeds the "
                                 f"exchange's max_chunk_tokens={exchange.max_chunk_tokens}")
+        if chunk.parts > exchange.max_gang_size:
+            raise OdcUsageError(f"odc gang {chunk.gang}: sample {chunk.sample} is split across {chunk.parts} ranks, "
+                                f"more than the exchange's max_gang_size={exchange.max_gang_size}")
         positions = [c.positions() for c in parts]
         device = exchange.transport.device
         #: Global positions of this chunk's tokens (on the transport's device).
@@ -186,11 +212,13 @@ class GangStep:
         self._next_layer = 0  # first pass: the next layer to exchange
         self._recomputed: set[int] = set()  # layers whose forward ran again (activation checkpointing)
         self._received: list[tuple[torch.Tensor, int, int, int]] = []  # (tag copy, pass, layer, peer), unchecked
+        self._sent = dict.fromkeys(self.members, 0)  # exchanges put to each member in this step
+        self._joined = False
         self._token = None
 
     def _tag(self, layer: int, pass_: int) -> list[int]:
         c = self.chunk
-        return [c.gang, c.sample, c.length, layer, _DIRECTION[pass_], pass_]
+        return [c.gang, c.sample, c.length, layer, pass_]
 
     def __enter__(self) -> GangStep:
         global _PENDING
@@ -217,74 +245,110 @@ class GangStep:
         return f"gang {self.chunk.gang} (sample {self.chunk.sample}) layer {layer}: {kind} from rank {peer}"
 
     def _verify(self) -> None:
-        """Compare every received tag not yet checked with the expected one: one device-to-host read."""
+        """Compare every received tag not yet checked with the expected one: one device-to-host read. A mismatch
+        marks the runtime failed (fail-stop) and raises :class:`~odc_runtime.errors.OdcMismatchError`."""
         if not self._received:
             return
         received, self._received = self._received, []
         got = torch.stack([t for t, *_ in received]).tolist()
         for tag, (_, pass_, layer, peer) in zip(got, received, strict=True):
             if tag != self._tag(layer, pass_):
-                raise OdcMismatchError(
-                    f"odc {self._what(layer, pass_, peer)}: it sent (gang, sample, length, layer, direction, pass) = "
+                error = OdcMismatchError(
+                    f"odc {self._what(layer, pass_, peer)}: it sent (gang, sample, length, layer, pass) = "
                     f"{tag}, this rank expected {self._tag(layer, pass_)}; the ranks run different plans or models"
                 )
+                # Fail-stop: the members exchanged different things, so their running counts may differ and data
+                # may have been used; the runtime is marked failed, which also ends the peers' waits at once. The
+                # mismatch is raised even when a failure it caused was recorded first (a wait on a failed peer).
+                self.exchange.transport.fail(error)
+                raise error
 
-    def _send(self, buf: SymmetricBuffer, pass_: int, layer: int, rows: torch.Tensor | dict[int, torch.Tensor]) -> None:
-        """Put the rows (one tensor for every peer, or one per peer) into every peer's next slot for this rank, then
-        the tag; both counted in one word. Sources go through the stage.
+    def _ring(self, sender_part: int, receiver_part: int) -> int:
+        """The receiver's ring that a sender uses: the sender's gang position after the receiver's, minus one."""
+        return (sender_part - receiver_part - 1) % self.chunk.parts
 
-        A slot is reused ``depth`` exchanges later, once the peer's credit says it consumed the previous one."""
+    def _peers(self) -> list[int]:
+        """The other members, starting after this one (each member starts with a different peer)."""
+        return [self.members[(self.chunk.part + i) % len(self.members)] for i in range(1, len(self.members))]
+
+    def _join(self, layer: int, pass_: int) -> None:
+        """Before the first put of a gang micro-batch: tell every peer that this rank started it (so consumed
+        everything of its earlier gangs), then wait until every peer did. Rings are per gang position, not per
+        sender, so a peer's ring may have served another sender in an earlier gang: this is what frees it."""
         ex, me, w = self.exchange, self.exchange.rank, self.exchange.transport.world_size
-        direction = _DIRECTION[pass_]
-        word = direction * w + me
-        order = [self.members[(self.chunk.part + i) % len(self.members)] for i in range(1, len(self.members))]
-        sent = {p: ex._sent[direction][p] for p in order}
-        for p in order:
-            if sent[p] >= ex.depth:  # the slot's previous use must be consumed: wait for that credit
+        peers = self._peers()
+        word = ex.stage_words.local[_TAG_WORDS:]
+        word.fill_(1)
+        ex.transport.put_signal(ex.acks, [PutRequest(p, word, w + me, 2 * w + me) for p in peers], ex.signal)
+        for p in peers:
+            ex._joined[p] += 1
+            what = self._what(layer, pass_, p).replace(" from rank ", ": join (it started the gang) from rank ")
+            self._wait(2 * w + p, ex._joined[p], what, p)
+        self._joined = True
+
+    def _send(self, pass_: int, layer: int, rows: torch.Tensor | dict[int, torch.Tensor]) -> None:
+        """Put the rows (one tensor for every peer, or one per peer) into every peer's next slot of this rank's
+        ring, then the tag; both counted in one word. Sources go through the stage.
+
+        Within a gang micro-batch a slot is reused ``depth`` exchanges later, once the peer's credit says it
+        consumed the previous use; its uses in earlier gangs were consumed before the peer joined this one."""
+        ex, me, w = self.exchange, self.exchange.rank, self.exchange.transport.world_size
+        if not self._joined:
+            self._join(layer, pass_)
+        peers, parts = self._peers(), {r: p for p, r in enumerate(self.members)}
+        mine = self.chunk.part
+        for p in peers:
+            if self._sent[p] >= ex.depth:  # the slot's previous use must be consumed: wait for that credit
                 what = self._what(layer, pass_, p).replace(" from rank ", ": credit (slot free) from rank ")
-                self._wait(ex.signal, (2 + direction) * w + p, sent[p] - ex.depth + 1, what, p)
+                self._wait(w + p, ex._sent[p] - ex.depth + 1, what, p)
+        at = {p: (self._ring(mine, parts[p]), ex._sent[p]) for p in peers}  # (ring, exchange count) at each peer
         stage = ex.stage.local
         if isinstance(rows, torch.Tensor):  # the same rows for everyone: staged once
             src = stage[: rows.numel()]
             src.copy_(rows.reshape(-1))
-            ex.transport.put_signal(buf, [PutRequest(p, src, ex._slot(me, sent[p]), word) for p in order], ex.signal)
+            ex.transport.put_signal(ex.slots, [PutRequest(p, src, ex._slot(*at[p]), me) for p in peers], ex.signal)
         else:  # rows per peer: staged and put one peer after the other (a put has read its source before the next)
-            for p in order:
+            for p in peers:
                 src = stage[: rows[p].numel()]
                 src.copy_(rows[p].reshape(-1))
-                ex.transport.put_signal(buf, [PutRequest(p, src, ex._slot(me, sent[p]), word)], ex.signal)
+                ex.transport.put_signal(ex.slots, [PutRequest(p, src, ex._slot(*at[p]), me)], ex.signal)
         tag = ex.stage_words.local[:_TAG_WORDS]
         tag.copy_(self._tags[pass_ * ex.num_layers + layer])
-        ex.transport.put_signal(
-            ex.tags, [PutRequest(p, tag, ex._tag_offset(direction, me, sent[p]), word) for p in order], ex.signal)
-        for p in order:
-            ex._sent[direction][p] += 1
+        ex.transport.put_signal(ex.tags, [PutRequest(p, tag, ex._tag_offset(*at[p]), me) for p in peers], ex.signal)
+        for p in peers:
+            ex._sent[p] += 1
+            self._sent[p] += 1
 
-    def _wait(self, signal: SymmetricBuffer, index: int, value: int, what: str, peer: int) -> None:
-        """A bounded wait; a tag mismatch seen before it gave up is the error to report (it is the cause)."""
+    def _wait(self, index: int, value: int, what: str, peer: int) -> None:
+        """A bounded wait on this rank's signal word ``index``."""
+        self.exchange.transport.wait_signal(self.exchange.signal, index, value, what, [peer])
+
+    def _exchange(self, run: Callable[[], T]) -> T:
+        """Run one layer's exchange. When a transport error ends it (a wait that timed out, a peer whose runtime
+        failed), a tag mismatch received before is its cause, and is what is raised."""
         try:
-            self.exchange.transport.wait_signal(signal, index, value, what, [peer])
+            return run()
+        except OdcMismatchError:
+            raise
         except OdcError as e:
             self._verify()
             raise e from None
 
-    def _receive(self, buf: SymmetricBuffer, pass_: int, layer: int, peer: int, numel: int) -> torch.Tensor:
+    def _receive(self, pass_: int, layer: int, peer: int, numel: int) -> torch.Tensor:
         """Wait for ``peer``'s put of this layer and pass; a copy of its data (its tag is checked later)."""
-        ex, w = self.exchange, self.exchange.transport.world_size
-        direction = _DIRECTION[pass_]
-        n = ex._received[direction][peer]
-        self._wait(ex.signal, direction * w + peer, 2 * (n + 1), self._what(layer, pass_, peer), peer)
-        t = ex._tag_offset(direction, peer, n)
+        ex, me, w = self.exchange, self.exchange.rank, self.exchange.transport.world_size
+        n = ex._received[peer]
+        self._wait(peer, 2 * (n + 1), self._what(layer, pass_, peer), peer)
+        ring = self._ring(self.members.index(peer), self.chunk.part)
+        t = ex._tag_offset(ring, n)
         self._received.append((ex.tags.local[t : t + _TAG_WORDS].clone(), pass_, layer, peer))
-        offset = ex._slot(peer, n)
-        data = buf.local[offset : offset + numel].clone()
-        ex._received[direction][peer] = n + 1
+        offset = ex._slot(ring, n)
+        data = ex.slots.local[offset : offset + numel].clone()
+        ex._received[peer] = n + 1
         # Credit: the slot is free again (the copies above are ordered before the put, on the stream on GPU).
-        me = ex.rank
         credit = ex.stage_words.local[_TAG_WORDS:]
         credit.fill_(n + 1)
-        ex.transport.put_signal(ex.acks, [PutRequest(peer, credit, direction * w + me, (2 + direction) * w + me)],
-                                ex.signal)
+        ex.transport.put_signal(ex.acks, [PutRequest(peer, credit, me, w + me)], ex.signal)
         return data
 
     def _forward(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,14 +370,14 @@ class GangStep:
                     f"({n}, ...) with {f} elements per token, {ex.dtype}"
                 )
         pass_ = _FIRST if first else _RECOMPUTE
-        self._send(ex.kv, pass_, layer, torch.cat([k.reshape(n, f), v.reshape(n, f)]))
+        self._send(pass_, layer, torch.cat([k.reshape(n, f), v.reshape(n, f)]))
         ks, vs = [], []
         for p, peer in enumerate(self.members):
             if p == self.chunk.part:
                 ks.append(k.reshape(n, f))
                 vs.append(v.reshape(n, f))
                 continue
-            data = self._receive(ex.kv, pass_, layer, peer, 2 * self.counts[p] * f).view(2, self.counts[p], f)
+            data = self._receive(pass_, layer, peer, 2 * self.counts[p] * f).view(2, self.counts[p], f)
             ks.append(data[0])
             vs.append(data[1])
         if first:
@@ -330,12 +394,12 @@ class GangStep:
         dv_rows = dv_all.reshape(-1, f).to(ex.dtype).split(self.counts)
         rows = {peer: torch.cat([dk_rows[p], dv_rows[p]])
                 for p, peer in enumerate(self.members) if p != self.chunk.part}
-        self._send(ex.dkv, _GRAD, layer, rows)
+        self._send(_GRAD, layer, rows)
         me, n = self.chunk.part, self.counts[self.chunk.part]
         total = torch.cat([dk_rows[me], dv_rows[me]])
         for p, peer in enumerate(self.members):  # member order: a deterministic sum
             if p != me:
-                total = total + self._receive(ex.dkv, _GRAD, layer, peer, 2 * n * f).view(2 * n, f)
+                total = total + self._receive(_GRAD, layer, peer, 2 * n * f).view(2 * n, f)
         if layer == 0:  # the last layer of the backward pass
             if _PENDING is self:
                 _PENDING = None
@@ -348,11 +412,11 @@ class _ExchangeKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, k: torch.Tensor, v: torch.Tensor, step: GangStep, layer: int) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
         ctx.step, ctx.layer = step, layer
-        return step._forward(layer, k.detach(), v.detach())
+        return step._exchange(lambda: step._forward(layer, k.detach(), v.detach()))
 
     @staticmethod
     def backward(ctx, dk_all: torch.Tensor, dv_all: torch.Tensor) -> tuple:  # noqa: ANN001
-        dk, dv = ctx.step._backward(ctx.layer, dk_all, dv_all)
+        dk, dv = ctx.step._exchange(lambda: ctx.step._backward(ctx.layer, dk_all, dv_all))
         return dk, dv, None, None
 
 

@@ -91,7 +91,7 @@ def _run_chunk(exchange, chunk, checkpoint: str = "none"):
 
 
 def _gangs_rank(rank: int, world: int, gangs: list[tuple[int, int, tuple[int, ...]]], depth: int = 2,
-                checkpoint: str = "none"):
+                checkpoint: str = "none", max_gang_size: int | None = None):
     """Run every gang (sample length, parts, ranks) this rank belongs to, in gang order; per gang, the loss and
     gradients summed over the members (all_reduce over the world, zeros from non-members)."""
     import torch
@@ -104,7 +104,7 @@ def _gangs_rank(rank: int, world: int, gangs: list[tuple[int, int, tuple[int, ..
     odc.init("host")
     longest = max(length for length, _, _ in gangs)
     ex = GangExchange(num_layers=LAYERS, max_chunk_tokens=longest, kv_features=KV_HEADS * HEAD_DIM,
-                      dtype=torch.float64, depth=depth)
+                      dtype=torch.float64, depth=depth, max_gang_size=max_gang_size)
     results = []
     for g, (length, parts, ranks) in enumerate(gangs):
         if rank in ranks:
@@ -148,6 +148,40 @@ def test_gangs_sharing_a_rank_run_in_order_without_deadlock() -> None:
     # meet again in gang 2, reusing their one slot per peer (depth 1) under credits.
     gangs = [(12, 2, (0, 1)), (10, 2, (1, 2)), (9, 2, (0, 1))]
     _check_against_reference(run_ranks(_gangs_rank, 3, gangs, 1, timeout=100), gangs)
+
+
+def test_a_ring_serves_the_senders_of_successive_gangs() -> None:
+    # max_gang_size 2: every receiver has one ring (depth 1: one slot), used by rank 0 then rank 2 at rank 1, and
+    # checkpointing makes the backward passes exchange twice per layer. Rank 2 reaches gang 1 while rank 1 is still
+    # in gang 0: only rank 1's join lets it write (without the join wait this fails at the tag check).
+    gangs = [(12, 2, (0, 1)), (10, 2, (1, 2)), (9, 2, (0, 1)), (11, 2, (2, 1))]
+    _check_against_reference(run_ranks(_gangs_rank, 3, gangs, 1, "non-reentrant", 2, timeout=100), gangs)
+
+
+def _sizes_rank(rank: int, world: int) -> tuple[int, str]:
+
+    import odc_runtime as odc
+    from odc_runtime.errors import OdcUsageError
+    from odc_runtime.gang import GangExchange
+    from odc_runtime.split import Chunk
+
+    odc.init("host")
+    ex = GangExchange(num_layers=2, max_chunk_tokens=16, kv_features=4, depth=1, max_gang_size=2)
+    try:
+        ex.step(Chunk(0, rank, 3, 12, 0, (0, 1, 2)))
+    except OdcUsageError as e:
+        return ex.nbytes, str(e)
+    finally:
+        ex.free()
+    return ex.nbytes, "no error"
+
+
+def test_memory_grows_with_the_largest_gang_and_a_larger_gang_is_refused() -> None:
+    for nbytes, message in run_ranks(_sizes_rank, 3, timeout=60):
+        slot = 2 * 16 * 4 * 4  # K and V of a chunk, fp32
+        words = (5 + 2 * 3 + 5 + 1 + 3 * 3) * 8  # tags, acks, stage words, signal
+        assert nbytes == (1 * 1 + 1) * slot + words  # one ring of one slot, and the stage
+        assert "split across 3 ranks, more than the exchange's max_gang_size=2" in message
 
 
 @pytest.mark.parametrize("checkpoint", ["non-reentrant", "reentrant"])
@@ -243,7 +277,7 @@ def test_a_member_that_leaves_is_a_timeout_naming_gang_and_layer() -> None:
     results = run_ranks(_faulty_rank, 2, "leave", timeout=60, env={"ODC_TIMEOUT": "3"}, expect_exit={1})
     kind, message = results[0]
     assert kind == "OdcTimeoutError"
-    assert "odc gang 0 (sample 0) layer 0: forward K/V from rank 1" in message
+    assert "odc gang 0 (sample 0) layer 0: forward K/V: join (it started the gang) from rank 1" in message
 
 
 def test_members_running_different_plans_is_a_mismatch() -> None:
@@ -253,9 +287,11 @@ def test_members_running_different_plans_is_a_mismatch() -> None:
         assert f"layer 0: forward K/V from rank {1 - rank}" in message and "different plans" in message
 
 
-def test_members_checkpointing_differently_fail_within_the_timeout() -> None:
-    # Rank 0 checkpoints its layers, rank 1 does not: in the backward pass rank 0 recomputes layer 1 (waiting for
-    # rank 1's K/V) while rank 1 waits for rank 0's dK/dV. Neither comes: both raise, naming what they waited for.
-    results = run_ranks(_faulty_rank, 2, "checkpoint", timeout=60, env={"ODC_TIMEOUT": "3"})
-    assert results[0][0] == "OdcTimeoutError" and "layer 1: recomputed forward K/V from rank 1" in results[0][1]
-    assert results[1][0] == "OdcTimeoutError" and "layer 1: backward dK/dV from rank 0" in results[1][1]
+def test_members_checkpointing_differently_is_a_mismatch_on_both() -> None:
+    # Rank 0 checkpoints its layers, rank 1 does not: in the backward pass rank 0 recomputes layer 1 while rank 1
+    # sends dK/dV of layer 1. Each takes the other's put for its own (one ring per pair); the tags tell. Rank 1 finds
+    # it at the end of its backward pass and fails its runtime, which ends rank 0's next wait at once (well inside
+    # the 30 s ODC_TIMEOUT; the harness's 60 s would fail a run that waited for it).
+    results = run_ranks(_faulty_rank, 2, "checkpoint", timeout=60, env={"ODC_TIMEOUT": "30"})
+    assert results[0][0] == "OdcMismatchError" and "layer 1: recomputed forward K/V from rank 1" in results[0][1]
+    assert results[1][0] == "OdcMismatchError" and "layer 1: backward dK/dV from rank 0" in results[1][1]

@@ -94,15 +94,16 @@ def enable(model: Any) -> Any:
     return model
 
 
-def exchange_for(model: Any, max_chunk_tokens: int, dtype: torch.dtype | None = None) -> GangExchange:
+def exchange_for(model: Any, max_chunk_tokens: int, dtype: torch.dtype | None = None, *, depth: int = 2,
+                 max_gang_size: int | None = None) -> GangExchange:
     """Collective: a :class:`GangExchange` sized for ``model``'s layers and K/V heads (``dtype``: the dtype the
-    attention runs in, default the model's)."""
+    attention runs in, default the model's; ``depth``, ``max_gang_size``: as for :class:`GangExchange`)."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     return GangExchange(
         num_layers=config.num_hidden_layers, max_chunk_tokens=max_chunk_tokens, kv_features=kv_heads * head_dim,
-        dtype=dtype or next(model.parameters()).dtype,
+        dtype=dtype or next(model.parameters()).dtype, depth=depth, max_gang_size=max_gang_size,
     )
 
 
