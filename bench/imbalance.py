@@ -324,7 +324,8 @@ def worker(args: argparse.Namespace) -> None:
     gathered: list = [None] * world
     dist.all_gather_object(gathered, {key: [vars(r) for r in recs] for key, recs in records.items()})
     if rank == 0:
-        report(args, schedules, gathered, world, source, timeline_k, run_s, load_before)
+        report(args, schedules, gathered, world, source, timeline_k, run_s, load_before,
+               gang.exchange.nbytes if gang is not None else 0)
     if gang is not None:
         gang.free()
     if "odc" in comms:
@@ -410,7 +411,10 @@ def _ratio(x: float | None) -> str:
 
 
 def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict], world: int,
-           source: str, timeline_k: int, run_s: float, load_before: tuple[float, float, float]) -> None:
+           source: str, timeline_k: int, run_s: float, load_before: tuple[float, float, float],
+           gang_bytes: int = 0) -> None:
+    """Print the table and notes, write the JSON and the plot (rank 0). ``gang_bytes``: the symmetric memory the
+    gang exchange held per rank (0: no split plan ran)."""
     runs = summarize(schedules, gathered, world, args.time_scale)
     spec = MODELS[args.model]
     n_mb = len(next(iter(schedules.values())).minibatches)
@@ -449,14 +453,16 @@ def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict],
             gain = f"; {ref['wall_s'] / r['wall_s']:.3f}× odc + lb_mini's tokens/s in this run" if ref else ""
             print(f"  {r['comm']} + {r['policy']}: gang micro-batches ran their K/V exchange through odc_runtime.gang: "
                   f"{r['kv_exchange_calls']} layer exchanges, {r['kv_exchange_bytes'] / 2**20:.1f} MiB put (K/V "
-                  f"scaled like the parameters){gain}; collectives cannot run split plans (ODC only)")
+                  f"scaled like the parameters), {gang_bytes / 2**20:.2f} MiB of symmetric memory per rank for the "
+                  f"exchange{gain}; collectives cannot run split plans (ODC only)")
     load_after = os.getloadavg()
     print(f"  executed in {run_s:.1f} s; load average {load_before[0]:.1f} → {load_after[0]:.1f} on "
           f"{os.cpu_count()} cores")
     config = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     config.update(world_size=world, source=source, model_name=spec.name, timeline_minibatch=timeline_k,
                   flops_per_second=GPU_PEAK_FLOPS[args.gpu] * args.mfu, run_s=run_s,
-                  load_average_before=load_before, load_average_after=load_after, oversized_samples=sched.oversized)
+                  load_average_before=load_before, load_average_after=load_after, oversized_samples=sched.oversized,
+                  gang_symmetric_bytes=gang_bytes)
     payload = {"runs": runs, "config": config, "machine": _common.machine_info()}
     timelines = {
         f"{comm} + {policy}": [g[(comm, policy)][timeline_k]["events"] for g in gathered]

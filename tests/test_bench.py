@@ -229,6 +229,13 @@ def test_imbalance_runs_split_plans_with_a_real_kv_exchange(tmp_path, world, len
     parts, length = world, lengths[0]
     assert split["kv_exchange_bytes"] == layers * 2 * (parts - 1) * 2 * length * 4
     assert "K/V exchange through odc_runtime.gang" in proc.stdout
+    # the memory the exchange held: ((world - 1) rings of depth 2 + the stage) slots of a chunk's K and V, fp32,
+    # plus its small int64 buffers (tags, acks, stage words, signal words)
+    config = json.loads(out.read_text())["config"]
+    slot = 2 * config["max_tokens"] * 1 * 4
+    words = 8 * ((world - 1) * 2 * 5 + 2 * world + 6 + 3 * world)
+    assert config["gang_symmetric_bytes"] == ((world - 1) * 2 + 1) * slot + words
+    assert f"{config['gang_symmetric_bytes'] / 2**20:.2f} MiB of symmetric memory per rank" in proc.stdout
 
 
 def _gang_kv_rank(rank: int, world: int) -> dict[str, list[bool]]:
