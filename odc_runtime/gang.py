@@ -59,12 +59,13 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 from odc_runtime.errors import OdcError, OdcMismatchError, OdcUsageError
 from odc_runtime.split import Chunk
 from odc_runtime.transport.base import PutRequest, SymmetricBuffer, Transport
 
-__all__ = ["GangExchange", "GangStep", "active_step", "causal_mask", "exchange_kv", "gang_attention"]
+__all__ = ["GangExchange", "GangStep", "active_step", "exchange_kv", "gang_attention"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -206,6 +207,8 @@ class GangStep:
         self.positions = torch.tensor(positions[chunk.part], dtype=torch.long, device=device)
         #: Global positions of the gathered K/V rows (members' chunks in member order).
         self.kv_positions = torch.tensor([t for ps in positions for t in ps], dtype=torch.long, device=device)
+        #: The gathered rows in global order (the chunks cover the sample: sorted, the positions are 0..length-1).
+        self.kv_order = torch.argsort(self.kv_positions)
         # Every tag this step sends, made on the device once: row pass · num_layers + layer.
         self._tags = torch.tensor([self._tag(layer, p) for p in (_FIRST, _RECOMPUTE, _GRAD)
                                    for layer in range(exchange.num_layers)], dtype=torch.int64, device=device)
@@ -441,11 +444,6 @@ def active_step() -> GangStep | None:
     return None
 
 
-def causal_mask(step: GangStep) -> torch.Tensor:
-    """``mask[i, j]``: query ``i`` of this chunk may attend to gathered K/V row ``j`` (global causal order)."""
-    return step.positions[:, None] >= step.kv_positions[None, :]
-
-
 def gang_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: GangStep, layer: int, *, scale: float | None = None
 ) -> torch.Tensor:
@@ -453,14 +451,26 @@ def gang_attention(
 
     ``q``: ``(heads, tokens, head_dim)``; ``k``, ``v``: ``(kv_heads, tokens, head_dim)`` (grouped-query attention
     when ``kv_heads`` divides ``heads``). Returns ``(heads, tokens, head_dim)``.
+
+    The gathered K/V are put in global order; a chunk's queries are pieces of consecutive positions ``[lo, hi)``,
+    and each piece sees exactly the prefix ``[0, hi)`` with its diagonal at the end: one causal attention per piece,
+    aligned to the lower right (``torch.nn.attention.bias.causal_lower_right``), so no dense mask is built and
+    SDPA may use its flash and memory-efficient kernels.
     """
     hkv = k.shape[0]
-    k_all, v_all = exchange_kv(step, layer, k.transpose(0, 1), v.transpose(0, 1))  # (tokens, kv_heads, d)
-    k_all, v_all = k_all.transpose(0, 1), v_all.transpose(0, 1)
     groups = q.shape[0] // hkv
     if groups * hkv != q.shape[0]:
         raise OdcUsageError(f"odc gang: {q.shape[0]} query heads are not a multiple of {hkv} K/V heads")
+    k_all, v_all = exchange_kv(step, layer, k.transpose(0, 1), v.transpose(0, 1))  # (tokens, kv_heads, d)
+    k_all = k_all.index_select(0, step.kv_order).transpose(0, 1)  # (kv_heads, sample length, d): global order
+    v_all = v_all.index_select(0, step.kv_order).transpose(0, 1)
     if groups > 1:
         k_all, v_all = k_all.repeat_interleave(groups, 0), v_all.repeat_interleave(groups, 0)
-    return torch.nn.functional.scaled_dot_product_attention(q, k_all, v_all, attn_mask=causal_mask(step), scale=scale)
-
+    out, start = [], 0
+    for lo, hi in step.chunk.ranges:  # 4-D (a batch of one): SDPA's fused kernels take nothing else
+        n = hi - lo
+        out.append(torch.nn.functional.scaled_dot_product_attention(
+            q[None, :, start : start + n], k_all[None, :, :hi], v_all[None, :, :hi],
+            attn_mask=causal_lower_right(n, hi), scale=scale)[0])
+        start += n
+    return torch.cat(out, dim=1)

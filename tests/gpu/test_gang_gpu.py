@@ -1,6 +1,7 @@
 """GPU test of gang attention (odc_runtime.gang) on the nvshmem transport, on ONE GPU: a sample split across 2 and 3
 PEs (CUDA MPS) equals the unsplit reference, twice in a row (slot reuse), also with activation checkpointing; a gang
-micro-batch synchronises the host once per pass, not per layer. Skipped without a GPU, the extension or CUDA MPS,
+micro-batch synchronises the host once per pass, not per layer; bf16 gang attention runs on SDPA's flash kernel alone
+(no dense mask). Skipped without a GPU, the extension or CUDA MPS,
 saying which. Not yet run on a GPU."""
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ WORKER = os.path.join(os.path.dirname(__file__), "_gang_worker.py")
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 
-@pytest.mark.parametrize(("nproc", "scenario"), [(2, "exact"), (3, "exact"), (2, "checkpoint"), (2, "syncs")])
+@pytest.mark.parametrize(("nproc", "scenario"),
+                         [(2, "exact"), (3, "exact"), (2, "checkpoint"), (2, "syncs"), (3, "flash")])
 def test_gang_on_gpu(nproc: int, scenario: str, tmp_path) -> None:
     _require_backend()
     first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
