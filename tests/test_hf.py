@@ -150,6 +150,25 @@ def loss_sum(model, samples):
     return F.cross_entropy(logits[keep], ids[0].roll(-1)[keep], reduction="sum")
 
 
+def reference_grads(compute, target, micro_batches, divide) -> float:
+    """Run each micro-batch (a list of samples) through ``compute``, sum the gradients in fp32 and set ``target``'s
+    (the fp32 master model's) ``.grad`` to that sum over ``divide``; returns the summed loss."""
+    import torch
+
+    grads = [torch.zeros_like(q) for q in target.parameters()]
+    total = 0.0
+    for mb in micro_batches:
+        loss = loss_sum(compute, mb)
+        loss.backward()
+        total += loss.item()
+        for g, p in zip(grads, compute.parameters(), strict=True):
+            g += p.grad.float()
+            p.grad = None
+    for g, q in zip(grads, target.parameters(), strict=True):
+        q.grad = g / divide
+    return total
+
+
 # --------------------------------------------------------------------------------------------------- scenario
 
 
@@ -233,18 +252,7 @@ def scenario(rank: int, world: int, arch: str, bf16: bool, ac: bool, tie: bool) 
             with torch.no_grad():
                 for p, q in zip(ref_compute.parameters(), ref.parameters(), strict=True):
                     p.copy_(q)  # the bf16 cast FSDP's all-gather input gets
-        compute = ref_compute if bf16 else ref
-        grads = [torch.zeros_like(q) for q in ref.parameters()]
-        total = 0.0
-        for mb in groups:
-            loss = loss_sum(compute, [samples[i] for i in mb])
-            loss.backward()
-            total += loss.item()
-            for g, p in zip(grads, compute.parameters(), strict=True):
-                g += p.grad.float()
-                p.grad = None
-        for g, q in zip(grads, ref.parameters(), strict=True):
-            q.grad = g / tokens
+        total = reference_grads(ref_compute if bf16 else ref, ref, [[samples[i] for i in mb] for mb in groups], tokens)
         out["ref_loss"].append(total / tokens)
 
         for opt in opts:

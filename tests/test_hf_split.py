@@ -261,7 +261,7 @@ def _fsdp_reference(world: int, arch: str, bf16: bool = False) -> dict:
     over the minibatch and divided by its target count; the same SGD. ``bf16``: FSDP's mixed-precision semantics
     (fp32 master weights cast to bf16 for compute, buffers fp32, bf16 micro-batch gradients summed in fp32)."""
     import torch
-    from test_hf import build_model, loss_sum
+    from test_hf import build_model, reference_grads
 
     model = build_model(arch, seed=0)
     compute = build_model(arch, seed=0)
@@ -275,17 +275,7 @@ def _fsdp_reference(world: int, arch: str, bf16: bool = False) -> dict:
         with torch.no_grad():
             for p, q in zip(compute.parameters(), model.parameters(), strict=True):
                 p.copy_(q)
-        grads = [torch.zeros_like(q) for q in model.parameters()]
-        total = 0.0
-        for s in samples:
-            loss = loss_sum(compute, [s])
-            loss.backward()
-            total += loss.item()
-            for g, p in zip(grads, compute.parameters(), strict=True):
-                g += p.grad.float()
-                p.grad = None
-        for g, q in zip(grads, model.parameters(), strict=True):
-            q.grad = g / targets
+        total = reference_grads(compute, model, [[s] for s in samples], targets)
         opt.step()
         opt.zero_grad()
         out["loss"].append(total / targets)
