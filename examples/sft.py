@@ -240,6 +240,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=1024, help="clip sample lengths to this many tokens")
     p.add_argument("--samples", type=int, default=32, help="sequences per minibatch (optimizer step)")
     p.add_argument("--max-tokens", type=int, default=1024, help="token cap of one micro-batch")
+    p.add_argument("--max-gang-size", type=int, default=None,
+                   help="lb_mini_split: the most ranks one sample is split across (default: every rank); the gang "
+                        "exchange's memory grows with it")
     p.add_argument("--vocab", type=int, default=509)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
@@ -352,7 +355,7 @@ def train(args: argparse.Namespace) -> None:
     if balance.get_policy(args.policy).splits:  # K/V exchange of split samples (odc_runtime.gang)
         kv_dtype = torch.bfloat16 if args.bf16 else torch.float32
         exchange = gang.GangExchange(num_layers=args.layers, max_chunk_tokens=args.max_tokens, kv_features=args.dim,
-                                     dtype=kv_dtype)
+                                     dtype=kv_dtype, max_gang_size=args.max_gang_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 
     if rank == 0:
@@ -366,7 +369,8 @@ def train(args: argparse.Namespace) -> None:
     records = []
     for step in range(args.steps):
         lengths = step_lengths(args, step)
-        plan = balance.plan(lengths, world, max_tokens=args.max_tokens, policy=args.policy)
+        plan = balance.plan(lengths, world, max_tokens=args.max_tokens, policy=args.policy,
+                            max_gang_size=args.max_gang_size)
         global_targets = sum(n - 1 for n in lengths)
         mine = plan[rank]
         if args.comm == "collective":  # collectives need the same micro-batch count everywhere

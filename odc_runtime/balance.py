@@ -259,6 +259,7 @@ class _Job:
     world_size: int
     max_tokens: int
     model: CostModel = field(default=None)  # type: ignore[assignment]  # always set by plan()
+    max_gang_size: int | None = None  # splitting policies: the most ranks one sample may be split across
 
     def cost(self, part: Iterable[int]) -> float:
         return math.fsum(self.costs[i] for i in part)
@@ -279,6 +280,7 @@ def plan(
     policy: str,
     cost: CostModel = DEFAULT_COST_MODEL,
     allow_oversized: bool = False,
+    max_gang_size: int | None = None,
 ) -> Plan:
     """Assign samples to ranks and micro-batches; ``result[rank][i]`` lists rank's i-th micro-batch.
 
@@ -292,6 +294,10 @@ def plan(
     ``"verl_lb_micro"`` and ``"lb_micro"`` on the same input (it evaluates their rank assignments as
     candidates), and within ``4/3 - 1/(3·world_size)`` of the optimum (it includes the LPT assignment,
     Graham's bound).
+
+    ``max_gang_size``: for policies that split samples (``lb_mini_split``), the most ranks one sample may be split
+    across (default the world size); pass the same value to :class:`odc_runtime.gang.GangExchange`, whose memory
+    grows with it. Other policies never split, so the cap holds for them as it is.
     """
     entry = get_policy(policy)
     planner = entry.planner
@@ -301,7 +307,9 @@ def plan(
         raise OdcUsageError(f"cost must be a CostModel, got {type(cost).__name__}")
     lens = _check_lengths(lengths)
     _check_oversized(lens, max_tokens, allow_oversized or entry.splits)
-    job = _Job(lens, [cost.cost(s) for s in lens], world_size, max_tokens, cost)
+    if max_gang_size is not None:
+        max_gang_size = _check_positive_int("max_gang_size", max_gang_size)
+    job = _Job(lens, [cost.cost(s) for s in lens], world_size, max_tokens, cost, max_gang_size)
     return planner(job)
 
 

@@ -90,13 +90,15 @@ def chunk_cost(chunk: Chunk, cost: CostModel, kv_ratio: float = KV_RATIO) -> flo
 
 
 def _parts_needed(i: int, length: int, sample_cost: float, job: _Job, share: float, cost: CostModel) -> int:
-    """Fewest chunks that bring sample ``i`` within the token cap and (where the world allows) the fair share."""
+    """Fewest chunks that bring sample ``i`` within the token cap and (where the world and ``max_gang_size``
+    allow) the fair share."""
     w = job.world_size
+    most = min(w, job.max_gang_size or w)
     over_cap = length > job.max_tokens
-    if not over_cap and (w == 1 or sample_cost <= share or length < 4):
+    if not over_cap and (most == 1 or sample_cost <= share or length < 4):
         return 1
     fitting = None
-    for k in range(2, min(w, length // 2) + 1):
+    for k in range(2, min(most, length // 2) + 1):
         chunks = [Chunk(i, p, k, length, 0, ()) for p in range(k)]
         if max(c.tokens for c in chunks) > job.max_tokens:
             continue
@@ -109,8 +111,9 @@ def _parts_needed(i: int, length: int, sample_cost: float, job: _Job, share: flo
         parts = -(-length // job.max_tokens)
         raise OdcUsageError(
             f"sample {i} has {length} tokens, more than max_tokens={job.max_tokens}: it needs a gang of at least "
-            f"{parts} ranks (chunks within the cap), but world_size is {w}; raise max_tokens, run more ranks, or "
-            "truncate the sample"
+            f"{parts} ranks (chunks within the cap), but "
+            + (f"world_size is {w}; raise max_tokens, run more ranks, or truncate the sample" if most == w else
+               f"max_gang_size is {most}; raise max_gang_size or max_tokens, or truncate the sample")
         )
     return fitting
 

@@ -124,7 +124,8 @@ def test_sft_example_split_samples_same_losses_as_collective() -> None:
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode != 0 and "more than max_tokens=256" in proc.stderr, proc.stderr[-2000:]
     runs = {
-        "split": ["examples/sft.py", "--nproc", "2", "--policy", "lb_mini_split", "--max-tokens", "256", "--check"],
+        "split": ["examples/sft.py", "--nproc", "2", "--policy", "lb_mini_split", "--max-tokens", "256", "--check",
+                  "--max-gang-size", "2"],
         "collective": ["-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/sft.py", "--comm",
                        "collective", "--max-tokens", "512"],
     }

@@ -87,6 +87,24 @@ def test_chunk_still_over_the_cap_is_a_typed_error(lengths: list[int], world: in
         plan(lengths, world, max_tokens=120, policy="lb_mini_split")
 
 
+def test_max_gang_size_caps_every_gang_and_refuses_what_cannot_fit() -> None:
+    # 8 ranks, one outlier worth most of the minibatch: uncapped it is split across many ranks; capped, across at
+    # most 2 (the rest of the plan stays valid), and a sample that needs 3 chunks under the token cap is refused.
+    lengths = [4000, 300, 200, 100, 100, 100, 100, 100]
+    uncapped = plan(lengths, 8, max_tokens=4000, policy="lb_mini_split")
+    assert max(c.parts for c in chunks_of(uncapped)) > 2
+    capped = plan(lengths, 8, max_tokens=4000, policy="lb_mini_split", max_gang_size=2)
+    check_split_plan(capped, lengths, world_size=8, max_tokens=4000)
+    assert {c.parts for c in chunks_of(capped)} == {2}
+    with pytest.raises(OdcUsageError, match=r"needs a gang of at least 3 ranks.*max_gang_size is 2"):
+        plan([5000, 10], 8, max_tokens=2000, policy="lb_mini_split", max_gang_size=2)
+    for bad in (0, True, 2.0):
+        with pytest.raises(OdcUsageError, match="max_gang_size"):
+            plan(lengths, 8, max_tokens=4000, policy="lb_mini_split", max_gang_size=bad)
+    assert plan(lengths, 8, max_tokens=4000, policy="lb_mini", max_gang_size=2) == plan(
+        lengths, 8, max_tokens=4000, policy="lb_mini")  # a policy that never splits: the cap changes nothing
+
+
 def test_gangs_sharing_ranks_run_in_one_agreed_order() -> None:
     # Two outliers on 3 ranks: the gangs must share a rank; every member meets them in gang order, first.
     lengths = [3000, 2900, 10, 10]
