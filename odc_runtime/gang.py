@@ -296,9 +296,11 @@ class GangStep:
         Within a gang micro-batch a slot is reused ``depth`` exchanges later, once the peer's credit says it
         consumed the previous use; its uses in earlier gangs were consumed before the peer joined this one."""
         ex, me, w = self.exchange, self.exchange.rank, self.exchange.transport.world_size
+        peers, parts = self._peers(), {r: p for p, r in enumerate(self.members)}
+        if not peers:  # a gang of one: nothing to send (nor to call the transport with)
+            return
         if not self._joined:
             self._join(layer, pass_)
-        peers, parts = self._peers(), {r: p for p, r in enumerate(self.members)}
         mine = self.chunk.part
         for p in peers:
             if self._sent[p] >= ex.depth:  # the slot's previous use must be consumed: wait for that credit
