@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import logging
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -67,7 +66,6 @@ from odc_runtime.transport.base import PutRequest, SymmetricBuffer, Transport
 
 __all__ = ["GangExchange", "GangStep", "active_step", "exchange_kv", "gang_attention"]
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _TAG_WORDS = 5  # gang, sample, length, layer, pass
@@ -215,6 +213,12 @@ class GangStep:
         self._next_layer = 0  # first pass: the next layer to exchange
         self._recomputed: set[int] = set()  # layers whose forward ran again (activation checkpointing)
         self._received: list[tuple[torch.Tensor, int, int, int]] = []  # (tag copy, pass, layer, peer), unchecked
+        # The other members, starting after this one (each member starts with a different peer), and the rings:
+        # a receiver's ring for a sender is the sender's gang position after the receiver's, minus one.
+        me = chunk.part
+        self._peers = [self.members[(me + i) % chunk.parts] for i in range(1, chunk.parts)]
+        self._ring_at = {r: (me - p - 1) % chunk.parts for p, r in enumerate(self.members)}  # my puts, at r
+        self._ring_from = {r: (p - me - 1) % chunk.parts for p, r in enumerate(self.members)}  # r's puts, here
         self._sent = dict.fromkeys(self.members, 0)  # exchanges put to each member in this step
         self._joined = False
         self._token = None
@@ -266,20 +270,12 @@ class GangStep:
                 self.exchange.transport.fail(error)
                 raise error
 
-    def _ring(self, sender_part: int, receiver_part: int) -> int:
-        """The receiver's ring that a sender uses: the sender's gang position after the receiver's, minus one."""
-        return (sender_part - receiver_part - 1) % self.chunk.parts
-
-    def _peers(self) -> list[int]:
-        """The other members, starting after this one (each member starts with a different peer)."""
-        return [self.members[(self.chunk.part + i) % len(self.members)] for i in range(1, len(self.members))]
-
     def _join(self, layer: int, pass_: int) -> None:
         """Before the first put of a gang micro-batch: tell every peer that this rank started it (so consumed
         everything of its earlier gangs), then wait until every peer did. Rings are per gang position, not per
         sender, so a peer's ring may have served another sender in an earlier gang: this is what frees it."""
         ex, me, w = self.exchange, self.exchange.rank, self.exchange.transport.world_size
-        peers = self._peers()
+        peers = self._peers
         word = ex.stage_words.local[_TAG_WORDS:]
         word.fill_(1)
         ex.transport.put_signal(ex.acks, [PutRequest(p, word, w + me, 2 * w + me) for p in peers], ex.signal)
@@ -296,17 +292,16 @@ class GangStep:
         Within a gang micro-batch a slot is reused ``depth`` exchanges later, once the peer's credit says it
         consumed the previous use; its uses in earlier gangs were consumed before the peer joined this one."""
         ex, me, w = self.exchange, self.exchange.rank, self.exchange.transport.world_size
-        peers, parts = self._peers(), {r: p for p, r in enumerate(self.members)}
+        peers = self._peers
         if not peers:  # a gang of one: nothing to send (nor to call the transport with)
             return
         if not self._joined:
             self._join(layer, pass_)
-        mine = self.chunk.part
         for p in peers:
             if self._sent[p] >= ex.depth:  # the slot's previous use must be consumed: wait for that credit
                 what = self._what(layer, pass_, p).replace(" from rank ", ": credit (slot free) from rank ")
                 self._wait(w + p, ex._sent[p] - ex.depth + 1, what, p)
-        at = {p: (self._ring(mine, parts[p]), ex._sent[p]) for p in peers}  # (ring, exchange count) at each peer
+        at = {p: (self._ring_at[p], ex._sent[p]) for p in peers}  # (ring, exchange count) at each peer
         stage = ex.stage.local
         if isinstance(rows, torch.Tensor):  # the same rows for everyone: staged once
             src = stage[: rows.numel()]
@@ -344,7 +339,7 @@ class GangStep:
         ex, me, w = self.exchange, self.exchange.rank, self.exchange.transport.world_size
         n = ex._received[peer]
         self._wait(peer, 2 * (n + 1), self._what(layer, pass_, peer), peer)
-        ring = self._ring(self.members.index(peer), self.chunk.part)
+        ring = self._ring_from[peer]
         t = ex._tag_offset(ring, n)
         self._received.append((ex.tags.local[t : t + _TAG_WORDS].clone(), pass_, layer, peer))
         offset = ex._slot(ring, n)
