@@ -98,6 +98,8 @@ class _FakeStream:
 
 
 class _FakeEvent:
+    cuda_event = 0  # the handle the watchdog passes to the extension's query_event
+
     def record(self, stream: object = None) -> None:
         pass
 
@@ -125,6 +127,7 @@ def _fake_extension(runs: list) -> types.SimpleNamespace:
     return types.SimpleNamespace(
         DTYPE_FLOAT32=0, DTYPE_BFLOAT16=1, DTYPE_FLOAT16=2, PLAN_FETCH_COPY=0, PLAN_FETCH_KERNEL=1,
         PLAN_FETCH_STAGED=2, PLAN_PUSH_ATOMIC=3, PLAN_PUSH_LOCKED=4, Plan=Plan, Engine=Engine,
+        EVENT_DONE=0, EVENT_PENDING=1, query_event=lambda event: 0,
     )
 
 

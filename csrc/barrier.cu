@@ -6,7 +6,9 @@
 //
 // Protocol of barrier #k on PE p (one block, thread t serves peers t, t + blockDim, ...):
 //   1. release: thread 0 runs nvshmem_quiet() (this PE's device-initiated puts/AMOs are complete: the locked
-//      push and staged fetch), then every thread runs __threadfence_system();
+//      push and staged fetch), then reads the abort word: if it is up, the kernel leaves at once, announcing
+//      nothing and recording nothing (see "Never announce after an abort" below); else every thread runs
+//      __threadfence_system();
 //   2. announce: nvshmemx_signal_op(&epochs[p], k, SIGNAL_SET, q) for every q (a volatile store through the
 //      peer pointer on NVLink, a network AMO otherwise);
 //   3. wait: until epochs[q] >= k for every q (wait_or_abort); on abort, the first barrier kernel to give up
@@ -22,6 +24,16 @@
 // announcing store. PE p observes the announcement (load of k) and then fences (acquire), so everything after
 // barrier #k on p's stream sees those writes: the owner's accumulator holds every push issued before any PE's
 // barrier, and a fetch after the barrier reads every owner's post-step parameters.
+//
+// Never announce after an abort. An announcement tells the peers "everything I issued before barrier #k is
+// done", so a PE whose earlier work was cut short by the abort must not make it. Work cut short (a locked push
+// whose lock wait gave up, a signal wait released before its count) read the abort word up before its kernel
+// ended; this kernel starts after that kernel ended (same stream, or joined by an event) and reads the word after
+// it: by coherence of the one host-mapped word it reads it up too, and leaves without announcing. An abort raised
+// after the check concerns this barrier's own wait or later work: everything before it completed, so the
+// announcement is true. The peers' barriers then wait for this PE until their own deadlines: the job fails with a
+// timeout on every rank instead of one rank's gradient missing from a completed step. A barrier that started
+// with the abort up records nothing either, so the host blames the operation that was late, not this barrier.
 //
 // Why it cannot deadlock. A PE announces before it waits, so barrier #k completes on every PE as soon as every PE
 // has *started* its barrier #k kernel. A PE's barrier kernel starts once the work queued before it on its stream
@@ -45,12 +57,15 @@ namespace {
 __global__ void barrier_kernel(uint64_t* epochs, uint64_t epoch, int me, int npes, const volatile uint32_t* abort,
                                unsigned* claim, Record* record) {
     __shared__ int s_gave_up;
+    __shared__ int s_aborted;
     __shared__ unsigned s_first;
     if (threadIdx.x == 0) {
         s_gave_up = 0;
         nvshmem_quiet();
+        s_aborted = abort_raised(abort);  // after the quiet, before any announcement (see above)
     }
     __syncthreads();
+    if (s_aborted) return;  // uniform: every thread read the same shared flag
     __threadfence_system();
     for (int q = threadIdx.x; q < npes; q += blockDim.x) nvshmemx_signal_op(epochs + me, epoch, NVSHMEM_SIGNAL_SET, q);
     for (int q = threadIdx.x; q < npes; q += blockDim.x) {

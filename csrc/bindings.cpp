@@ -29,6 +29,16 @@ PYBIND11_MODULE(_C, m) {
     m.attr("PLAN_PUSH_ATOMIC") = static_cast<int>(odc::kPushAtomic);
     m.attr("PLAN_PUSH_LOCKED") = static_cast<int>(odc::kPushLocked);
 
+    m.attr("EVENT_DONE") = static_cast<int>(odc::kEventDone);
+    m.attr("EVENT_PENDING") = static_cast<int>(odc::kEventPending);
+    m.attr("EVENT_FAILED") = static_cast<int>(odc::kEventFailed);
+    m.def("capture_related", &odc::capture_related, py::arg("code"),
+          "whether a cudaError_t code comes from a stream capture in progress (never a failure of watched work)");
+    m.def("event_state", &odc::event_state, py::arg("code"), "EVENT_* for a cudaEventQuery return code");
+    m.def("query_event", &odc::query_event, py::arg("event"),
+          "cudaEventQuery in the thread-local capture mode: EVENT_DONE or EVENT_PENDING; raises on a CUDA error",
+          release());
+
     m.def("nvshmem_version_compiled", &odc::nvshmem_version_compiled,
           "(major, minor, patch) of the NVSHMEM headers and device library this extension was built against");
     m.def("nvshmem_version_runtime", &odc::nvshmem_version_runtime,
@@ -61,6 +71,7 @@ PYBIND11_MODULE(_C, m) {
         .def("watch", &odc::Engine::watch, py::arg("stream"), py::arg("timeout_s"), release())
         .def("set_abort", &odc::Engine::set_abort)
         .def("aborted", &odc::Engine::aborted)
+        .def("watching", &odc::Engine::watching, release())
         .def("deadline_passed", &odc::Engine::deadline_passed)
         .def("barrier_gave_up", &odc::Engine::barrier_gave_up)
         .def("heard", &odc::Engine::heard)

@@ -7,6 +7,13 @@
 // launch that waits for room in a launch queue that the stuck barrier filled). It only ever raises the abort;
 // the Python watchdog turns what the kernels recorded into the error message. Watches complete in issue order
 // (the Python side keeps at most one barrier in flight), so only the oldest needs polling.
+//
+// Graph capture. cudaEventQuery is an operation a stream capture prohibits: in the default (global) capture mode
+// of the calling thread, a query made while *any* thread captures a CUDA graph in global mode fails and
+// invalidates that capture (a user's torch.cuda.graph, a colocated rollout engine). Every query here
+// (query_event: the deadline thread and the Python watchdog) runs in the thread-local capture mode, which ignores
+// other threads' captures, and a capture-related return is never taken for a failure of the watched work: the
+// query is retried at the next poll, the deadline still bounds it.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -21,6 +28,49 @@
 #include "kernels.h"
 
 namespace odc {
+
+bool capture_related(int code) {
+    switch (static_cast<cudaError_t>(code)) {
+        case cudaErrorStreamCaptureUnsupported:
+        case cudaErrorStreamCaptureInvalidated:
+        case cudaErrorStreamCaptureMerge:
+        case cudaErrorStreamCaptureUnmatched:
+        case cudaErrorStreamCaptureUnjoined:
+        case cudaErrorStreamCaptureIsolation:
+        case cudaErrorStreamCaptureImplicit:
+        case cudaErrorCapturedEvent:
+        case cudaErrorStreamCaptureWrongThread:
+            return true;
+        default:
+            return false;
+    }
+}
+
+int event_state(int code) {
+    if (code == cudaSuccess) return kEventDone;
+    if (code == cudaErrorNotReady || capture_related(code)) return kEventPending;
+    return kEventFailed;
+}
+
+namespace {
+// cudaEventQuery in the thread-local capture mode (restored afterwards); the raw return code.
+cudaError_t query_local(cudaEvent_t ev) {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeThreadLocal;
+    const cudaError_t set = cudaThreadExchangeStreamCaptureMode(&mode);
+    const cudaError_t q = cudaEventQuery(ev);
+    if (set == cudaSuccess) cudaThreadExchangeStreamCaptureMode(&mode);
+    if (q != cudaSuccess && q != cudaErrorNotReady && capture_related(q)) cudaGetLastError();  // not sticky
+    return q;
+}
+}  // namespace
+
+int query_event(uint64_t event) {
+    const cudaError_t q = query_local(reinterpret_cast<cudaEvent_t>(static_cast<uintptr_t>(event)));
+    const int state = event_state(q);
+    if (state == kEventFailed)
+        throw Error(std::string("cudaEventQuery failed: ") + cudaGetErrorName(q) + " (" + cudaGetErrorString(q) + ")");
+    return state;
+}
 
 struct Engine::State {
     // host-mapped: [0] abort word (uint32), then a Record (8-byte aligned) with npes heard values
@@ -96,6 +146,8 @@ void Engine::check_offset(const char* what, uint64_t offset, uint64_t bytes) con
 
 void Engine::barrier(uint64_t epoch, uint64_t stream) {
     require_init("barrier");
+    // The kernel would not announce anyway (barrier.cu); refusing here tells the caller now.
+    if (aborted()) throw Error("the transport was aborted after a timeout; restart the job");
     launch_barrier(as_ptr<uint64_t>(epochs_), epoch, rank_, npes_, abort_dev_, state_->claim_dev,
                    state_->record_dev(), as_stream(stream));
 }
@@ -132,15 +184,15 @@ void Engine::watch(uint64_t stream, double timeout_s) {
                     }
                     const State::Watch w = s.watches.front();
                     lock.unlock();
-                    const cudaError_t q = cudaEventQuery(w.event);
+                    const int state = event_state(query_local(w.event));
                     const bool late = std::chrono::steady_clock::now() > w.deadline;
                     lock.lock();
-                    if (q == cudaSuccess) {
+                    if (state == kEventDone) {
                         cudaEventDestroy(w.event);
                         s.watches.pop_front();
                         continue;
                     }
-                    if (q != cudaErrorNotReady || late) {  // a CUDA error or a late operation: release every wait
+                    if (state == kEventFailed || late) {  // a CUDA error or a late operation: release every wait
                         s.expired = late;
                         s.ctl_host[0] = 1;
                         std::atomic_thread_fence(std::memory_order_seq_cst);
@@ -160,6 +212,10 @@ void Engine::set_abort() {
 }
 
 bool Engine::aborted() const { return state_->ctl_host[0] != 0; }
+size_t Engine::watching() const {
+    std::lock_guard<std::mutex> lk(state_->mu);
+    return state_->watches.size();
+}
 bool Engine::deadline_passed() const { return state_->expired.load(); }
 uint64_t Engine::barrier_gave_up() const { return state_->record_host()->barrier_epoch; }
 
@@ -210,7 +266,7 @@ void Engine::put_signal(const std::vector<uint64_t>& remote, const std::vector<u
             b.sig[b.n] = sig[i];
             b.pe[b.n++] = pe[i];
         }
-        launch_signal(b, heap(), s);
+        launch_signal(b, heap(), abort_dev_, s);
     }
 }
 

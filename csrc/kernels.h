@@ -51,7 +51,7 @@ struct SignalBatch {
     uint64_t sig[kMaxTasks];
     int pe[kMaxTasks];
 };
-void launch_signal(const SignalBatch& b, char* heap, cudaStream_t s);
+void launch_signal(const SignalBatch& b, char* heap, const volatile uint32_t* abort, cudaStream_t s);
 void launch_wait_signal(uint64_t* sig, uint64_t value, uint64_t id, const volatile uint32_t* abort, unsigned* claim,
                         Record* record, cudaStream_t s);
 

@@ -48,6 +48,16 @@ uint64_t ptr(uint64_t addr, int pe);     // 0 when pe is not reachable by loads/
 // load/store atomics; only then may pushes use plain GPU atomics through peer pointers.
 bool p2p_atomics();
 
+// Event queries that cannot break a CUDA graph capture in another thread (engine.cu has why). What a return code
+// of cudaEventQuery means for a watched operation (exported as _C.EVENT_*):
+enum EventState : int { kEventDone = 0, kEventPending = 1, kEventFailed = 2 };
+// A code that a stream capture in progress produces (this thread's, or another thread's in the global capture
+// mode): never a failure of the watched work.
+bool capture_related(int code);
+int event_state(int code);  // EventState of a cudaError_t code
+// cudaEventQuery(event) in the thread-local capture mode: kEventDone or kEventPending; throws on a CUDA error.
+int query_event(uint64_t event);
+
 // Engine: the job's control state. `epochs` (npes uint64), `locks` (2 * nlocks uint32) and `scratch`
 // (scratch_slots * cell_bytes) are symmetric allocations made at init; `heap_base`/`heap_bytes` are this PE's
 // arena (every symmetric offset passed to the engine and to plans is relative to it). The abort word and the
@@ -72,6 +82,7 @@ class Engine {
     void watch(uint64_t stream, double timeout_s);
     void set_abort();               // every waiting kernel of this engine leaves within microseconds
     bool aborted() const;           // the abort word is set
+    size_t watching() const;        // watched operations whose completion the deadline thread has not yet seen
     bool deadline_passed() const;   // the deadline thread raised it
     uint64_t barrier_gave_up() const;  // epoch of the first barrier kernel that left because of the abort (0: none)
     // Last epoch each peer had announced to us when that barrier kernel gave up.

@@ -11,8 +11,11 @@
 //   1. data: for peers with a peer pointer (same node) an SM copy through the peer pointer (peer.cu); for the
 //      others (across nodes) nvshmemx_putmem_nbi_block per cell from the symmetric source (cells.cu);
 //   2. signal_kernel (one block): thread 0 runs nvshmem_quiet() (every put of step 1, and every other
-//      device-initiated operation of this PE, is complete: delivered at the target), then every thread runs
-//      __threadfence_system(), then nvshmemx_signal_op(&sig[index], 1, NVSHMEM_SIGNAL_ADD, q) per request.
+//      device-initiated operation of this PE, is complete: delivered at the target) and reads the abort word;
+//      if it is up the kernel leaves without signalling (a signal announces data like a barrier announces an
+//      epoch, and data put after an operation the abort cut short may be derived from what never arrived: the
+//      same coherence argument as in barrier.cu); else every thread runs __threadfence_system(), then
+//      nvshmemx_signal_op(&sig[index], 1, NVSHMEM_SIGNAL_ADD, q) per request.
 // Ordering argument (data delivered before the signal is visible). Step 1's peer-pointer stores are performed
 // when its kernel completes, before step 2 starts (same stream); the quiet completes the network puts; the
 // system-scope fence orders all of them, cumulatively, before the signal AMO, which is only *issued* after that.
@@ -32,9 +35,14 @@
 namespace odc {
 namespace {
 
-__global__ void signal_kernel(SignalBatch b, char* heap) {
-    if (threadIdx.x == 0) nvshmem_quiet();
+__global__ void signal_kernel(SignalBatch b, char* heap, const volatile uint32_t* abort) {
+    __shared__ int s_aborted;
+    if (threadIdx.x == 0) {
+        nvshmem_quiet();
+        s_aborted = abort_raised(abort);
+    }
     __syncthreads();
+    if (s_aborted) return;  // no signal after an abort: the peer's wait times out instead of accepting the data
     __threadfence_system();
     for (int i = threadIdx.x; i < b.n; i += blockDim.x)
         nvshmemx_signal_op(reinterpret_cast<uint64_t*>(heap + b.sig[i]), 1, NVSHMEM_SIGNAL_ADD, b.pe[i]);
@@ -61,8 +69,8 @@ __global__ void wait_signal_kernel(uint64_t* sig, uint64_t value, uint64_t id, c
 
 }  // namespace
 
-void launch_signal(const SignalBatch& b, char* heap, cudaStream_t s) {
-    signal_kernel<<<1, 64, 0, s>>>(b, heap);
+void launch_signal(const SignalBatch& b, char* heap, const volatile uint32_t* abort, cudaStream_t s) {
+    signal_kernel<<<1, 64, 0, s>>>(b, heap, abort);
     check_launch("signal_kernel");
 }
 

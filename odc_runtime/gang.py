@@ -258,8 +258,9 @@ class GangStep:
             return
         received, self._received = self._received, []
         got = torch.stack([t for t, *_ in received]).tolist()
-        for tag, (_, pass_, layer, peer) in zip(got, received, strict=True):
-            if tag != self._tag(layer, pass_):
+        for (*tag, delivered), (_, pass_, layer, peer) in zip(got, received, strict=True):
+            # An undelivered tag (its wait was released by the abort) says nothing: the wait's timeout is the error.
+            if delivered and tag != self._tag(layer, pass_):
                 error = OdcMismatchError(
                     f"odc {self._what(layer, pass_, peer)}: it sent (gang, sample, length, layer, pass) = "
                     f"{tag}, this rank expected {self._tag(layer, pass_)}; the ranks run different plans or models"
@@ -341,7 +342,11 @@ class GangStep:
         self._wait(peer, 2 * (n + 1), self._what(layer, pass_, peer), peer)
         ring = self._ring_from[peer]
         t = ex._tag_offset(ring, n)
-        self._received.append((ex.tags.local[t : t + _TAG_WORDS].clone(), pass_, layer, peer))
+        # On the GPU the wait returns to the host at once; an abort may release it before the count arrives, and
+        # the tag copied then is stale. So the copy carries whether the count had arrived (read first, in stream
+        # order), and _verify compares delivered tags only.
+        delivered = (ex.signal.local[peer : peer + 1] >= 2 * (n + 1)).long()
+        self._received.append((torch.cat([ex.tags.local[t : t + _TAG_WORDS], delivered]), pass_, layer, peer))
         offset = ex._slot(ring, n)
         data = ex.slots.local[offset : offset + numel].clone()
         ex._received[peer] = n + 1

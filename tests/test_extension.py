@@ -321,7 +321,8 @@ def test_setup_plan(setup_ns, monkeypatch, tmp_path):
 # Bindings that only read host-mapped words or constants: they cannot wait, so they may keep the GIL.
 _NON_BLOCKING = {
     "nvshmem_version_compiled", "nvshmem_version_runtime", "device_count", "mps_enabled", "ptr", "set_abort",
-    "aborted", "deadline_passed", "barrier_gave_up", "heard", "wait_gave_up", "wait_seen",
+    "aborted", "deadline_passed", "barrier_gave_up", "heard", "wait_gave_up", "wait_seen", "capture_related",
+    "event_state",
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import array
 import types
+import weakref
 
 import pytest
 import torch
@@ -35,14 +36,26 @@ class FakeStream:
         self.waits.append(event)
 
 
+_EVENTS: weakref.WeakValueDictionary[int, FakeEvent] = weakref.WeakValueDictionary()
+
+
 class FakeEvent:
     done = True
+
+    @property
+    def cuda_event(self) -> int:  # the raw handle the watchdog passes to the extension's query_event
+        _EVENTS[id(self)] = self
+        return id(self)
 
     def record(self, stream: FakeStream | None = None) -> None:
         self.stream = stream
 
     def query(self) -> bool:
         return FakeEvent.done
+
+    def state(self) -> bool:
+        """What the extension's query_event reads (torch's query() may differ: see test_nvshmem_abort.py)."""
+        return self.query()
 
 
 def _fake_ext(calls: list) -> types.SimpleNamespace:
@@ -67,7 +80,15 @@ def _fake_ext(calls: list) -> types.SimpleNamespace:
         def aborted(self) -> bool:
             return self.abort
 
+        def _refuse_after_abort(self) -> None:  # what engine.cu does for every launch once the abort is up
+            if self.abort:
+                raise RuntimeError("the transport was aborted after a timeout; restart the job")
+
+        def watching(self) -> int:
+            return 0
+
         def barrier(self, epoch, stream) -> None:
+            self._refuse_after_abort()
             self.epochs.append(epoch)
             calls.append(("barrier", epoch, stream))
 
@@ -84,10 +105,12 @@ def _fake_ext(calls: list) -> types.SimpleNamespace:
             return [99, 0]
 
         def put_signal(self, remote, local, nbytes, pe, near, sig, stream) -> None:
+            self._refuse_after_abort()
             calls.append(("put_signal", list(remote), list(local), list(nbytes), list(pe), list(near), list(sig),
                           stream))
 
         def wait_signal(self, sig, value, stream) -> int:
+            self._refuse_after_abort()
             calls.append(("wait_signal", sig, value, stream))
             self.waits += 1
             return self.waits
@@ -98,9 +121,14 @@ def _fake_ext(calls: list) -> types.SimpleNamespace:
         def wait_seen(self) -> int:
             return 5
 
+    def query_event(event: int) -> int:
+        """The extension's query in the thread-local capture mode: the fake event's state."""
+        return 20 if _EVENTS[event].state() else 21
+
     return types.SimpleNamespace(
         DTYPE_FLOAT32=10, DTYPE_BFLOAT16=11, DTYPE_FLOAT16=12, PLAN_FETCH_COPY=0, PLAN_FETCH_KERNEL=1,
         PLAN_FETCH_STAGED=2, PLAN_PUSH_ATOMIC=3, PLAN_PUSH_LOCKED=4, Plan=Plan, Engine=Engine,
+        EVENT_DONE=20, EVENT_PENDING=21, query_event=query_event,
     )
 
 
@@ -656,6 +684,7 @@ def _rank_fake_gang_far(rank: int, world: int) -> str:
         heap = transport._heap
         calls.clear()
         k, v = torch.randn(6, 4), torch.randn(6, 4)
+        ex.signal.local.fill_(1 << 20)  # every count arrived (the fake moves no data: the tag slots hold zeros)
         step = ex.step(Chunk(0, 0, 2, 12, 0, (0, 1)))
         with pytest.raises(OdcMismatchError, match="layer 0: forward K/V from rank 1") as e, step:
             step._forward(0, k, v)

@@ -2,14 +2,16 @@
 
 Importing this module never needs a GPU or the extension. NVSHMEM is initialised at most once per process and
 never torn down (its teardown is a collective a dead peer would hang), so the engines made at init live for the
-process; at interpreter exit every engine's abort word is raised so that no kernel of ours keeps the CUDA
-teardown waiting.
+process; at interpreter exit every engine's abort word is raised, once its watched operations completed or ran
+past their deadlines, so that no kernel of ours keeps the CUDA teardown waiting.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import logging
+import time
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
@@ -22,6 +24,8 @@ INSTALL_HINT = (
     'build it with a CUDA toolkit and an NVSHMEM wheel: pip install -e ".[cu13]" (or ".[cu12]"), '
     "or run .ci/build_ext.sh"
 )
+
+log = logging.getLogger("odc_runtime")
 
 _ext: ModuleType | None = None
 _ext_error: str | None = None
@@ -128,7 +132,20 @@ def keep_engine(engine: object) -> None:
 @atexit.register
 def _abort_at_exit() -> None:
     """At interpreter exit nothing will wait for our kernels any more: raise every abort word, so that a barrier or
-    lock spin still waiting for a dead peer leaves and the CUDA teardown does not wait for it. Our announcements
-    were made before waiting, so peers are not affected."""
+    lock spin still waiting for a dead peer leaves and the CUDA teardown does not wait for it.
+
+    Not while operations are still watched (a process that exits without ``finalize()`` right after a sync): the
+    abort would cut a queued push short while the barrier after it on the stream is still to run. The barrier
+    kernel would then not announce (csrc/barrier.cu), so the peers would time out instead of finishing a step
+    that is complete. So the exit first lets the watched work finish; the engine's deadline thread bounds that
+    wait (it raises the abort itself when the oldest operation is late)."""
     for engine in _engines:
+        waiting = engine.watching()  # type: ignore[attr-defined]
+        if waiting and not engine.aborted():  # type: ignore[attr-defined]
+            log.warning(
+                "odc: the process exits with %d operation(s) of the nvshmem transport still on the GPU; waiting for "
+                "them (bounded by ODC_TIMEOUT) before exit. Call odc_runtime.finalize() before exiting.", waiting
+            )
+        while engine.watching() and not engine.aborted():  # type: ignore[attr-defined]
+            time.sleep(1e-3)
         engine.set_abort()  # type: ignore[attr-defined]

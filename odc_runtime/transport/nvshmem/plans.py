@@ -56,7 +56,7 @@ class CudaWork(Work):
         torch.cuda.current_stream(self._transport.device).wait_event(self._event)
 
     def is_completed(self) -> bool:
-        return self._event.query()
+        return self._transport._watchdog.done(self._event)
 
 
 class PlanBuilder:

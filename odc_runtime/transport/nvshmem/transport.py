@@ -133,6 +133,15 @@ class NvshmemTransport(Transport):
             raise type(self.failure)(str(self.failure)) from exc
         raise OdcBackendError(f"nvshmem {op}: {exc}") from exc
 
+    def _launch(self, op: str, fn: object, *args: object) -> object:
+        """An engine launch (barrier, quiet, signalled put, signal wait): its refusal goes through
+        :meth:`_launch_failed`, so after the deadline thread's abort the caller gets the late operation's timeout
+        (the signal word and the peer, or the barrier and the missing ranks), not a generic backend error."""
+        try:
+            return fn(*args)  # type: ignore[operator]
+        except RuntimeError as exc:
+            self._launch_failed(op, exc)
+
     def _check(self, op: str) -> None:
         if self.failure is not None or self._finalized:
             self._raise_failure(op)
@@ -285,7 +294,7 @@ class NvshmemTransport(Transport):
             return
         stream = self._stream()
         self._streams.join_into(stream)  # after this rank's asynchronous operations, like quiet
-        extension.backend_call(
+        self._launch(
             "put_signal", self._engine.put_signal, remote, local, nbytes, pes, near, sigs,  # type: ignore[attr-defined]
             stream.cuda_stream,
         )
@@ -301,7 +310,7 @@ class NvshmemTransport(Transport):
         if value < 0:
             raise OdcUsageError(f"nvshmem {op}: awaited count {value} is negative")
         stream = self._stream()
-        wait_id = extension.backend_call(op, self._engine.wait_signal, offset, int(value), stream.cuda_stream)  # type: ignore[attr-defined]
+        wait_id = self._launch(op, self._engine.wait_signal, offset, int(value), stream.cuda_stream)  # type: ignore[attr-defined]
         self._watch(op, stream, wait=(index, int(value), tuple(peers)), wait_id=int(wait_id))  # type: ignore[call-overload]
 
     def use_nodes(self, node_size: int) -> None:
@@ -334,7 +343,7 @@ class NvshmemTransport(Transport):
         self._check("quiet")
         stream = self._stream()
         self._streams.join_into(stream)
-        extension.backend_call("quiet", self._engine.quiet, stream.cuda_stream)  # type: ignore[attr-defined]
+        self._launch("quiet", self._engine.quiet, stream.cuda_stream)  # type: ignore[attr-defined]
 
     def barrier(self, op: str = "barrier") -> None:
         """Stream-ordered own barrier (``csrc/barrier.cu``); the host waits only for the previous one."""
@@ -344,7 +353,7 @@ class NvshmemTransport(Transport):
         stream = self._stream()
         self._streams.join_into(stream)
         self._epoch += 1
-        extension.backend_call(op, self._engine.barrier, self._epoch, stream.cuda_stream)  # type: ignore[attr-defined]
+        self._launch(op, self._engine.barrier, self._epoch, stream.cuda_stream)  # type: ignore[attr-defined]
         self._last_barrier = self._watch(op, stream, self._epoch)
 
     def group_barrier(self, op: str, group: Group) -> None:

@@ -11,6 +11,11 @@ PENDING --(deadline passes, or the abort word is up)--> ABORTED: abort word rais
 for the event (the kernels leave), record the error. Entries complete in stream order, so only the oldest is
 checked. Once ABORTED the transport stays failed (abort words are never lowered).
 
+Graph capture: every event query goes through the extension's ``query_event`` (thread-local capture mode, see
+``csrc/engine.cu``), never ``torch.cuda.Event.query`` (the calling thread's mode, global by default): a query in
+the global mode while another thread captures a CUDA graph invalidates that capture, and the error it returns is
+not a failure of the watched work. A capture-related return reads as "not yet" (the deadline still bounds it).
+
 Facts in the messages come from the kernels' records, never from guesses: the first barrier kernel and the
 first signal wait that gave up each record who they were (epoch, wait id) and what they saw; an entry whose
 record is not there never started (work queued before it kept the GPU busy).
@@ -126,6 +131,15 @@ class Watchdog:
         self._thread: threading.Thread | None = None
 
     # -- entries ------------------------------------------------------------------------------------------
+    def done(self, event: torch.cuda.Event) -> bool:
+        """Whether ``event`` completed, queried without disturbing another thread's graph capture (module
+        docstring); RuntimeError on a CUDA error of the work before it."""
+        transport = self._transport()
+        if transport is None:
+            return True
+        C = transport._C
+        return C.query_event(event.cuda_event) == C.EVENT_DONE  # type: ignore[attr-defined]
+
     def add(self, entry: Pending, stream: int) -> None:
         """Watch ``entry`` (recorded on ``stream``): the engine's deadline thread gets it too."""
         transport = self._transport()
@@ -156,7 +170,7 @@ class Watchdog:
         now = time.monotonic()
         with self._cond:
             while self._pending:
-                done = self._pending[0].event.query()
+                done = self.done(self._pending[0].event)
                 if engine.aborted():  # type: ignore[attr-defined]
                     return self._pending[0]
                 if not done:
@@ -194,7 +208,7 @@ class Watchdog:
             end = time.monotonic() + ABORT_GRACE_S
             while time.monotonic() < end:
                 try:
-                    if entry.event.query():
+                    if self.done(entry.event):
                         left = True
                         break
                 except RuntimeError:
@@ -227,7 +241,7 @@ class Watchdog:
         engine = transport._engine
         while True:
             try:
-                done = entry.event.query()
+                done = self.done(entry.event)
             except RuntimeError as exc:  # a CUDA error of earlier work surfaces here
                 self.fail(transport, OdcBackendError(f"nvshmem {entry.op}: CUDA error: {exc}"))
                 done = False
