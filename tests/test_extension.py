@@ -84,6 +84,27 @@ def test_extension_imports_without_gpu(extension):
     _assert_ok(proc)
 
 
+def test_event_query_classifies_capture_returns_as_pending(extension):
+    # Issue 33, finding 2: the deadline thread and the watchdog query events in the thread-local capture mode; a
+    # return a graph capture produces must read as "not yet", never as a failure of the watched work (which would
+    # abort a healthy job). Codes from CUDA's driver_types.h (stable ABI values).
+    proc = _run(
+        """
+        from odc_runtime.transport.nvshmem import load_extension
+        C = load_extension()
+        for code in range(900, 909):  # cudaErrorStreamCaptureUnsupported .. cudaErrorStreamCaptureWrongThread
+            assert C.capture_related(code) and C.event_state(code) == C.EVENT_PENDING, code
+        assert C.event_state(0) == C.EVENT_DONE  # cudaSuccess
+        assert not C.capture_related(600) and C.event_state(600) == C.EVENT_PENDING  # cudaErrorNotReady
+        for code in (1, 700, 719, 909, 999):  # invalid value, illegal address, launch failure, ..., unknown
+            assert not C.capture_related(code) and C.event_state(code) == C.EVENT_FAILED, code
+        assert hasattr(C.Engine, "watching") and callable(C.query_event)
+        print("OK")
+        """
+    )
+    _assert_ok(proc)
+
+
 @pytest.mark.skipif(HAS_GPU, reason="a GPU is present: init would really start NVSHMEM")
 def test_init_without_gpu_raises_instead_of_exiting(extension):
     proc = _run(
