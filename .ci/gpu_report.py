@@ -563,17 +563,25 @@ class MpsError(RuntimeError):
 
 
 @contextlib.contextmanager
-def mps_daemon(workdir: Path) -> Iterator[dict[str, str]]:
+def mps_daemon(workdir: Path, visible: str | None = None) -> Iterator[dict[str, str]]:
     """A private CUDA MPS control daemon for the duration (its logs in ``workdir``; its pipes in a short temporary
     directory, since a socket path is limited to 107 bytes); yields the environment its clients need. Raises
-    MpsError saying why it could not start."""
+    MpsError saying why it could not start.
+
+    ``visible``: the GPUs the daemon serves (``CUDA_VISIBLE_DEVICES``; None: none set). The daemon remaps them to
+    0, 1, ... for its clients, so a client must not set ``CUDA_VISIBLE_DEVICES`` itself (NVIDIA's MPS manual,
+    "CUDA_VISIBLE_DEVICES": keeping the daemon's value in the client leads to an error): ``run_step`` gives the
+    daemon the step's devices and removes them from the client's environment."""
     control = shutil.which("nvidia-cuda-mps-control")
     if control is None:
         raise MpsError("nvidia-cuda-mps-control not found: cannot share one GPU between several PEs")
     with tempfile.TemporaryDirectory(prefix="odc-mps-") as pipes:
         env = {"CUDA_MPS_PIPE_DIRECTORY": pipes, "CUDA_MPS_LOG_DIRECTORY": str(workdir)}
         workdir.mkdir(parents=True, exist_ok=True)
-        full = {**os.environ, **env}
+        full = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        full.update(env)
+        if visible is not None:
+            full["CUDA_VISIBLE_DEVICES"] = visible
         started = subprocess.run([control, "-d"], env=full, capture_output=True, text=True, timeout=30)
         if started.returncode != 0:
             raise MpsError(f"could not start CUDA MPS ({(started.stderr or started.stdout).strip()})")
@@ -603,8 +611,9 @@ def run_step(step: Step, logs: Path, timeout: float) -> Result:
     try:
         with contextlib.ExitStack() as stack:
             env = {**base_env(), **step.env}
-            if step.mps:
-                env.update(stack.enter_context(mps_daemon(logs / f"mps-{log_path.stem}")))
+            if step.mps:  # the daemon gets the step's devices; its clients see them as 0, 1, ... (mps_daemon)
+                visible = env.pop("CUDA_VISIBLE_DEVICES", None)
+                env.update(stack.enter_context(mps_daemon(logs / f"mps-{log_path.stem}", visible)))
             with open(log_path, "w") as f:
                 f.write(f"$ {step.command}\n")
                 f.flush()

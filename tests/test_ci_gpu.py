@@ -418,6 +418,7 @@ def _fake_mps(tmp_path: Path, start_rc: int) -> tuple[str, Path]:
     record = tmp_path / "mps.record"
     script = d / "nvidia-cuda-mps-control"
     script.write_text(f'#!/bin/sh\nif [ "$1" = "-d" ]; then echo "start $CUDA_MPS_PIPE_DIRECTORY" >> {record}; '
+                      f'echo "devices ${{CUDA_VISIBLE_DEVICES-unset}}" >> {record}; '
                       f'echo "cannot start: no GPU" >&2; exit {start_rc}; fi\n'
                       f'read cmd; echo "$cmd $CUDA_MPS_PIPE_DIRECTORY" >> {record}\n')
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
@@ -432,8 +433,23 @@ def test_a_step_that_shares_a_gpu_runs_under_its_own_mps_daemon_which_is_stopped
     res = gr.run_step(_step("shared", code, mps=True), tmp_path / "logs", 30)
     assert res.status == "pass", res.log_tail
     pipes = seen.read_text()
-    assert record.read_text().splitlines() == [f"start {pipes}", f"quit {pipes}"]  # started, used, stopped
+    assert record.read_text().splitlines() == [f"start {pipes}", "devices unset", f"quit {pipes}"]  # started, stopped
     assert len(os.path.join(pipes, "control")) < 100 and not os.path.exists(pipes)  # socket-sized, removed
+
+
+def test_the_mps_daemon_gets_the_steps_gpu_and_its_clients_the_remapped_index(tmp_path, monkeypatch):
+    # The parent restricts devices (CUDA_VISIBLE_DEVICES=3) and the step pins the first visible GPU: the daemon must
+    # serve that GPU, and its clients must not set CUDA_VISIBLE_DEVICES (the daemon remaps it to device 0).
+    path, record = _fake_mps(tmp_path, 0)
+    monkeypatch.setenv("PATH", path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    seen = tmp_path / "seen"
+    code = f"import os; open({str(seen)!r}, 'w').write(os.environ.get('CUDA_VISIBLE_DEVICES', 'unset'))"
+    step = _step("shared", code, mps=True)
+    step.env["CUDA_VISIBLE_DEVICES"] = "3"
+    res = gr.run_step(step, tmp_path / "logs", 30)
+    assert res.status == "pass", res.log_tail
+    assert "devices 3" in record.read_text().splitlines() and seen.read_text() == "unset"
 
 
 def test_a_step_fails_with_the_reason_when_mps_cannot_start(tmp_path, monkeypatch):
@@ -441,7 +457,7 @@ def test_a_step_fails_with_the_reason_when_mps_cannot_start(tmp_path, monkeypatc
     monkeypatch.setenv("PATH", path)
     res = gr.run_step(_step("shared", "print(1)", mps=True), tmp_path / "logs", 30)
     assert res.status == "fail" and res.detail == "could not start CUDA MPS (cannot start: no GPU)"
-    assert len(record.read_text().splitlines()) == 1  # never stopped what did not start; the step did not run
+    assert len(record.read_text().splitlines()) == 2  # started (and its devices), never stopped; the step did not run
 
 
 def test_stale_outputs_are_removed_before_a_step_runs(tmp_path):
