@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,14 +31,17 @@ def _gpu_report() -> ModuleType:
 @contextlib.contextmanager
 def mps_daemon(enabled: bool, tmp: Path) -> Iterator[dict[str, str]]:
     """Start MPS with its logs under ``tmp``; yields the environment the job's processes need (empty when
-    ``enabled`` is false). Stops the daemon on exit."""
+    ``enabled`` is false). Stops the daemon on exit. The daemon serves the first visible GPU (the parent's
+    ``CUDA_VISIBLE_DEVICES``, physical numbering) and remaps it to device 0 for its clients, so the yielded
+    environment sets ``CUDA_VISIBLE_DEVICES=0``, which overrides whatever the caller set."""
     if not enabled:
         yield {}
         return
     report = _gpu_report()
     with contextlib.ExitStack() as stack:
         try:
-            env = stack.enter_context(report.mps_daemon(tmp / "mps-log"))
+            first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+            env = {**stack.enter_context(report.mps_daemon(tmp / "mps-log", first)), "CUDA_VISIBLE_DEVICES": "0"}
         except report.MpsError as e:
             pytest.skip(f"{e} (the multi-PE-per-GPU run needs CUDA MPS)")
         yield env
