@@ -228,6 +228,7 @@ class Step:
     na: str | None = None  # why it does not apply to this machine (e.g. needs more GPUs): "n/a", not a failure
     progress: Callable[[str], dict] | None = None  # numbers from the log of a run cut by its timeout
     outputs: list[Path] = field(default_factory=list)  # files it writes (removed before it runs: nothing stale)
+    estimate: float | None = None  # expected seconds on one H100 (.ci/gpu --plan; None: half the timeout)
 
     @property
     def command(self) -> str:
@@ -448,7 +449,7 @@ def plan(phases: Sequence[str], machine: Machine, out: Path) -> list[Step]:
         if home:
             env["NVSHMEM_HOME"] = home
         steps.append(Step("build", f"build _C for {machine.archs or 'the visible GPU'}", ["bash", ".ci/build_ext.sh"],
-                          420, env, evaluate=evaluate_build))
+                          420, env, evaluate=evaluate_build, estimate=180))
 
     if "tests" in phases:
         files = sorted((REPO / "tests" / "gpu").glob("test_*.py"),
@@ -462,23 +463,23 @@ def plan(phases: Sequence[str], machine: Machine, out: Path) -> list[Step]:
 
     if "bench" in phases:
         def comm(name: str, nproc: int, *extra: str, env: dict | None = None, mps: bool = False,
-                 sizes: str = BENCH_SIZES, need: int = 1) -> None:
+                 sizes: str = BENCH_SIZES, need: int = 1, estimate: float = 40) -> None:
             path = logs / f"comm-{name}.json"
             argv = [py, "bench/comm.py", "--backend", "nvshmem", "--nproc", str(nproc), "--sizes", sizes,
                     *extra, "--json", str(path), "--plot", "none"]
             na = f"needs >= {need} GPUs, {ngpu} visible" if ngpu < need else None
-            steps.append(Step("bench", f"comm {name}", argv, 240, {**deadline, **(env or {})}, mps=mps,
-                              evaluate=comm_evaluator(path), na=na, outputs=[path]))
+            steps.append(Step("bench", f"comm {name}", argv, 150, {**deadline, **(env or {})}, mps=mps,
+                              evaluate=comm_evaluator(path), na=na, outputs=[path], estimate=estimate))
 
         # the targets' runs first, then the shared-GPU runs (each verifies its results exactly before timing)
         locked = {**first_gpu, "ODC_NVSHMEM_PUSH": "locked"}
-        comm("1pe", 1, env=first_gpu)
-        comm("1pe-locked", 1, "--ops", "copy,add,push,sync", env=locked, sizes="64M,256M")
+        comm("1pe", 1, env=first_gpu, estimate=30)
+        comm("1pe-locked", 1, "--ops", "copy,add,push,sync", env=locked, sizes="64M,256M", estimate=30)
         comm("4pe-1gpu", 4, "--pes-per-gpu", "4", env=first_gpu, mps=True)
         comm("4pe-1gpu-locked", 4, "--pes-per-gpu", "4", "--ops", "copy,add,push,sync", env=locked, mps=True,
              sizes="64M")  # the ticket lock contended by 4 PEs
         comm("4pe-1gpu-2nodes", 4, "--pes-per-gpu", "4", "--node-size", "2", env=first_gpu, mps=True, sizes="64M")
-        comm("2pe-1gpu", 2, "--pes-per-gpu", "2", env=first_gpu, mps=True)
+        comm("2pe-1gpu", 2, "--pes-per-gpu", "2", env=first_gpu, mps=True, estimate=35)
         comm(f"{min(max(ngpu, 2), 8)}gpu-vs-nccl", min(max(ngpu, 2), 8), need=2)
 
     if "e2e" in phases:
@@ -490,13 +491,13 @@ def plan(phases: Sequence[str], machine: Machine, out: Path) -> list[Step]:
             argv = [py, "examples/sft.py", "--comm", comm_mode, "--nproc", str(SFT_PES), "--steps", str(SFT_STEPS),
                     "--odc-backend", "nvshmem", "--json", str(paths[comm_mode]), *extra]
             ref = paths["collective"] if comm_mode == "odc" else None
-            steps.append(Step("e2e", f"sft --comm {comm_mode}, {SFT_PES} PEs", argv, 240, dict(env), mps=shared,
-                              evaluate=sft_evaluator(paths[comm_mode], ref), outputs=[paths[comm_mode]]))
+            steps.append(Step("e2e", f"sft --comm {comm_mode}, {SFT_PES} PEs", argv, 180, dict(env), mps=shared,
+                              evaluate=sft_evaluator(paths[comm_mode], ref), outputs=[paths[comm_mode]], estimate=35))
         path = logs / "imbalance.json"
         argv = [py, "bench/imbalance.py", "--quick", "--backend", "nvshmem", "--nproc", str(SFT_PES), *extra,
                 "--json", str(path), "--plot", "none"]
-        steps.append(Step("e2e", f"imbalance --quick --backend nvshmem, {SFT_PES} PEs", argv, 240, dict(env),
-                          mps=shared, evaluate=imbalance_evaluator(path), outputs=[path]))
+        steps.append(Step("e2e", f"imbalance --quick --backend nvshmem, {SFT_PES} PEs", argv, 180, dict(env),
+                          mps=shared, evaluate=imbalance_evaluator(path), outputs=[path], estimate=40))
 
     if machine.no_gpu:
         for s in steps:

@@ -602,3 +602,80 @@ def test_help_documents_the_phases():
     for word in (*gr.PHASES, "--dry-run", "ODC_GPU_REPORT_DIR", "ODC_REQUIRE_EXTENSION", "MPS"):
         assert word in proc.stdout, word
     assert textwrap.dedent(gr.__doc__).strip().splitlines()[0] in proc.stdout
+
+
+# --------------------------------------------------------------------------------------------------- plan (issue 33)
+
+
+def _plan_module():
+    spec = importlib.util.spec_from_file_location("gpu_plan", ROOT / ".ci" / "gpu_plan.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_plan"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gp = _plan_module()
+
+
+def test_the_plan_covers_every_gpu_test_and_step_and_every_call_fits_a_lent_gpu(tmp_path):
+    units = gp.plan_units(gp.H100, tmp_path)
+    # every test case of every tests/gpu file is in exactly one unit (multi-GPU-only tests: not on one H100)
+    files = sorted((ROOT / "tests" / "gpu").glob("test_*.py"))
+    cases = gp.collect_tests(files)
+    assert {c["nodeid"].split("::")[0] for c in cases} == {f.relative_to(ROOT).as_posix() for f in files}
+    planned = [a for u in units if u.step.phase == "tests" for a in u.step.argv if "::" in a]
+    expected = [c["nodeid"] for c in cases if not c["multigpu"]]
+    assert sorted(planned) == sorted(expected), set(planned) ^ set(expected)
+    # every build, bench and e2e step that applies to one H100
+    steps = [s for s in gr.plan(["build", "bench", "e2e"], gp.H100, tmp_path) if not s.na]
+    assert [s.name for s in steps] == [u.step.name for u in units if u.step.phase != "tests"]
+    # each call fits by its units' declared timeouts; the whole proof by its estimates
+    assert gp.CALL_LIMIT_S <= 9 * 60
+    packed = gp.calls(units)
+    assert sorted(u.name for c in packed for u in c) == sorted(u.name for u in units)
+    for c in packed:
+        assert gp.CALL_OVERHEAD_S + sum(u.timeout for u in c) <= gp.CALL_LIMIT_S, [u.name for u in c]
+    assert gp.print_plan(units, {"results": {}}, gp.H100) == 0, "the estimated device time exceeds 30 minutes"
+
+
+def test_a_unit_larger_than_a_call_is_refused_and_a_long_function_is_cut_into_chunks(tmp_path):
+    cases = [{"nodeid": f"tests/gpu/test_x.py::test_f[{i}]", "function": "test_f", "budget": [0, 100, 0.5],
+              "multigpu": False} for i in range(12)]
+    units = gp.test_units(cases, 1, tmp_path)
+    assert [len([a for a in u.step.argv if "::" in a]) for u in units] == [5, 5, 2]  # 5 * 100 s fit 520 s
+    assert all(u.timeout <= gp.CALL_LIMIT_S - gp.CALL_OVERHEAD_S for u in units)
+    big = gp.Unit(_step("huge", "pass", timeout=gp.CALL_LIMIT_S), 1.0)
+    with pytest.raises(ValueError, match="more than one call holds"):
+        gp.calls([big])
+
+
+def test_resume_runs_one_call_at_a_time_and_continues_from_the_recorded_state(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gp, "_extension_built", lambda: True)
+    ran = tmp_path / "ran"
+
+    def unit(i: int) -> object:
+        return gp.Unit(_step(f"u{i}", f"open({str(ran)!r}, 'a').write('{i}')", timeout=200), 1.0)
+
+    units = [unit(i) for i in range(5)]  # 200 s declared each: two per call
+    out = tmp_path / "report"
+    assert gp.resume(units, out, gp.H100, ["--resume"]) == 1  # units left
+    assert ran.read_text() == "01"
+    state = json.loads((out / gp.STATE).read_text())
+    assert sorted(state["results"]) == ["tests: u0", "tests: u1"]
+    # the call was cut short while u1 ran (its result never recorded): the next call starts with u1 again
+    del state["results"]["tests: u1"]
+    (out / gp.STATE).write_text(json.dumps(state))
+    assert gp.resume(units, out, gp.H100, ["--resume"]) == 1
+    assert ran.read_text() == "0112"
+    assert gp.resume(units, out, gp.H100, ["--resume"]) == 0  # the last call: everything passed
+    assert ran.read_text() == "011234"
+    report = json.loads((out / "report.json").read_text())
+    assert sorted(r["name"] for r in report["phases"]["tests"]["results"]) == [f"u{i}" for i in range(5)]
+    assert "the proof is complete" in capsys.readouterr().out
+
+
+def test_plan_prints_the_calls_without_a_gpu(tmp_path):
+    r = _script("--plan", path=_path_without_smi(), out=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "call 1:" in r.stdout and "estimated device time" in r.stdout and "test_dead_peer_gpu.py" in r.stdout

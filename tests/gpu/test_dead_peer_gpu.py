@@ -30,6 +30,11 @@ TIMEOUT_S = 12
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
+# .ci/gpu --plan: (setup s, s per case, expected fraction); a case is ODC_TIMEOUT + start + exit, or an init
+# refusal (several PEs on one GPU without MPS) (unmeasured)
+GPU_BUDGET = {"test_dead_peer_raises_within_timeout": (0, 45, 0.4), "test_mismatched_settings_raise_on_every_rank":
+              (0, 60, 0.25)}
+
 
 def _free_port() -> int:
     with socket.socket() as s:

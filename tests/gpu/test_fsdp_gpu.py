@@ -15,6 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu, pytest.mark.timeout(900)]
 
+# .ci/gpu --plan: (setup s, s per case, expected fraction); needs several GPUs (unmeasured)
+GPU_BUDGET = {"*": (0, 240, 0.5)}
+
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_sft_losses_agree_between_collective_and_odc(bf16: bool) -> None:

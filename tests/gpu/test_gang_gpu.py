@@ -19,6 +19,9 @@ WORKER = os.path.join(os.path.dirname(__file__), "_gang_worker.py")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
+# .ci/gpu --plan: (setup s, s per case, expected fraction), one torchrun of 2-3 PEs per case (unmeasured)
+GPU_BUDGET = {"*": (0, 90, 0.4)}
+
 
 @pytest.mark.parametrize(("nproc", "scenario"),
                          [(2, "exact"), (3, "exact"), (2, "checkpoint"), (2, "syncs"), (3, "flash")])

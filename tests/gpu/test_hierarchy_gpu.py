@@ -19,6 +19,9 @@ TIMEOUT_S = 10
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
+# .ci/gpu --plan: (setup s, s per case, expected fraction) of every test here, one torchrun each (unmeasured)
+GPU_BUDGET = {"*": (0, 120, 0.3)}
+
 
 def _run(nproc: int, tmp_path, scenario: str, *extra: str, env: dict | None = None) -> dict:
     _require_backend()

@@ -25,6 +25,10 @@ NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
+# .ci/gpu --plan: per test function (setup s, s per case, expected fraction): one torchrun per function (unmeasured)
+GPU_BUDGET = {"test_single_gpu": (150, 2, 0.36), "test_multi_gpu": (240, 2, 0.5), "test_locked_push": (120, 2, 0.35),
+              "test_four_pes_on_one_gpu": (240, 2, 0.35), "test_locked_push_four_pes_on_one_gpu": (180, 2, 0.37)}
+
 
 def _require_backend() -> None:
     """Skip without a GPU; without the nvshmem backend skip, or fail under ``ODC_REQUIRE_EXTENSION=1``."""
