@@ -419,3 +419,24 @@ def test_triton_fold_does_not_autotune_inside_the_training_loop() -> None:
     for kernel in (_triton._accumulate_kernel, _triton._accumulate_slots_kernel):
         assert not isinstance(kernel, Autotuner), kernel
     assert _triton._config(1000) == (1024, 4) and _triton._config(1 << 24)[0] >= 1024
+
+
+def test_pcie_node_without_nvlink_or_network_is_refused_naming_what_works(tmp_path) -> None:
+    # Issue 33, finding 5: GPUs of one node that reach each other by peer pointer but without load/store atomics
+    # (PCIe, no NVLink) leave NVSHMEM no path for its atomics unless the node has a network transport.
+    from odc_runtime.transport.nvshmem import settings
+
+    one_node = [[0, 1], [0, 1]]
+    with pytest.raises(odc.OdcUsageError, match=r"ranks \[0, 1\] share a node .*one rank per node.*NVLink"):
+        nvshmem.check_atomics_path(False, one_node, [False, False])
+    nvshmem.check_atomics_path(True, one_node, [False, False])  # NVLink (or PCIe with atomics): load/store atomics
+    nvshmem.check_atomics_path(False, one_node, [True, True])  # an IB/RoCE NIC or UCX carries the atomics
+    nvshmem.check_atomics_path(False, [[0], [1]], [False, False])  # one rank per node: nothing shares a node
+    # the network transport on this host: NVSHMEM_REMOTE_TRANSPORT, else an InfiniBand device
+    ib = tmp_path / "infiniband"
+    ib.mkdir()
+    assert not settings.network_transport({}, str(ib)) and not settings.network_transport({}, str(tmp_path / "no"))
+    (ib / "mlx5_0").mkdir()
+    assert settings.network_transport({}, str(ib))
+    assert not settings.network_transport({"NVSHMEM_REMOTE_TRANSPORT": "none"}, str(ib))
+    assert settings.network_transport({"NVSHMEM_REMOTE_TRANSPORT": "UCX"}, str(tmp_path / "no"))

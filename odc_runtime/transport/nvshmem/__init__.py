@@ -16,6 +16,7 @@ from odc_runtime.transport.nvshmem.bootstrap import create
 from odc_runtime.transport.nvshmem.extension import _nvshmem_lib_dirs, check_version, is_available, load_extension
 from odc_runtime.transport.nvshmem.settings import (
     agree_settings,
+    check_atomics_path,
     check_gpu_sharing,
     local_settings,
     node_layout,
@@ -27,6 +28,7 @@ __all__ = [
     "NvshmemTransport",
     "_nvshmem_lib_dirs",
     "agree_settings",
+    "check_atomics_path",
     "check_gpu_sharing",
     "check_version",
     "create",

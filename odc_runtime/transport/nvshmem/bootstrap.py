@@ -113,14 +113,17 @@ def create(*, timeout: float, heap_size: int | str | None = None) -> NvshmemTran
     peer_bases = [int(extension.backend_call("ptr", ext.ptr, arena, pe)) for pe in range(world)]  # type: ignore[call-overload]
     # One push protocol for the whole job, never a mix (see docs/design.md): atomics through peer pointers only
     # when NVSHMEM found that every PE reaches every PE with load/store atomics; otherwise the locked protocol.
-    atomic = agreed.push == "auto" and bool(extension.backend_call("p2p_atomics", ext.p2p_atomics)) and all(peer_bases)
+    p2p = bool(extension.backend_call("p2p_atomics", ext.p2p_atomics))
+    atomic = agreed.push == "auto" and p2p and all(peer_bases)
     reach = [q for q, base in enumerate(peer_bases) if base]
-    layout = gather_checked("init (push protocol, node layout)", lambda: (atomic, reach))
+    layout = gather_checked("init (push protocol, node layout)",
+                            lambda: (atomic, reach, settings.network_transport()))
     require_same(
-        "init:", [a for a, _ in layout],
+        "init:", [a for a, _, _ in layout],
         rule="push protocol (atomic through peer pointers vs locked) must be the same on every rank",
     )
-    node = settings.node_layout([r for _, r in layout])  # the same on every rank: computed from the same lists
+    settings.check_atomics_path(p2p, [r for _, r, _ in layout], [n for _, _, n in layout])  # PCIe without NVLink
+    node = settings.node_layout([r for _, r, _ in layout])  # the same on every rank: computed from the same lists
     engine = extension.backend_call(
         "init", ext.Engine, rank, world, epochs, locks, settings.NLOCKS, scratch, scratch_slots, agreed.cell_bytes,
         agreed.vector_atomics, arena, capacity,

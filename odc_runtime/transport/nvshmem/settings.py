@@ -91,6 +91,44 @@ def check_gpu_sharing(sharing: dict[tuple[str, str], list[int]], mps: dict[int, 
             )
 
 
+def network_transport(environ: dict[str, str] | None = None, ib_dir: str = "/sys/class/infiniband") -> bool:
+    """Whether NVSHMEM has a network transport on this host for the operations no load/store path carries: UCX or
+    libfabric when ``NVSHMEM_REMOTE_TRANSPORT`` asks for them, else (its default, the IB transports) an
+    InfiniBand/RoCE device under ``ib_dir``; ``NVSHMEM_REMOTE_TRANSPORT=none`` has none."""
+    environ = os.environ if environ is None else environ
+    remote = environ.get("NVSHMEM_REMOTE_TRANSPORT", "ibrc").strip().lower()
+    if remote == "none":
+        return False
+    if remote in ("ucx", "libfabric"):
+        return True
+    try:
+        return any(True for _ in os.scandir(ib_dir))
+    except OSError:
+        return False
+
+
+def check_atomics_path(p2p_atomics: bool, reach: Sequence[Sequence[int]], network: Sequence[bool]) -> None:
+    """Refuse a node whose GPUs reach each other by peer pointer but without load/store atomics (PCIe, no NVLink)
+    when the node has no network transport (``network[r]``: :func:`network_transport` on rank ``r``).
+
+    There NVSHMEM routes every atomic (the locked push's ticket locks, the signal adds) through the network
+    transport, which does not exist, and NVSHMEM 3.4.5's signal add falls back to a system-scope atomic through
+    the peer pointer over PCIe: the first push or signal hangs or traps. Every rank sees the same data, so every
+    rank raises together (after NVSHMEM started: it cannot be started again in this process)."""
+    if p2p_atomics:
+        return
+    stuck = sorted(r for r, peers in enumerate(reach) if len(peers) > 1 and not network[r])
+    if stuck:
+        raise OdcUsageError(
+            f"nvshmem transport: ranks {stuck} share a node whose GPUs reach each other without load/store atomics "
+            "(PCIe peer-to-peer, no NVLink), and that node has no network transport for NVSHMEM's atomics (no "
+            "InfiniBand/RoCE device, NVSHMEM_REMOTE_TRANSPORT not ucx/libfabric): the locked push and the "
+            "signalled puts would hang or trap at their first atomic. What works: one rank per node, GPUs joined "
+            "by NVLink, or an InfiniBand/RoCE NIC (or NVSHMEM_REMOTE_TRANSPORT=ucx with UCX) on the node; or the "
+            "host transport (odc.init('host'))"
+        )
+
+
 def node_layout(reach: Sequence[Sequence[int]]) -> int | str:
     """The node size from every rank's peer-pointer reach (``reach[r]`` = the ranks rank ``r`` reaches by
     ``nvshmem_ptr``, itself included), or the text of the error ``NvshmemTransport.node_size`` raises when
