@@ -10,6 +10,12 @@ the first, so the survivors must raise OdcTimeoutError within
 ODC_TIMEOUT + a margin. Each survivor writes RESULT_DIR/rank<r>.json with the error, the seconds it took and the
 wall-clock time it finished, then exits (the test measures how long the exit takes).
 
+Scenario ``queued_after_abort`` (issue 33, finding 1): nobody dies. Rank 0 queues a signal wait that no one will
+satisfy, then a barrier behind it, then raises its abort word (as the exit handler or the deadline thread would):
+the wait leaves cut short and the barrier kernel starts with the abort up. It must not announce: rank 1's barrier
+must time out naming rank 0 instead of completing (which would let rank 1 finish a step rank 0 never did). Rank 0
+records whether a barrier kernel recorded itself (it must not: the late operation is the wait).
+
 Scenario ``mismatch``: rank 0 sets ODC_NVSHMEM_PUSH=locked, the others keep the default; every rank must raise
 OdcMismatchError from init, naming the setting (nobody enters NVSHMEM).
 """
@@ -44,6 +50,9 @@ def main() -> None:
         except odc.OdcMismatchError as e:
             result["error"] = f"{type(e).__name__}: {e}"
         _write(out_dir, rank, result)
+        return
+    if scenario == "queued_after_abort":
+        _queued_after_abort(rank, out_dir, result)
         return
     try:
         odc.init("nvshmem", heap_size="256M")
@@ -90,6 +99,40 @@ def main() -> None:
     result["finished_at"] = time.time()
     _write(out_dir, rank, result)
     sys.exit(0)  # not os._exit: a normal exit must be prompt too
+
+
+def _queued_after_abort(rank: int, out_dir: str, result: dict) -> None:
+    from odc_runtime import testing
+
+    try:
+        odc.init("nvshmem", heap_size="64M")
+    except odc.OdcUsageError as e:  # several PEs on one GPU without MPS: refused on every rank
+        result["error"] = f"{type(e).__name__}: {e}"
+        _write(out_dir, rank, result)
+        return
+    t = testing.transport()
+    sig = t.alloc(1, torch.int64, "never_signalled")
+    odc.sync()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            t.wait_signal(sig, 0, 1, "wait (never signalled)", [1])  # the stream waits; the host returns
+            t.barrier("sync")  # queued behind the wait
+            time.sleep(1.0)  # rank 1 is in its barrier by now
+            t._engine.set_abort()  # the wait leaves cut short; the barrier kernel starts with the abort up
+            time.sleep(1.0)
+            result["barrier_recorded"] = int(t._engine.barrier_gave_up())
+        if rank == 1:
+            t.barrier("sync")  # waits on the GPU for rank 0's announcement
+        t.barrier("next sync")  # waits (bounded) for the previous barrier
+        torch.cuda.synchronize()
+        result["error"] = None
+    except odc.OdcError as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+    result["seconds"] = time.monotonic() - start
+    _write(out_dir, rank, result)
 
 
 def _write(out_dir: str, rank: int, result: dict) -> None:

@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 # .ci/gpu --plan: (setup s, s per case, expected fraction); a case is ODC_TIMEOUT + start + exit, or an init
 # refusal (several PEs on one GPU without MPS) (unmeasured)
 GPU_BUDGET = {"test_dead_peer_raises_within_timeout": (0, 45, 0.4), "test_mismatched_settings_raise_on_every_rank":
-              (0, 60, 0.25)}
+              (0, 60, 0.25), "test_a_barrier_queued_behind_an_abort_does_not_release_the_peer": (0, 60, 0.5)}
 
 
 def _free_port() -> int:
@@ -112,3 +112,20 @@ def test_mismatched_settings_raise_on_every_rank(world: int, tmp_path) -> None:
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert res["error"] and "ODC_NVSHMEM_PUSH" in res["error"], f"rank {r}: {res}\n{log}"
         assert procs[r].returncode == 0, log
+
+
+@pytest.mark.parametrize("mps", [True], ids=["mps"])
+def test_a_barrier_queued_behind_an_abort_does_not_release_the_peer(mps: bool, tmp_path) -> None:
+    # Issue 33, finding 1, on real kernels: the barrier kernel reads the abort word after its quiet and leaves
+    # without announcing; rank 1 must time out naming rank 0 (before the fix it completed its barrier).
+    _require_backend()
+    with mps_daemon(mps, tmp_path) as env:
+        procs, _ = _launch("queued_after_abort", 2, tmp_path, env)
+    log = _output(procs)
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    if res[0]["error"] and "MPS" in res[0]["error"] and "OdcUsageError" in res[0]["error"]:
+        pytest.skip(res[0]["error"])
+    assert res[1]["error"] and "rank(s) 0 did not arrive at barrier" in res[1]["error"], f"{res}\n{log}"
+    assert res[1]["seconds"] <= TIMEOUT_S + 5, res
+    assert res[0]["error"] and "OdcTimeoutError" in res[0]["error"], f"{res}\n{log}"
+    assert res[0]["barrier_recorded"] == 0, f"a barrier that started with the abort up recorded itself: {res}"
