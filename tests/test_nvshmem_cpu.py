@@ -6,6 +6,7 @@ are alive, an init failure agreed on every rank, and the Triton fold's fixed lau
 from __future__ import annotations
 
 import time
+import types
 import weakref
 
 import pytest
@@ -90,9 +91,19 @@ class _Event:
 
     def __init__(self, done: bool = False) -> None:
         self.done = done
+        _EVENTS[id(self)] = self
+
+    @property
+    def cuda_event(self) -> int:  # the handle the watchdog passes to the extension's query_event
+        return id(self)
 
     def query(self) -> bool:
         return self.done
+
+
+_EVENTS: weakref.WeakValueDictionary[int, _Event] = weakref.WeakValueDictionary()
+# What the watchdog uses of odc_runtime._C: the event query (thread-local capture mode on the GPU)
+_C = types.SimpleNamespace(EVENT_DONE=0, EVENT_PENDING=1, query_event=lambda h: 0 if _EVENTS[h].query() else 1)
 
 
 class _Engine:
@@ -133,6 +144,7 @@ class _Transport:
     def __init__(self, engine: _Engine, timeout: float) -> None:
         self.rank, self.world_size, self.timeout, self.device = 1, 4, timeout, None
         self._engine = engine
+        self._C = _C
         self.failure: odc.OdcError | None = None
         self._finalized = False
 
