@@ -119,13 +119,34 @@ def test_a_locked_push_that_timed_out_is_blamed_not_the_barrier_behind_it() -> N
 
 
 # -- finding 3: wrong diagnoses of a gang or hierarchy peer that never delivers --------------------------------
+def _first_wait_gives_up(monkeypatch: pytest.MonkeyPatch, transport: object) -> None:
+    """From now on the fake extension's waits never see their count: the first signal wait issued (id 1) is the one
+    that gives up when the abort is raised, having seen 0; every barrier so far completed. The engine's deadline
+    thread raises the abort in these tests (the test sets ``engine.abort``), not the Python watchdog."""
+    from test_nvshmem_fake import FakeEvent
+
+    from odc_runtime.transport.nvshmem import watchdog
+
+    engine = transport._engine  # type: ignore[attr-defined]
+
+    class Released(FakeEvent):  # the wait kernels leave when the abort is raised
+        def query(self) -> bool:
+            return engine.abort
+
+    monkeypatch.setattr(watchdog, "ABORT_GRACE_S", 0.05)
+    monkeypatch.setattr(torch.cuda, "Event", Released)
+    engine.wait_seen = lambda: 0
+    engine.wait_gave_up = lambda: 1 if engine.abort else 0
+    engine.barrier_gave_up = lambda: 0
+    transport._watchdog.stop()  # type: ignore[attr-defined]
+
+
 def _rank_gang_peer_never_delivers(rank: int, world: int) -> str:
-    from test_nvshmem_fake import FakeEvent, _install
+    from test_nvshmem_fake import _install
 
     from odc_runtime import testing
     from odc_runtime.gang import GangExchange
     from odc_runtime.split import Chunk
-    from odc_runtime.transport.nvshmem import watchdog
 
     monkeypatch = pytest.MonkeyPatch()
     try:
@@ -133,19 +154,9 @@ def _rank_gang_peer_never_delivers(rank: int, world: int) -> str:
         # so the forward pass runs on (copying tag slots that never arrived) until the engine's deadline thread
         # raises the abort; the next put is then refused by the extension.
         transport, _, _ = _install(monkeypatch, 2, [1, 0], atomic=False, node=1, backed=True)
-        monkeypatch.setattr(watchdog, "ABORT_GRACE_S", 0.05)
         engine = transport._engine
-
-        class Released(FakeEvent):  # the wait kernels leave when the abort is raised
-            def query(self) -> bool:
-                return engine.abort
-
         ex = GangExchange(num_layers=2, max_chunk_tokens=8, kv_features=4, transport=transport)
-        monkeypatch.setattr(torch.cuda, "Event", Released)
-        engine.wait_seen = lambda: 0  # the join wait saw no join from PE 1
-        engine.wait_gave_up = lambda: 1 if engine.abort else 0  # ... and was the first wait to give up
-        engine.barrier_gave_up = lambda: 0  # every barrier (the allocations') completed
-        transport._watchdog.stop()  # the deadline thread (C++) raises the abort in this test, not the watchdog
+        _first_wait_gives_up(monkeypatch, transport)  # the join wait: it saw no join from PE 1
         step = ex.step(Chunk(0, 0, 2, 12, 0, (0, 1)))
         k, v = torch.randn(6, 4), torch.randn(6, 4)
         with pytest.raises(odc.OdcError) as e, step:
@@ -167,29 +178,18 @@ def test_a_gang_peer_that_never_delivers_is_a_timeout_not_a_mismatch() -> None:
 
 
 def _rank_hierarchy_fail_stop(rank: int, world: int) -> str:
-    from test_nvshmem_fake import FakeEvent, _install
+    from test_nvshmem_fake import _install
 
     from odc_runtime import testing
     from odc_runtime.transport.base import PutRequest
-    from odc_runtime.transport.nvshmem import watchdog
 
     monkeypatch = pytest.MonkeyPatch()
     try:
         transport, _, _ = _install(monkeypatch, 4, [1, 1, 0, 0], atomic=False, node=2, backed=True)
-        monkeypatch.setattr(watchdog, "ABORT_GRACE_S", 0.05)
         engine = transport._engine
         buf = transport.alloc(16, torch.float32, "inbox")
         sig = transport.alloc(4, torch.int64, "signal")
-        transport._watchdog.stop()
-
-        class Released(FakeEvent):
-            def query(self) -> bool:
-                return engine.abort
-
-        monkeypatch.setattr(torch.cuda, "Event", Released)
-        engine.wait_seen = lambda: 0
-        engine.wait_gave_up = lambda: 1 if engine.abort else 0
-        engine.barrier_gave_up = lambda: 0
+        _first_wait_gives_up(monkeypatch, transport)
         # the hierarchical flush: a wait for node 1's puts, then (after the fold) the puts of the next round
         transport.wait_signal(sig, 1, 1, "sync: staged pushes from node 1", [2])
         engine.abort = True  # its deadline passed

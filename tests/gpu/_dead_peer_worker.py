@@ -51,14 +51,10 @@ def main() -> None:
             result["error"] = f"{type(e).__name__}: {e}"
         _write(out_dir, rank, result)
         return
+    if not _init(rank, out_dir, result):
+        return
     if scenario == "queued_after_abort":
         _queued_after_abort(rank, out_dir, result)
-        return
-    try:
-        odc.init("nvshmem", heap_size="256M")
-    except odc.OdcUsageError as e:  # several PEs on one GPU without MPS: refused on every rank
-        result["error"] = f"{type(e).__name__}: {e}"
-        _write(out_dir, rank, result)
         return
     n = 1 << 20
     st = odc.shard(torch.zeros(n, device="cuda"), name="w")
@@ -101,15 +97,20 @@ def main() -> None:
     sys.exit(0)  # not os._exit: a normal exit must be prompt too
 
 
-def _queued_after_abort(rank: int, out_dir: str, result: dict) -> None:
-    from odc_runtime import testing
-
+def _init(rank: int, out_dir: str, result: dict) -> bool:
+    """odc.init; False (the refusal written as this rank's result) where several PEs share a GPU without MPS."""
     try:
-        odc.init("nvshmem", heap_size="64M")
+        odc.init("nvshmem", heap_size="256M")
+        return True
     except odc.OdcUsageError as e:  # several PEs on one GPU without MPS: refused on every rank
         result["error"] = f"{type(e).__name__}: {e}"
         _write(out_dir, rank, result)
-        return
+        return False
+
+
+def _queued_after_abort(rank: int, out_dir: str, result: dict) -> None:
+    from odc_runtime import testing
+
     t = testing.transport()
     sig = t.alloc(1, torch.int64, "never_signalled")
     odc.sync()
