@@ -4,8 +4,8 @@ Per rank: ``ActorRolloutRefWorker(config, role="actor").init_model()`` with veRL
 a tiny random Qwen2 saved to a local directory (no hub download), then for each step ``compute_log_prob`` (old
 log-probs) and ``update_actor`` on this rank's share of a synthetic batch, called as veRL's trainer calls them
 (padded DataProto → no-padding TensorDict, the same meta keys), then a checkpoint round trip. In ODC mode the
-worker is the recipe's subclass from ``examples/verl_odc.py``. :class:`RunSpec` says what to run; a new mode (e.g.
-veRL's ``full_determinism``) is a new field there.
+worker is the recipe's subclass from ``examples/verl_odc.py``. :class:`RunSpec` says what to run; a mode is a field
+there that maps to config lines (``full_determinism`` is one; the test does not set it yet).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class RunSpec:
     steps: int = 2
     mini_batches: int = 2
     samples: int = 16  # per step, all ranks together
+    full_determinism: bool = False  # veRL's fsdp_config.full_determinism (deterministic kernels, fixed seeds)
 
 
 def build_model(path: str, seed: int = 0) -> None:
@@ -71,6 +72,7 @@ def load_config(spec: RunSpec):
         "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
         "actor_rollout_ref.actor.fsdp_config.dtype=float32",
         "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
+        f"actor_rollout_ref.actor.fsdp_config.full_determinism={spec.full_determinism}",
         "actor_rollout_ref.rollout.n=1",
         "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
         f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={spec.max_tokens}",
