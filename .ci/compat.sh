@@ -2,9 +2,12 @@
 # Compatibility run: the FSDP2 integration, both examples and a short bench/comm.py on the oldest and the newest
 # supported torch (the main CI run covers the torch pinned in .ci/run). CPU only: gloo + the host transport.
 #
-#   bash .ci/compat.sh                       # torch 2.9.1 and 2.14.1
-#   ODC_COMPAT_TORCH="2.11.0" bash .ci/compat.sh
-#   PIP_CONFIG_FILE=/dev/null ODC_COMPAT_TORCH=2.15.0 bash .ci/compat.sh   # past this machine's torch<=2.14.1 pip cap
+#   bash .ci/compat.sh                       # torch 2.9.1 and 2.15.0
+#   ODC_COMPAT_TORCH="2.11.0 2.14.1" bash .ci/compat.sh
+#
+# This machine's pip caps torch at 2.14.1 (a `constraint` file in /etc/xdg/pip/pip.conf). The torch install below
+# lifts it for that one command with PIP_CONSTRAINT=/dev/null (an environment variable overrides the config file's
+# value; the other settings, e.g. /etc/pip.conf's `cert`, still apply). Elsewhere it changes nothing.
 #
 # Each torch gets its own virtual environment under ${ODC_COMPAT_CACHE:-$HOME/.cache/odc-compat}/torch-X.Y.Z,
 # created on the first run and reused while its torch imports with the expected version (the PyPI wheels are CUDA
@@ -14,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 cache=${ODC_COMPAT_CACHE:-$HOME/.cache/odc-compat}
-versions=${ODC_COMPAT_TORCH:-"2.9.1 2.14.1"}
+versions=${ODC_COMPAT_TORCH:-"2.9.1 2.15.0"}
 mkdir -p "$cache"
 
 for v in $versions; do
@@ -25,7 +28,7 @@ for v in $versions; do
     rm -rf "$venv"
     python3 -m venv "$venv"
     "$venv/bin/python" -m pip install -q --upgrade pip
-    "$venv/bin/python" -m pip install -q "torch==$v"
+    PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q "torch==$v"
   fi
   ODC_BUILD_EXT=0 "$venv/bin/python" -m pip install -q -e ".[test]"
   "$venv/bin/python" -c "import torch, odc_runtime.fsdp; print('compat: torch', torch.__version__, 'ready')"

@@ -12,6 +12,7 @@ but empty is an error too (it is never taken as "unset", nor as the current dire
 | ``ODC_NODE_SIZE`` | ranks per node (consecutive; divides the world) for the hierarchical protocol | transport's node |
 | ``ODC_NODE_SLOTS`` | inbox slots per tensor for pushes from other nodes (fewer: less memory, more rounds) | M-1 |
 | ``ODC_REQUIRE_EXTENSION`` | tests: ``1`` turns "extension not built" skips into failures | ``0`` |
+| ``ODC_REQUIRE_VERL`` | tests: ``1`` turns "veRL not installed" skips into failures (``.ci/verl.sh``) | ``0`` |
 
 The nvshmem transport's ``ODC_NVSHMEM_*`` settings are parsed below as well (their own block); the build settings
 (``ODC_BUILD_EXT``, ``ODC_CUDA_ARCHS``, ``ODC_BUILD_JOBS``) are read by ``setup.py``, which cannot import the package.
@@ -237,6 +238,11 @@ def env_choice(name: str, choices: Iterable[str], default: str, environ: Mapping
 def require_extension() -> bool:
     """``ODC_REQUIRE_EXTENSION``: tests fail (instead of skipping) when the compiled extension is missing."""
     return env_flag("ODC_REQUIRE_EXTENSION", False)
+
+
+def require_verl() -> bool:
+    """``ODC_REQUIRE_VERL``: the real-veRL tests fail (instead of skipping) when veRL is not importable."""
+    return env_flag("ODC_REQUIRE_VERL", False)
 
 
 # -- nvshmem transport settings (owned by the GPU transport; agreed across ranks at init) ---------------------

@@ -24,6 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
         ("ODC_SHM_DIR", config.shm_dir),
         ("ODC_BACKEND", lambda: config.backend_name(None)),
         ("ODC_REQUIRE_EXTENSION", config.require_extension),
+        ("ODC_REQUIRE_VERL", config.require_verl),
         ("ODC_NVSHMEM_PUSH", config.nvshmem_settings),
         ("ODC_NVSHMEM_SCRATCH_SLOTS", config.nvshmem_settings),
         ("ODC_NVSHMEM_CELL_BYTES", config.nvshmem_settings),

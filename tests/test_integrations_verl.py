@@ -1,25 +1,21 @@
-"""odc_runtime.integrations.verl: the veRL recipe's contract, tested without veRL.
+"""odc_runtime.integrations.verl: the veRL recipe's contract, tested with stand-ins and, where installed, veRL.
 
-veRL itself is not installed here (``pip install verl`` resolves 143 packages, among them ray, pyarrow, wandb,
-tensorboard, datasets and a CUDA torch build: far beyond CI's budget). So these tests check the adapter against
-*stand-ins* written from veRL's documented behaviour, with veRL's data layout:
+Most tests run without veRL, against *stand-ins* written from veRL 0.9.1's behaviour, with veRL's data layout:
 
 - batches are dicts shaped like veRL's actor batches (``input_ids`` / ``attention_mask`` / ``position_ids``
   ``[batch, seq]`` right-padded, ``responses`` / ``response_mask`` / ``old_log_probs`` / ``advantages``
   ``[batch, response]``, per-sample non-tensor lists), and the no-padding variant with jagged nested ``input_ids``;
-- a fake ``verl`` package (in ``sys.modules``) whose ``rearrange_micro_batches`` has veRL's signature and its
-  equal-count behaviour (all-reduce of the maximum count over the data-parallel group), imported by name into a
-  fake ``verl.workers.engine.utils`` as veRL does;
+- a fake ``verl`` package (in ``sys.modules``, version 0.9.1) whose ``rearrange_micro_batches`` has veRL's
+  signature and its equal-count behaviour (all-reduce of the maximum count over the data-parallel group), imported
+  by name into a fake ``verl.workers.engine.utils`` as veRL does, and a ``Metric`` whose ``aggregate_dp`` refuses
+  unequal counts as veRL's does;
 - a fake FSDP engine with veRL's ``forward_backward_batch(data, loss_function, forward_only)`` structure: global
   token count all-reduced, micro-batches from ``prepare_micro_batches``, token-mean loss × dp_size, deferred gradient
   sync (``set_requires_gradient_sync(False)``) on all but the last micro-batch, optimizer step afterwards.
 
-When veRL *is* importable, ``test_against_real_verl_planner_and_tensordicts`` also runs the adapter on veRL's own
-TensorDict batches (padded and jagged ``input_ids``), against veRL's ``rearrange_micro_batches``,
-``restore_dynamic_batch`` and ``prepare_micro_batches`` (with :func:`install`). It passed with verl 0.9.1 installed
-by ``pip install --no-deps`` plus the modules its import chain needs (ray, tensordict, pandas, pyarrow, datasets, …:
-about 560 MB); CI skips it. Never run here: veRL's FSDP engine and Ray workers with a real model (they need a
-model checkpoint path, Ray and, for rollouts, an inference engine).
+When veRL is importable (``.ci/verl.sh`` runs this file in its veRL venv), the last tests also run the adapter on
+veRL's own TensorDict batches, ``rearrange_micro_batches``, ``restore_dynamic_batch``, ``prepare_micro_batches``
+and ``Metric``. veRL's worker and engine with a real model: ``tests/test_verl_real.py``.
 """
 
 from __future__ import annotations
@@ -148,7 +144,69 @@ def test_install_without_verl_says_so(monkeypatch):
         ov.install()
 
 
+def _metrics(kind: str, *per_rank: list[float]) -> list:
+    return [FakeMetric(kind, v) for v in per_rank]
+
+
+def test_aggregate_dp_is_verls_own_for_equal_counts_and_reduces_unequal_ones_per_rank(monkeypatch):
+    import numpy as np
+
+    stock = FakeMetric.aggregate_dp
+    monkeypatch.setattr(ov, "_ATTACHED", [1])  # an ODC engine is attached in this process
+    equal = _metrics("mean", [1.0, 2.0], [3.0, 4.0])
+    assert ov.aggregate_dp(equal, original=stock) == stock(equal)  # veRL's function itself, same values
+    # unequal counts (rank 0: 4 micro-batches, rank 1: 1): each rank reduced with the metric's aggregation, then
+    # averaged over ranks (mean / sum); min / max over every value
+    a, b = [0.5, -1.0, 2.0, 0.25], [3.0]
+    assert ov.aggregate_dp(_metrics("sum", a, b), original=stock) == pytest.approx((1.75 + 3.0) / 2, abs=0)
+    assert ov.aggregate_dp(_metrics("mean", a, b), original=stock) == pytest.approx((0.4375 + 3.0) / 2, abs=0)
+    assert ov.aggregate_dp(_metrics("min", a, b), original=stock) == -1.0
+    assert ov.aggregate_dp(_metrics("max", a, b), original=stock) == 3.0
+    # with equal counts the per-rank rule is stock's rule regrouped: same numbers (veRL: mean over ranks per index)
+    x, y = [0.5, -1.0, 2.0], [3.0, 0.125, -0.75]
+    for kind, per_index in (("sum", np.sum), ("mean", np.mean)):
+        ragged = ov.aggregate_dp(_metrics(kind, x, y))  # no original: the ragged rule even for equal counts
+        assert ragged == pytest.approx(per_index(np.mean([x, y], axis=0)), rel=1e-15)
+    # a rank without micro-batches: nothing to its sum, left out of the mean
+    assert ov.aggregate_dp(_metrics("sum", [2.0, 4.0], []), original=stock) == 3.0
+    assert ov.aggregate_dp(_metrics("mean", [2.0, 4.0], []), original=stock) == 3.0
+    # no ODC engine attached: veRL's own behaviour, its error included
+    monkeypatch.setattr(ov, "_ATTACHED", [0])
+    with pytest.raises(ValueError, match="same number of values"):
+        ov.aggregate_dp(_metrics("sum", a, b), original=stock)
+
+
+@pytest.mark.parametrize("version", ["0.8.2", "0.10.0", "1.0.0", "unknown"])
+def test_install_refuses_an_unsupported_verl(monkeypatch, version):
+    import types
+
+    fake = types.ModuleType("verl")
+    fake.__version__ = version
+    monkeypatch.setitem(sys.modules, "verl", fake)
+    with pytest.raises(OdcUsageError, match=r"supports veRL 0\.9\.x \(tested with 0\.9\.1\), found veRL"):
+        ov.install()
+    assert not ov._ORIGINALS  # nothing patched
+
+
 # --------------------------------------------------------------------------------------------------- multi-rank
+
+
+class FakeMetric:
+    """veRL's ``Metric`` reduced to what :func:`aggregate_dp` reads: ``values``, ``aggregation`` (an enum whose
+    ``.value`` is the name) and a classmethod ``aggregate_dp`` that refuses unequal counts, as veRL 0.9.1's does."""
+
+    def __init__(self, aggregation: str, values: list[float]) -> None:
+        import enum
+
+        self.aggregation = enum.Enum("AggregationType", {aggregation.upper(): aggregation})[aggregation.upper()]
+        self.values = list(values)
+
+    @classmethod
+    def aggregate_dp(cls, metric_lists):
+        lengths = [len(m.values) for m in metric_lists]
+        if len(set(lengths)) > 1:
+            raise ValueError(f"All Metric instances must have the same number of values for dp aggregation: {lengths}")
+        return ("stock", tuple(tuple(m.values) for m in metric_lists))
 
 
 def _fake_verl():
@@ -186,7 +244,11 @@ def _fake_verl():
         )
 
     verl = types.ModuleType("verl")
+    verl.__version__ = "0.9.1"
     utils = types.ModuleType("verl.utils")
+    metric = types.ModuleType("verl.utils.metric")
+    metric_utils = types.ModuleType("verl.utils.metric.utils")
+    metric_utils.Metric = FakeMetric
     seqlen_balancing = types.ModuleType("verl.utils.seqlen_balancing")
     seqlen_balancing.rearrange_micro_batches = rearrange_micro_batches
     workers = types.ModuleType("verl.workers")
@@ -198,6 +260,8 @@ def _fake_verl():
         ("verl", verl),
         ("verl.utils", utils),
         ("verl.utils.seqlen_balancing", seqlen_balancing),
+        ("verl.utils.metric", metric),
+        ("verl.utils.metric.utils", metric_utils),
         ("verl.workers", workers),
         ("verl.workers.engine", engine),
         ("verl.workers.engine.utils", engine_utils),
@@ -489,3 +553,33 @@ def test_against_real_verl_planner_and_tensordicts(nested):
     finally:
         ov.uninstall()
     assert "__odc_original__" not in vars(eu.rearrange_micro_batches)
+
+
+def test_real_verl_metric_reduction_with_install(monkeypatch):
+    """veRL's own ``Metric``: after install(), equal counts give bitwise veRL's values, unequal counts reduce (with
+    an engine attached); uninstall() restores veRL's function."""
+    _real_verl()
+    from verl.utils.metric.utils import Metric
+
+    def metric(kind, values):
+        m = Metric(kind)
+        m.extend(values)
+        return m
+
+    stock = Metric.aggregate_dp
+    rows = [[0.25, -1.5, 3.0], [2.0, 0.125, -0.5]]
+    want = {k: stock([metric(k, v) for v in rows]) for k in ("mean", "sum", "min", "max")}
+    ov.install()
+    try:
+        monkeypatch.setattr(ov, "_ATTACHED", [1])
+        for kind, value in want.items():
+            assert Metric.aggregate_dp([metric(kind, v) for v in rows]) == value
+        assert Metric.aggregate_dp([metric("sum", [1.0, 2.0]), metric("sum", [5.0])]) == 4.0
+        monkeypatch.setattr(ov, "_ATTACHED", [0])
+        with pytest.raises(ValueError, match="same number of values"):
+            Metric.aggregate_dp([metric("sum", [1.0, 2.0]), metric("sum", [5.0])])
+    finally:
+        ov.uninstall()
+    assert "__odc_original__" not in vars(Metric.aggregate_dp.__func__)
+    with pytest.raises(ValueError, match="same number of values"):
+        Metric.aggregate_dp([metric("sum", [1.0, 2.0]), metric("sum", [5.0])])

@@ -1,32 +1,32 @@
 """veRL recipe: run the actor's FSDP2 updates in ODC mode, with micro-batches planned without equal counts.
 
-What veRL does today (function names from its source, 2025–2026; this module copies none of its code):
+Tested with veRL **0.9.1** (the newest release) on torch 2.13.0 (CPU, gloo: ``tests/test_verl_real.py``, run by
+``.ci/verl.sh``); :func:`install` refuses any veRL other than 0.9.x (:data:`SUPPORTED_VERL`). Names below are
+veRL 0.9.1's; this module copies none of its code.
 
-- Dynamic batching (``use_dynamic_bsz``) splits each rank's share of a mini-batch into micro-batches with
-  ``verl.utils.seqlen_balancing.rearrange_micro_batches(batch, max_token_len, dp_group=None,
-  num_batches_divided_by=None, same_micro_num_in_dp=True, min_num_micro_batch=None, use_dynamic_bsz_balance=True
-  [, force_group_size=1]) -> (micro_batches, index_lists)``. It takes ``ceil(tokens / max_token_len)`` micro-batches,
-  then, with ``same_micro_num_in_dp``, all-reduces the *maximum* count over the data-parallel group so that every
-  rank runs the same number (FSDP's per-layer collectives deadlock otherwise), and splits the rank's samples into
-  that many parts. Ranks with less work therefore run extra, smaller micro-batches, and every layer of every
-  micro-batch still waits for the slowest rank. ``prepare_dynamic_batch`` (``DataParallelPPOActor``) and
-  ``verl.workers.engine.utils.prepare_micro_batches`` (the FSDP engine's ``forward_backward_batch``) call it.
-  Together with the driver's ``_balance_batch`` (equal sample counts per rank, Karmarkar–Karp) this is the
-  planner this adapter replaces; ``odc_runtime.balance`` models it as the ``"verl_lb_micro"`` policy (the ODC
-  paper's LB-Micro), so ``plan(..., policy="verl_lb_micro")`` and the benchmarks show what a veRL user runs
-  today next to ODC's ``"lb_mini"``.
-- The FSDP engine normalises token-mean losses by the global token count times the data-parallel size (FSDP
-  averages gradients over ranks) and may defer gradient sync with ``set_requires_gradient_sync(False)`` on all but
-  the last micro-batch.
+The path a PPO step takes in veRL 0.9 (``verl.workers.engine_workers``): ``ActorRolloutRefWorker.compute_log_prob``
+→ ``TrainingWorker.infer_batch`` and ``ActorRolloutRefWorker.update_actor`` → ``TrainingWorker.train_mini_batch`` →
+``train_batch`` per PPO mini-batch, both ending in the FSDP engine's ``forward_backward_batch``
+(``verl.workers.engine.fsdp``) → ``verl.workers.engine.utils.prepare_micro_batches`` →
+``verl.utils.seqlen_balancing.rearrange_micro_batches(batch, max_token_len, dp_group, num_batches_divided_by,
+same_micro_num_in_dp, min_num_micro_batch, use_dynamic_bsz_balance, force_group_size)``. With dynamic batching
+(``use_dynamic_bsz``) that planner takes ``ceil(tokens / max_token_len)`` micro-batches and, with
+``same_micro_num_in_dp``, all-reduces the *maximum* count over the data-parallel group so that every rank runs the
+same number (FSDP's per-layer collectives deadlock otherwise). Ranks with less work run extra, smaller
+micro-batches, and every layer of every micro-batch waits for the slowest rank. ``odc_runtime.balance`` models this
+planner as the ``"verl_lb_micro"`` policy (the ODC paper's LB-Micro). The engine normalises token-mean losses by the
+global token count times the data-parallel size (FSDP averages gradients over ranks) and may defer gradient sync
+(``use_no_sync_for_gradient_accumulation``) on all but the last micro-batch.
 
-What ODC changes (see the README's "With veRL" section for the edits):
+What ODC changes (see the README's "With veRL" section and ``examples/verl_odc.py``):
 
 1. :func:`enable_actor` switches the actor's FSDP2 module to ODC mode (``odc_runtime.fsdp.enable``).
 2. :func:`rearrange_micro_batches` (same arguments and results as veRL's) plans each rank's micro-batches from its
    own samples only: as few as fit under ``max_token_len`` (best-fit packing by ``odc_runtime.balance``, the
-   packing step of ``lb_mini``), with no all-reduce of the count, so counts differ between ranks. Each rank's
-   total is balanced by veRL's own driver-side balancing (``balance_batch``), which assigns samples to ranks with
-   equal sample counts because veRL dispatches equal chunks; ODC needs the totals balanced per mini-batch only.
+   packing step of ``lb_mini``), with no all-reduce of the count, so counts differ between ranks. veRL's driver
+   (``balance_batch``) balances each rank's share of the whole step with equal sample counts; ODC waits once per
+   mini-batch, so the per-mini-batch totals are what matter (see the README for what that means with several PPO
+   mini-batches).
 3. Every ``forward_backward_batch`` (training *and* forward-only log-prob passes: with unequal counts a collective
    all-gather would hang) runs inside ``odc_runtime.fsdp.minibatch(module)``. Deferred gradient sync is turned
    off: under ODC it saves nothing (a push is one-sided, nobody waits for it) and it would keep the whole model's
@@ -34,11 +34,23 @@ What ODC changes (see the README's "With veRL" section for the edits):
    with ``set_requires_gradient_sync(False)``).
 4. Loss scaling stays as veRL has it: ``end_minibatch``'s default divide factor is the world size, FSDP2's mean,
    so veRL's ``× dp_size / global tokens`` gives the same gradients as before.
+5. Per-micro-batch metrics. ``train_mini_batch`` all-gathers each rank's per-micro-batch ``Metric`` lists and
+   reduces them with ``Metric.aggregate_dp``, which raises unless every rank has the same number of values. This
+   module *corrects veRL's reduction* (:func:`aggregate_dp`, installed over ``Metric.aggregate_dp``) rather than
+   giving veRL equal counts (e.g. one collapsed value per rank), because the correction leaves every case stock veRL
+   handles untouched: with equal counts, or with no ODC engine attached in the process, veRL's own function runs
+   (bitwise the same values, the same error). Only unequal counts under ODC take the new path, which reduces each
+   rank's values with the metric's own aggregation and averages over ranks for ``mean`` / ``sum`` (with equal counts
+   that *is* stock's mean over ranks of each micro-batch index, regrouped) and takes ``min`` / ``max`` over all
+   values. The ``sum`` metrics (e.g. the loss terms, scaled per micro-batch by the global token count) then give the
+   same value however a rank's samples were split; ``mean`` metrics weight each rank equally, as veRL's equal
+   per-rank sample counts suggest. Padding the lists to a common length instead would need a collective and would
+   change ``mean``/``min``.
 
 :func:`attach_engine` does 1 and 3 on a veRL FSDP engine object (anything with ``.module`` and
 ``.forward_backward_batch(data, loss_function, forward_only)``), and :func:`install` routes veRL's
 ``rearrange_micro_batches`` to ours *only while an attached engine is inside its minibatch*, so the reference and
-critic models (stock FSDP) keep veRL's equal counts.
+critic models (stock FSDP) keep veRL's equal counts, and installs 5.
 """
 
 from __future__ import annotations
@@ -63,6 +75,8 @@ from odc_runtime.errors import OdcUsageError
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "SUPPORTED_VERL",
+    "aggregate_dp",
     "attach_engine",
     "cost_model_from_hf_config",
     "enable_actor",
@@ -72,7 +86,13 @@ __all__ = [
     "select_rows",
     "seq_lengths",
     "uninstall",
+    "verl_version",
 ]
+
+#: veRL releases (major, minor) whose worker/engine path this module follows; 0.9.1 is the one tested.
+SUPPORTED_VERL = ((0, 9),)
+#: Where veRL's ``Metric`` class lives (its ``aggregate_dp`` is corrected by :func:`install`).
+VERL_METRIC_SITE = "verl.utils.metric.utils"
 
 #: Where veRL keeps a module-level reference to ``rearrange_micro_batches`` (``from ... import`` copies it).
 VERL_PLANNER_SITES = ("verl.utils.seqlen_balancing", "verl.workers.engine.utils")
@@ -80,6 +100,7 @@ VERL_PLANNER_SITES = ("verl.utils.seqlen_balancing", "verl.workers.engine.utils"
 # Inside an attached engine's forward_backward_batch: the cost model to plan with (or True for the default).
 _ACTIVE: contextvars.ContextVar[object] = contextvars.ContextVar("odc_verl_active", default=False)
 _ORIGINALS: dict[str, Callable] = {}
+_ATTACHED = [0]  # engines attached in this process: the ragged metric reduction is used only when > 0
 
 
 # --------------------------------------------------------------------------------------------------- planning
@@ -279,6 +300,7 @@ def attach_engine(engine: Any, *, backend: str | None = None, cost: balance.Cost
     engine.forward_backward_batch = forward_backward_batch
     engine._gradient_sync_context = _no_deferred_grad_sync
     engine._odc_attached = True
+    _ATTACHED[0] += 1
     if not _ORIGINALS:
         log.warning("odc verl: attach_engine() without install(): veRL still plans equal micro-batch counts")
     return engine
@@ -297,10 +319,77 @@ def _routed(original: Callable) -> Callable:
     return route
 
 
+def verl_version() -> tuple[int, ...]:
+    """The installed veRL's version as integers (``(0, 9, 1)``); :class:`OdcUsageError` if veRL is not importable."""
+    try:
+        verl = importlib.import_module("verl")
+    except ImportError as e:
+        raise OdcUsageError(f"odc_runtime.integrations.verl: veRL is not importable ({e}); is verl installed?") from e
+    text = str(getattr(verl, "__version__", "0"))
+    parts = []
+    for piece in text.split("."):
+        digits = "".join(c for c in piece if c.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def _check_version() -> None:
+    version = verl_version()
+    if tuple(version[:2]) not in SUPPORTED_VERL:
+        found = ".".join(map(str, version)) or "unknown"
+        wanted = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VERL)
+        raise OdcUsageError(
+            f"odc_runtime.integrations.verl supports veRL {wanted} (tested with 0.9.1), found veRL {found}: its "
+            "actor path (TrainingWorker → FSDP engine → prepare_micro_batches) and metric reduction are what this "
+            "adapter hooks; install verl==0.9.1"
+        )
+
+
+def aggregate_dp(metric_lists: Sequence[Any], *, original: Callable | None = None) -> Any:
+    """``Metric.aggregate_dp`` for per-rank lists of unequal length (see the module docstring, item 5).
+
+    Equal lengths, or no ODC engine attached in this process: veRL's own function (``original``) runs. Otherwise
+    ``mean`` / ``sum``: each rank's values reduced with the metric's aggregation, then averaged over ranks;
+    ``min`` / ``max``: over all values. A rank with no value (no micro-batch) counts as 0 for ``sum`` and is left out
+    of ``mean``."""
+    lengths = [len(m.values) for m in metric_lists]
+    if original is not None and (len(set(lengths)) <= 1 or not _ATTACHED[0]):
+        return original(metric_lists)
+    import numpy as np
+
+    kind = getattr(metric_lists[0].aggregation, "value", metric_lists[0].aggregation)
+    values = [list(m.values) for m in metric_lists]
+    if kind == "sum":
+        return np.mean([np.sum(v) if v else 0.0 for v in values])
+    if kind == "mean":
+        return np.mean([np.mean(v) for v in values if v])
+    flat = [x for v in values for x in v]
+    return np.min(flat) if kind == "min" else np.max(flat)
+
+
+def _install_metric_reduction() -> None:
+    metric_cls = importlib.import_module(VERL_METRIC_SITE).Metric
+    if VERL_METRIC_SITE in _ORIGINALS:
+        return
+    original = metric_cls.__dict__["aggregate_dp"].__func__
+    _ORIGINALS[VERL_METRIC_SITE] = original
+
+    def corrected(cls: type, metric_lists: list) -> Any:
+        return aggregate_dp(metric_lists, original=functools.partial(original, cls))
+
+    corrected.__odc_original__ = original
+    metric_cls.aggregate_dp = classmethod(functools.wraps(original)(corrected))
+
+
 def install() -> list[str]:
     """Route veRL's ``rearrange_micro_batches`` (at every site in :data:`VERL_PLANNER_SITES` that exists) to ours
-    while an :func:`attach_engine`-d engine runs; elsewhere veRL's function runs unchanged. Idempotent; returns
-    the patched sites. Raises :class:`OdcUsageError` if veRL is not importable or no site was found."""
+    while an :func:`attach_engine`-d engine runs, elsewhere veRL's function runs unchanged; and correct
+    ``Metric.aggregate_dp`` for unequal counts (:func:`aggregate_dp`). Idempotent; returns the patched planner sites.
+    Raises :class:`OdcUsageError` if veRL is not importable, is not a supported version (:data:`SUPPORTED_VERL`), or
+    no site was found."""
+    _check_version()
     patched = []
     for site in VERL_PLANNER_SITES:
         try:
@@ -319,7 +408,9 @@ def install() -> list[str]:
             "odc_runtime.integrations.verl.install(): veRL's rearrange_micro_batches not found in "
             f"{', '.join(VERL_PLANNER_SITES)} (is verl installed? which version?)"
         )
-    log.info("odc verl: micro-batch planning routed at %s", ", ".join(patched))
+    _install_metric_reduction()
+    log.info("odc verl: micro-batch planning routed at %s; Metric.aggregate_dp accepts unequal counts",
+             ", ".join(patched))
     return patched
 
 
@@ -327,5 +418,8 @@ def uninstall() -> None:
     """Undo :func:`install` (engines stay attached)."""
     for site, original in list(_ORIGINALS.items()):
         mod = importlib.import_module(site)
-        mod.rearrange_micro_batches = original
+        if site == VERL_METRIC_SITE:
+            mod.Metric.aggregate_dp = classmethod(original)
+        else:
+            mod.rearrange_micro_batches = original
         del _ORIGINALS[site]
