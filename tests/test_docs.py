@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,29 @@ def test_every_readme_python_block_is_marked_to_run() -> None:
     assert python, "the README shows no Python example"
     unmarked = [line for line, marked in python if not marked]
     assert unmarked == [], f"README.md Python blocks at lines {unmarked} are not marked {MARK}: make them run"
+
+
+def _slug(heading: str) -> str:
+    """The anchor mkdocs (Python-Markdown's toc) gives a heading."""
+    text = unicodedata.normalize("NFKD", heading).encode("ascii", "ignore").decode()
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", text).strip().lower())
+
+
+def test_readme_links_reach_existing_pages_and_anchors() -> None:
+    """The site's strict build checks the guide's links; the README lies outside it, so its links are checked
+    here: every relative target exists, and every #anchor into a guide page names one of its headings."""
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", readme)
+    assert links
+    for link in links:
+        if link.startswith(("http://", "https://")):
+            continue
+        target, _, anchor = link.partition("#")
+        path = ROOT / target if target else ROOT / "README.md"
+        assert path.exists(), f"README.md links to {link}: {target} does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", path.read_text(), flags=re.M)
+            assert anchor in {_slug(h) for h in headings}, f"README.md links to {link}: no such heading"
 
 
 def test_a_misplaced_mark_is_an_error(tmp_path: Path) -> None:
