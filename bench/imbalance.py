@@ -14,12 +14,12 @@ compares them and the plot adds their timelines, the gang's K/V exchange include
 
 Split plans (``--comms odc --policies lb_mini,lb_mini_split``, not in the default grid, whose rows stay the
 whole-sample policies): ``lb_mini_split`` runs only when named in ``--policies`` or in the outlier phase, and only
-with ODC (collectives
-cannot run a plan whose ranks run different micro-batches, let alone a gang). Its gang micro-batches run on all
-their members, and every layer really exchanges the chunk's K/V (forward) and dK/dV (backward) between them
-through :mod:`odc_runtime.gang` (volumes per token scaled like the parameters, :func:`kv_features`), with each
-chunk's modelled compute from the split's cost model (:func:`odc_runtime.split.chunk_cost`); the exchanged values
-are checked exactly. A few samples per rank is where splitting pays:
+with ODC (collectives cannot run a plan whose ranks run different micro-batches, let alone a gang). Its gang
+micro-batches run on all their members, and every layer really exchanges the chunk's K/V (forward) and dK/dV
+(backward) between them through :mod:`odc_runtime.gang` (volumes per token scaled like the parameters,
+:func:`kv_features`), with each chunk's modelled compute from the split's cost model
+(:func:`odc_runtime.split.chunk_cost`); the exchanged values are checked exactly. A few samples per rank is where
+splitting pays:
 
     python bench/imbalance.py --nproc 4 --minibatch-size 8 --seed 2 --minibatches 6 --budget-s 20 \
         --comms odc --policies lb_mini,lb_mini_split
@@ -87,9 +87,9 @@ QUICK = {"minibatches": 6, "minibatch_size": 32, "time_scale": None, "layers": 2
 #: OUTLIER_SAMPLES_PER_RANK samples per rank, where single samples cost more than a rank's fair share and splitting
 #: pays. Its compute lasts OUTLIER_BUDGET_S (when the grid's time scale is fitted to a budget; else it runs at the
 #: grid's scale): at the grid's scale its minibatches would be so short that the gang's per-layer exchange on a
-#: loaded CPU would hide the balancing. With a preset its lengths are drawn
-#: with seed --seed + OUTLIER_SEED_OFFSET: at the default seed, the minibatches of the measured split run in
-#: docs/balancing.md (--seed 2 --minibatches 6 --minibatch-size 8 on 4 ranks).
+#: loaded CPU would hide the balancing. With a preset its lengths are drawn with seed --seed + OUTLIER_SEED_OFFSET:
+#: at the default seed, the minibatches of the measured split run in docs/balancing.md (--seed 2 --minibatches 6
+#: --minibatch-size 8 on 4 ranks).
 OUTLIER_SAMPLES_PER_RANK = 2
 OUTLIER_MINIBATCHES = 6
 OUTLIER_SEED_OFFSET = 2
@@ -305,9 +305,10 @@ def kv_features(args: argparse.Namespace, layer_numel: int) -> int:
 
 def outlier_phase(args: argparse.Namespace, rank: int, world: int, comm: object, gang: object | None,
                   kv_feat: int) -> tuple[dict, object]:
-    """``--outliers``: odc + each of :data:`OUTLIER_POLICIES` on the same lengths in minibatches of
-    :data:`OUTLIER_SAMPLES_PER_RANK` samples per rank, at the grid's time scale, on the grid's ODC tensors
-    (``comm``) and gang exchange (``gang``; made here, with ``kv_feat`` features, when the grid had none).
+    """``--outliers``: odc + each of :data:`OUTLIER_POLICIES` on minibatches of :data:`OUTLIER_SAMPLES_PER_RANK`
+    samples per rank (lengths drawn with seed ``--seed + OUTLIER_SEED_OFFSET``), compute fitted to
+    :data:`OUTLIER_BUDGET_S` (at the grid's time scale when that was given), on the grid's ODC tensors (``comm``)
+    and gang exchange (``gang``; made here, with ``kv_feat`` features, when the grid had none).
     Collective: every rank calls it. Returns (what :func:`report` needs, the gang exchange to free)."""
     import torch.distributed as dist
     from executor import GangKV, expected_grad, run_minibatch
