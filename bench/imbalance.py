@@ -1,19 +1,25 @@
 """Load imbalance: W real processes run a long-tailed minibatch stream with collectives or with ODC, with real
 communication and modelled (slept) compute: no model is trained.
 
-    python bench/imbalance.py --quick             # under a minute (45-50 s on 2 busy cores): spawns 4 ranks
+    python bench/imbalance.py --quick             # about a minute on 2 busy cores, outlier phase included: 4 ranks
     python bench/imbalance.py                     # fuller run
     torchrun --nproc-per-node 4 bench/imbalance.py --quick
     python bench/imbalance.py --preset swe_agentic --model 1.5b --json out.json --plot out.png
     python bench/imbalance.py --quick --hsdp 2x2     # HSDP: 2 replicas × shard groups of 2 ranks
 
+``--quick`` then runs an outlier phase (on the host backend; ``--outliers`` on others, ``--no-outliers`` to skip it):
+odc + lb_mini and odc + lb_mini_split on minibatches of 2 samples per rank (at the default seed those of the split
+run below), where a single sample costs more than a rank's fair share, its compute fitted to 6 s; a second table
+compares them and the plot adds their timelines, the gang's K/V exchange included.
+
 Split plans (``--comms odc --policies lb_mini,lb_mini_split``, not in the default grid, whose rows stay the
-whole-sample policies): ``lb_mini_split`` runs only when named in ``--policies``, and only with ODC (collectives
-cannot run a plan whose ranks run different micro-batches, let alone a gang). Its gang micro-batches run on all
-their members, and every layer really exchanges the chunk's K/V (forward) and dK/dV (backward) between them
-through :mod:`odc_runtime.gang` (volumes per token scaled like the parameters, :func:`kv_features`), with each
-chunk's modelled compute from the split's cost model (:func:`odc_runtime.split.chunk_cost`); the exchanged values
-are checked exactly. A few samples per rank is where splitting pays:
+whole-sample policies): ``lb_mini_split`` runs only when named in ``--policies`` or in the outlier phase, and only
+with ODC (collectives cannot run a plan whose ranks run different micro-batches, let alone a gang). Its gang
+micro-batches run on all their members, and every layer really exchanges the chunk's K/V (forward) and dK/dV
+(backward) between them through :mod:`odc_runtime.gang` (volumes per token scaled like the parameters,
+:func:`kv_features`), with each chunk's modelled compute from the split's cost model
+(:func:`odc_runtime.split.chunk_cost`); the exchanged values are checked exactly. A few samples per rank is where
+splitting pays:
 
     python bench/imbalance.py --nproc 4 --minibatch-size 8 --seed 2 --minibatches 6 --budget-s 20 \
         --comms odc --policies lb_mini,lb_mini_split
@@ -77,6 +83,18 @@ BASELINES = ("local_sort", "verl_lb_micro", "lb_micro")
 # measured 1.29× collective + lb_micro where the schedule predicts 1.03×). The layer count does not change the
 # balancing: each micro-batch's cost is split evenly over the layers, so every layer's barrier waits the same share.
 QUICK = {"minibatches": 6, "minibatch_size": 32, "time_scale": None, "layers": 2, "layer_mb": 0.25, "budget_s": 25.0}
+#: --quick's outlier phase: after the grid, odc + lb_mini and odc + lb_mini_split on minibatches of
+#: OUTLIER_SAMPLES_PER_RANK samples per rank, where single samples cost more than a rank's fair share and splitting
+#: pays. Its compute lasts OUTLIER_BUDGET_S (when the grid's time scale is fitted to a budget; else it runs at the
+#: grid's scale): at the grid's scale its minibatches would be so short that the gang's per-layer exchange on a
+#: loaded CPU would hide the balancing. With a preset its lengths are drawn with seed --seed + OUTLIER_SEED_OFFSET:
+#: at the default seed, the minibatches of the measured split run in docs/balancing.md (--seed 2 --minibatches 6
+#: --minibatch-size 8 on 4 ranks).
+OUTLIER_SAMPLES_PER_RANK = 2
+OUTLIER_MINIBATCHES = 6
+OUTLIER_SEED_OFFSET = 2
+OUTLIER_BUDGET_S = 6.0
+OUTLIER_POLICIES = ("lb_mini", "lb_mini_split")
 FULL = {"minibatches": 12, "minibatch_size": 64, "time_scale": 0.03, "layers": 2, "layer_mb": 0.25, "budget_s": None}
 
 
@@ -100,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pes-per-gpu", type=int, default=1, metavar="K",
                    help="GPU backend: K ranks share each GPU (rank r on GPU r // K; CUDA MPS needed for K > 1)")
     p.add_argument("--quick", action="store_true",
-                   help=f"short run (under a minute: 45-50 s on 2 busy cores): {QUICK}")
+                   help=f"short run (about a minute on 2 busy cores, the outlier phase included): {QUICK}")
     _common.add_workload_args(p)
     p.add_argument("--model", default="7b", choices=sorted(MODELS), help="model whose compute is modelled")
     p.add_argument("--gpu", default="h100", choices=sorted(GPU_PEAK_FLOPS))
@@ -131,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default=",".join(POLICIES), type=_common.comma_list(SIMULATED_POLICIES),
                    help="balancing policies (odc_runtime.balance.POLICY_REGISTRY); a splitting policy "
                         "(lb_mini_split) runs only when named here, with odc only")
+    p.add_argument("--outliers", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"also run odc + {' and odc + '.join(OUTLIER_POLICIES)} on minibatches of "
+                        f"{OUTLIER_SAMPLES_PER_RANK} samples per rank, where outliers exist and the split runs "
+                        "(default: with --quick on the host backend, unless --hsdp or without odc in --comms)")
     p.add_argument("--timeline-minibatch", type=int, default=None,
                    help="minibatch shown in the timeline plot (default: the one with the median imbalance)")
     _common.add_output_args(p, "imbalance")
@@ -150,6 +172,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         args.time_scale = defaults["time_scale"]
     if args.layers == 0:
         args.layers = MODELS[args.model].num_layers
+    if args.outliers is None:  # by default only where CI runs it: a failure there would cost the grid's report
+        args.outliers = args.quick and args.hsdp is None and "odc" in args.comms and args.backend == "host"
     return args
 
 
@@ -229,11 +253,12 @@ def fit_time_scale(schedules: Schedules, budget_s: float) -> float:
     return budget_s / total if total > 0 else 1.0
 
 
-def pick_timeline_minibatch(schedules: Schedules) -> int:
-    """The minibatch whose collective/local_sort vs odc/lb_mini compute-only gap is the median one."""
+def pick_timeline_minibatch(schedules: Schedules, base: tuple[str, str] = ("collective", "local_sort"),
+                            best: tuple[str, str] = ("odc", "lb_mini")) -> int:
+    """The minibatch whose ``base`` vs ``best`` compute-only gap is the median one."""
     from simulate import LINKS, simulate
 
-    a, b = schedules.get(("collective", "local_sort")), schedules.get(("odc", "lb_mini"))
+    a, b = schedules.get(base), schedules.get(best)
     if a is None or b is None:
         return 0
     ta = simulate(a, layer_bytes=0, link=LINKS["none"]).minibatch_s
@@ -278,6 +303,53 @@ def kv_features(args: argparse.Namespace, layer_numel: int) -> int:
     return max(1, round(per_token / 2))
 
 
+def outlier_phase(args: argparse.Namespace, rank: int, world: int, comm: object, gang: object | None,
+                  kv_feat: int) -> tuple[dict, object]:
+    """``--outliers``: odc + each of :data:`OUTLIER_POLICIES` on minibatches of :data:`OUTLIER_SAMPLES_PER_RANK`
+    samples per rank (lengths drawn with seed ``--seed + OUTLIER_SEED_OFFSET``), compute fitted to
+    :data:`OUTLIER_BUDGET_S` (at the grid's time scale when that was given), on the grid's ODC tensors (``comm``)
+    and gang exchange (``gang``; made here, with ``kv_feat`` features, when the grid had none).
+    Collective: every rank calls it. Returns (what :func:`report` needs, the gang exchange to free)."""
+    import torch.distributed as dist
+    from executor import GangKV, expected_grad, run_minibatch
+
+    size = OUTLIER_SAMPLES_PER_RANK * world
+    phase = argparse.Namespace(**{**vars(args), "comms": ["odc"], "policies": list(OUTLIER_POLICIES),
+                                  "seed": args.seed + OUTLIER_SEED_OFFSET})
+    batches, source = _common.load_minibatches(phase, OUTLIER_MINIBATCHES, size)
+    schedules = make_schedules(phase, batches, world)
+    same_schedules(schedules, world)
+    timeline_k = pick_timeline_minibatch(schedules, ("odc", "lb_mini"), ("odc", "lb_mini_split"))
+    scale = fit_time_scale(schedules, OUTLIER_BUDGET_S) if args.budget_s is not None else args.time_scale
+    if gang is None:
+        gang = GangKV(args.layers, args.max_tokens, kv_feat)
+        gang.warm_up()
+    records: dict = {key: [] for key in schedules}
+    steps = [(k, key) for k in range(len(batches)) for key in schedules]
+    t_run = time.perf_counter()
+    for k, key in progress(steps, enabled=rank == 0, desc=f"{OUTLIER_SAMPLES_PER_RANK} samples/rank"):
+        sched = schedules[key]
+        records[key].append(run_minibatch(comm, sched.program(k, rank), expected_grad=expected_grad(sched, k),
+                                          time_scale=scale, compute=args.compute,
+                                          record=k == timeline_k, gang=gang))
+    run_s = time.perf_counter() - t_run
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, {key: [vars(r) for r in recs] for key, recs in records.items()})
+    return {"schedules": schedules, "gathered": gathered, "timeline_k": timeline_k, "run_s": run_s,
+            "source": source, "minibatch_size": size, "gang_bytes": gang.exchange.nbytes, "time_scale": scale}, gang
+
+
+def same_schedules(schedules: Schedules, world: int) -> None:
+    """Raise unless every rank built the same schedules (a pure function of the lengths: a difference means
+    different lengths files or versions)."""
+    import torch.distributed as dist
+
+    digests: list = [None] * world
+    dist.all_gather_object(digests, {k: s.digest() for k, s in schedules.items()})
+    if any(d != digests[0] for d in digests):
+        raise RuntimeError("ranks built different schedules (different lengths files or versions?)")
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from executor import CollectiveComm, GangKV, OdcComm, expected_grad, run_minibatch, warm_up
@@ -288,10 +360,7 @@ def worker(args: argparse.Namespace) -> None:
     load_before = os.getloadavg()
     batches, source = _common.load_minibatches(args, args.minibatches, args.minibatch_size)
     schedules = make_schedules(args, batches, world)
-    digests: list = [None] * world
-    dist.all_gather_object(digests, {k: s.digest() for k, s in schedules.items()})
-    if any(d != digests[0] for d in digests):
-        raise RuntimeError("ranks built different schedules (different lengths files or versions?)")
+    same_schedules(schedules, world)
     if args.budget_s is not None:
         args.time_scale = fit_time_scale(schedules, args.budget_s)  # same on every rank: a pure function
     timeline_k = args.timeline_minibatch if args.timeline_minibatch is not None else pick_timeline_minibatch(schedules)
@@ -305,8 +374,9 @@ def worker(args: argparse.Namespace) -> None:
         odc.init(args.backend)
         comms["odc"] = OdcComm(args.layers, shard_numel, shard_size, device, **groups)
     gang = None
+    kv_feat = kv_features(args, shard_numel * shard_size)
     if any(m.chunk is not None for s in schedules.values() for mb in s.minibatches for r in mb.ranks for m in r):
-        gang = GangKV(args.layers, args.max_tokens, kv_features(args, shard_numel * shard_size))
+        gang = GangKV(args.layers, args.max_tokens, kv_feat)
     for comm in comms.values():
         warm_up(comm, args.layers, world)
     if gang is not None:
@@ -323,9 +393,12 @@ def worker(args: argparse.Namespace) -> None:
     run_s = time.perf_counter() - t_run
     gathered: list = [None] * world
     dist.all_gather_object(gathered, {key: [vars(r) for r in recs] for key, recs in records.items()})
+    gang_bytes = gang.exchange.nbytes if gang is not None else 0
+    outliers = None
+    if args.outliers and "odc" in comms:
+        outliers, gang = outlier_phase(args, rank, world, comms["odc"], gang, kv_feat)
     if rank == 0:
-        report(args, schedules, gathered, world, source, timeline_k, run_s, load_before,
-               gang.exchange.nbytes if gang is not None else 0)
+        report(args, schedules, gathered, world, source, timeline_k, run_s, load_before, gang_bytes, outliers)
     if gang is not None:
         gang.free()
     if "odc" in comms:
@@ -333,7 +406,8 @@ def worker(args: argparse.Namespace) -> None:
         odc.finalize()
     dist.barrier()
     dist.destroy_process_group()
-    wrong = sorted({f"{c}/{p}" for g in gathered for (c, p), recs in g.items() if not all(r["grad_ok"] for r in recs)})
+    every = [*gathered, *(outliers["gathered"] if outliers else ())]
+    wrong = sorted({f"{c}/{p}" for g in every for (c, p), recs in g.items() if not all(r["grad_ok"] for r in recs)})
     if wrong:  # every rank has every rank's records: all fail together, after a clean teardown
         raise RuntimeError(f"wrong gradients (data lost or duplicated in transit) in {', '.join(wrong)}")
 
@@ -406,15 +480,61 @@ LEGEND = {
 }
 
 
+OUTLIER_LEGEND = {
+    **{k: LEGEND[k] for k in ("comm", "policy", "tokens/s", "util", "idle s/rank", "comm wait s", "wall s")},
+    "× lb_mini": "wall time of odc + lb_mini on the same minibatches / this configuration's",
+    "sim × lb_mini": "the same ratio predicted from the schedule's compute alone (bench/simulate.py)",
+    "sim util": LEGEND["sim util"],
+    "grads": LEGEND["grads"],
+}
+
+
+def _gang_notes(runs: list[dict], gang_bytes: int) -> None:
+    by_key = {(r["comm"], r["policy"]): r for r in runs}
+    for r in runs:
+        if r["kv_exchange_calls"]:
+            ref = by_key.get(("odc", "lb_mini"))
+            gain = f"; {ref['wall_s'] / r['wall_s']:.3f}× odc + lb_mini's tokens/s in this run" if ref else ""
+            print(f"  {r['comm']} + {r['policy']}: gang micro-batches ran their K/V exchange through odc_runtime.gang: "
+                  f"{r['kv_exchange_calls']} layer exchanges, {r['kv_exchange_bytes'] / 2**20:.1f} MiB put (K/V "
+                  f"scaled like the parameters), {gang_bytes / 2**20:.2f} MiB of symmetric memory per rank for the "
+                  f"exchange{gain}; collectives cannot run split plans (ODC only)")
+
+
+def report_outliers(args: argparse.Namespace, outliers: dict, world: int) -> list[dict]:
+    """Print the outlier phase's table (rank 0) and return its runs."""
+    runs = summarize(outliers["schedules"], outliers["gathered"], world, outliers["time_scale"])
+    ref = next((r for r in runs if (r["comm"], r["policy"]) == ("odc", "lb_mini")), None)
+    rows = []
+    for r in runs:
+        idle = r["idle_s_per_rank"]
+        r["speedup_vs_odc_lb_mini"] = ref["wall_s"] / r["wall_s"] if ref else None
+        r["sim_speedup_vs_odc_lb_mini"] = ref["sim_compute_only_s"] / r["sim_compute_only_s"] if ref else None
+        rows.append([
+            r["comm"], r["policy"], r["tokens_per_s"], f"{r['utilization']:.1%}", f"{min(idle):.2f}-{max(idle):.2f}",
+            f"{statistics.mean(r['comm_wait_s_per_rank']):.2f}", r["wall_s"], _ratio(r["speedup_vs_odc_lb_mini"]),
+            _ratio(r["sim_speedup_vs_odc_lb_mini"]), f"{r['sim_utilization']:.1%}",
+            "ok" if r["grad_check_ok"] else "WRONG",
+        ])
+    n_mb = len(next(iter(outliers["schedules"].values())).minibatches)
+    print(f"\nOutliers: {n_mb} minibatches × {outliers['minibatch_size']} samples ({OUTLIER_SAMPLES_PER_RANK} per "
+          f"rank) from {outliers['source']}, ×{outliers['time_scale']:g} time scale: a sample costing more than a "
+          "rank's share is split across a gang of ranks (lb_mini_split; ODC only)")
+    _common.print_table(list(OUTLIER_LEGEND), rows, OUTLIER_LEGEND)
+    _gang_notes(runs, outliers["gang_bytes"])
+    print(f"  executed in {outliers['run_s']:.1f} s")
+    return runs
+
+
 def _ratio(x: float | None) -> str:
     return f"{x:.3f}" if x else "-"
 
 
 def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict], world: int,
            source: str, timeline_k: int, run_s: float, load_before: tuple[float, float, float],
-           gang_bytes: int = 0) -> None:
+           gang_bytes: int = 0, outliers: dict | None = None) -> None:
     """Print the table and notes, write the JSON and the plot (rank 0). ``gang_bytes``: the symmetric memory the
-    gang exchange held per rank (0: no split plan ran)."""
+    gang exchange held per rank (0: no split plan ran); ``outliers``: what :func:`outlier_phase` returned."""
     runs = summarize(schedules, gathered, world, args.time_scale)
     spec = MODELS[args.model]
     n_mb = len(next(iter(schedules.values())).minibatches)
@@ -446,15 +566,8 @@ def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict],
     note = _common.oversized_note(sched.oversized, n_mb * args.minibatch_size, args.max_tokens)
     if note:
         print(f"  NOTE: {note}")
-    by_key = {(r["comm"], r["policy"]): r for r in runs}
-    for r in runs:
-        if r["kv_exchange_calls"]:
-            ref = by_key.get(("odc", "lb_mini"))
-            gain = f"; {ref['wall_s'] / r['wall_s']:.3f}× odc + lb_mini's tokens/s in this run" if ref else ""
-            print(f"  {r['comm']} + {r['policy']}: gang micro-batches ran their K/V exchange through odc_runtime.gang: "
-                  f"{r['kv_exchange_calls']} layer exchanges, {r['kv_exchange_bytes'] / 2**20:.1f} MiB put (K/V "
-                  f"scaled like the parameters), {gang_bytes / 2**20:.2f} MiB of symmetric memory per rank for the "
-                  f"exchange{gain}; collectives cannot run split plans (ODC only)")
+    _gang_notes(runs, gang_bytes)
+    outlier_runs = report_outliers(args, outliers, world) if outliers else None
     load_after = os.getloadavg()
     print(f"  executed in {run_s:.1f} s; load average {load_before[0]:.1f} → {load_after[0]:.1f} on "
           f"{os.cpu_count()} cores")
@@ -465,16 +578,26 @@ def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict],
                   gang_symmetric_bytes=gang_bytes)
     payload = {"runs": runs, "config": config, "machine": _common.machine_info()}
     timelines = {
-        f"{comm} + {policy}": [g[(comm, policy)][timeline_k]["events"] for g in gathered]
+        f"{comm} + {policy}, minibatch {timeline_k}": [g[(comm, policy)][timeline_k]["events"] for g in gathered]
         for comm, policy in (*(("collective", p) for p in BASELINES), ("odc", "lb_mini"), ("odc", "lb_mini_split"))
         if (comm, policy) in schedules
     }
+    if outliers:
+        k = outliers["timeline_k"]
+        payload["outliers"] = {"runs": outlier_runs, "minibatch_size": outliers["minibatch_size"],
+                               "timeline_minibatch": k, "run_s": outliers["run_s"],
+                               "time_scale": outliers["time_scale"],
+                               "gang_symmetric_bytes": outliers["gang_bytes"]}
+        for key in outliers["schedules"]:
+            name = f"{key[0]} + {key[1]}, {OUTLIER_SAMPLES_PER_RANK}/rank, ×{outliers['time_scale']:.2g} time"
+            timelines[f"{name}, minibatch {k}"] = [
+                g[key][k]["events"] for g in outliers["gathered"]]
     title = f"{world} ranks, {source}, {spec.name} on {args.gpu.upper()} (×{args.time_scale:g} time)"
     if note:
         title += f"\n{note}"
     _common.write_outputs(
         args, "imbalance", payload,
-        lambda plots, path: plots.plot_imbalance(runs, timelines, path, minibatch=timeline_k, title=title),
+        lambda plots, path: plots.plot_imbalance(runs, timelines, path, title=title),
     )
 
 

@@ -1,6 +1,7 @@
 """Typed errors raised by odc_runtime. All derive from :class:`OdcError`.
 
-Every error says what went wrong and what to do; the README's error table lists what is checked (and what is not).
+Every error says what went wrong and what to do; docs/troubleshooting.md lists each error, docs/core-api.md what
+is checked (and what is not).
 """
 
 from __future__ import annotations

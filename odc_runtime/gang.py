@@ -58,7 +58,6 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
-from torch.nn.attention.bias import causal_lower_right
 
 from odc_runtime.errors import OdcError, OdcMismatchError, OdcUsageError
 from odc_runtime.split import Chunk
@@ -459,6 +458,10 @@ def gang_attention(
     aligned to the lower right (``torch.nn.attention.bias.causal_lower_right``), so no dense mask is built and
     SDPA may use its flash and memory-efficient kernels.
     """
+    # Imported here: torch.nn.attention.bias imports torch._dynamo (~5 CPU seconds), which the K/V exchange alone
+    # (GangExchange, exchange_kv) never needs.
+    from torch.nn.attention.bias import causal_lower_right
+
     hkv = k.shape[0]
     groups = q.shape[0] // hkv
     if groups * hkv != q.shape[0]:

@@ -172,9 +172,9 @@ def test_imbalance_end_to_end_two_ranks(tmp_path):
     out = tmp_path / "imb.json"
     plot = tmp_path / "imb.png"
     plot_arg = str(plot) if _has_matplotlib() else "none"
-    _run([str(BENCH / "imbalance.py"), "--nproc", "2", "--minibatches", "2", "--minibatch-size", "8",
-          "--time-scale", "0.002", "--layers", "2", "--layer-mb", "0.0625", "--json", str(out),
-          "--plot", plot_arg], tmp_path)
+    proc = _run([str(BENCH / "imbalance.py"), "--nproc", "2", "--minibatches", "2", "--minibatch-size", "8",
+                 "--time-scale", "0.002", "--layers", "2", "--layer-mb", "0.0625", "--outliers", "--json", str(out),
+                 "--plot", plot_arg], tmp_path)
     data = json.loads(out.read_text())
     got = {(r["comm"], r["policy"]) for r in data["runs"]}
     assert got == set(sch.grid())
@@ -187,6 +187,16 @@ def test_imbalance_end_to_end_two_ranks(tmp_path):
     assert data["config"]["world_size"] == 2 and "machine" in data
     if plot_arg != "none":
         assert plot.stat().st_size > 0
+    # --outliers: odc + lb_mini beside odc + lb_mini_split on 2 samples per rank, where a sample is split and its
+    # gang's K/V really moves; every gradient and exchanged row exact.
+    outliers = {r["policy"]: r for r in data["outliers"]["runs"]}
+    assert set(outliers) == {"lb_mini", "lb_mini_split"} and all(r["comm"] == "odc" for r in outliers.values())
+    assert data["outliers"]["minibatch_size"] == 2 * 2
+    assert all(r["grad_check_ok"] for r in outliers.values())
+    assert outliers["lb_mini"]["kv_exchange_calls"] == 0 < outliers["lb_mini_split"]["kv_exchange_calls"]
+    assert outliers["lb_mini_split"]["speedup_vs_odc_lb_mini"] > 0
+    assert "Outliers: 6 minibatches × 4 samples (2 per rank)" in proc.stdout
+    assert "K/V exchange through odc_runtime.gang" in proc.stdout
 
 
 def test_imbalance_hsdp_2x2_four_ranks(tmp_path):
@@ -288,6 +298,18 @@ def test_imbalance_runs_split_policies_only_when_named_and_only_with_odc():
     assert "lb_mini_split" not in default.policies  # --quick's rows stay the whole-sample policies
     args = imbalance.resolve(imbalance.build_parser().parse_args(["--policies", "lb_mini,lb_mini_split"]))
     assert sch.grid(args.comms, args.policies) == [("odc", "lb_mini"), ("odc", "lb_mini_split")]
+
+
+def test_imbalance_quick_runs_the_outlier_phase_unless_it_cannot():
+    import imbalance
+
+    def outliers(*argv: str) -> bool:
+        return imbalance.resolve(imbalance.build_parser().parse_args(list(argv))).outliers
+
+    assert outliers("--quick") and outliers("--outliers")
+    assert not outliers() and not outliers("--quick", "--no-outliers")
+    assert not outliers("--quick", "--hsdp", "2x2") and not outliers("--quick", "--comms", "collective")
+    assert not outliers("--quick", "--backend", "nvshmem") and outliers("--quick", "--backend", "nvshmem", "--outliers")
 
 
 def test_hsdp_argument_parsing():
