@@ -4,6 +4,7 @@
 #
 #   bash .ci/compat.sh                       # torch 2.9.1 and 2.15.0
 #   ODC_COMPAT_TORCH="2.11.0 2.14.1" bash .ci/compat.sh
+#   bash .ci/compat.sh --prepare             # only create the cached venvs (.ci/run does this in the background)
 #
 # This machine's pip caps torch at 2.14.1 (a `constraint` file in /etc/xdg/pip/pip.conf). The torch install below
 # lifts it for that one command with PIP_CONSTRAINT=/dev/null (an environment variable overrides the config file's
@@ -18,6 +19,8 @@ cd "$(dirname "$0")/.."
 start=$(date +%s)
 cache=${ODC_COMPAT_CACHE:-$HOME/.cache/odc-compat}
 versions=${ODC_COMPAT_TORCH:-"2.9.1 2.15.0"}
+prepare=0
+[[ ${1:-} == --prepare ]] && prepare=1
 mkdir -p "$cache"
 
 for v in $versions; do
@@ -30,6 +33,7 @@ for v in $versions; do
     "$venv/bin/python" -m pip install -q --upgrade pip
     PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q "torch==$v"
   fi
+  if (( prepare )); then echo "compat: torch $v venv ready in $(( $(date +%s) - t0 ))s"; continue; fi
   ODC_BUILD_EXT=0 "$venv/bin/python" -m pip install -q -e ".[test]"
   "$venv/bin/python" -c "import torch, odc_runtime.fsdp; print('compat: torch', torch.__version__, 'ready')"
   echo "compat: torch $v installed in $(( $(date +%s) - t0 ))s"

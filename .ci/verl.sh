@@ -4,6 +4,7 @@
 #
 #   bash .ci/verl.sh                                   # veRL 0.9.1, torch 2.13.0
 #   ODC_VERL_VERSION=0.9.0 bash .ci/verl.sh            # another 0.9.x
+#   bash .ci/verl.sh --prepare                         # only create the cached venv (.ci/run: in the background)
 #
 # The venv lives under ${ODC_VERL_CACHE:-$HOME/.cache/odc-verl}/verl-V-torch-T, created on the first run (about
 # 2 GB: ray, transformers, hydra, pyarrow, ...; 13 min here on a loaded 2-core VM) and reused while veRL and torch
