@@ -316,17 +316,16 @@ class HostTransport(Transport):
     # -- barrier and exchange -----------------------------------------------------------------------
     def _quiet_then_meet(self, meet: Callable[[], None]) -> None:
         """``quiet()``, then ``meet()`` the peers even if one of this rank's operations failed (so they do not wait
-        out the timeout for it), then report that failure. A quiet that timed out is raised at once. A failure that
-        made the transport unusable (a torn push) is not met: the peers learn it from the failed flag."""
-        failed: BaseException | None = None
-        try:
-            self.quiet()
-        except OdcTimeoutError:
-            raise
-        except BaseException as e:  # every operation completed, one failed: still meet the peers, then report it
-            if self.failure is not None or not isinstance(e, Exception):
-                raise  # fail-stop, or an interrupt before this rank announced anything (nothing changed)
-            failed = e
+        out the timeout for it), then report that failure. A failure that made the transport unusable (a torn push)
+        or a timed-out operation is not met: the peers learn it from the failed flag, or the error is an ordinary
+        one before this rank announced anything. An interrupt of the wait itself (or this wait's own timeout)
+        propagates before anything is announced, and the operations still running stay pending, so a retry waits
+        for them (docs/design.md, "Fail-stop")."""
+        failed = self.worker.wait_all()
+        if failed is not None and (
+            self.failure is not None or not isinstance(failed, Exception) or isinstance(failed, OdcTimeoutError)
+        ):
+            raise failed
         meet()
         if failed is not None:
             raise failed
