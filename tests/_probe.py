@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -86,6 +87,20 @@ def stop_for(seconds: float) -> None:
 def die() -> None:
     """Kill this rank at once (SIGKILL: no handler, no cleanup), as a crash or the OOM killer would."""
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pause_after_next_announce(seconds: float) -> None:
+    """Make this rank sleep ``seconds`` right after it announces its next world round (host transport), as a rank
+    descheduled between announcing and polling would: its peers may complete that round and go on meanwhile."""
+    control = testing.transport().control  # type: ignore[attr-defined]
+    original = control.announce
+
+    def announce(*args: object) -> None:
+        original(*args)
+        del control.announce  # once
+        time.sleep(seconds)
+
+    control.announce = announce
 
 
 def collective(kind: str, tensors: dict[str, odc.ShardedTensor]) -> Callable[[], object]:

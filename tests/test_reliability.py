@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_ranks
-from _probe import HeldLock, Preempted, cancel_interrupt, interrupt_in
+from _probe import HeldLock, Preempted, cancel_interrupt, interrupt_in, pause_after_next_announce
 
 import odc_runtime as odc
 from odc_runtime import testing
@@ -53,3 +53,29 @@ def test_1_interrupt_while_sync_waits_for_an_async_push_loses_nothing(error: typ
         _rank_interrupt_in_quiet, 2, error, env={"ODC_TIMEOUT": "20", "ODC_HOST_CHUNK_BYTES": "4K"}, timeout=40
     )
     assert results == [[1.0] * n, [1.0] * n]
+
+
+# -- 5. a mismatch among some ranks must not run ahead of a rank still in the previous round --------------------------
+def _rank_mismatch_ahead(rank: int, world: int) -> list[float]:
+    odc.init("host")
+    x = odc.shard(torch.zeros(world * 4), name="x")
+    y = odc.shard(torch.zeros(world * 4), name="y")
+    if rank == 0:
+        pause_after_next_announce(2.0)  # rank 0 announces the sync below, then is descheduled
+    odc.sync()  # a correct collective: must succeed on every rank, rank 0 included
+    # Rank 2 frees in the other order: a mismatch on every rank, at the same round, and nothing is freed.
+    with pytest.raises(odc.OdcMismatchError, match="collective mismatch"):
+        (y if rank == 2 else x).free()
+    assert testing.failure() is None
+    x.free()
+    for _ in range(2):
+        odc.push(y, torch.ones(world * 4))
+        odc.sync()
+    values = y.grad.tolist()
+    y.free()
+    return values
+
+
+def test_5_a_mismatch_does_not_fail_a_rank_still_in_the_previous_round() -> None:
+    results = run_ranks(_rank_mismatch_ahead, 3, env={"ODC_TIMEOUT": "20"}, timeout=60)
+    assert results == [[6.0] * 4] * 3
