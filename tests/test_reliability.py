@@ -79,3 +79,44 @@ def _rank_mismatch_ahead(rank: int, world: int) -> list[float]:
 def test_5_a_mismatch_does_not_fail_a_rank_still_in_the_previous_round() -> None:
     results = run_ranks(_rank_mismatch_ahead, 3, env={"ODC_TIMEOUT": "20"}, timeout=60)
     assert results == [[6.0] * 4] * 3
+
+
+# -- 2. under the hierarchy, a mismatched free changes nothing ------------------------------------------------------
+def _rank_hierarchy_free_mismatch(rank: int, world: int) -> list[list[float]]:
+    odc.init("host", node_size=2)
+    x = odc.shard(torch.zeros(world * 8), name="x")
+    y = odc.shard(torch.zeros(world * 8), name="y")
+    with pytest.raises(odc.OdcMismatchError, match="collective mismatch"):
+        (x if rank < 2 else y).free()  # node 0 frees x first, node 1 y: every rank raises, nothing is freed
+    assert testing.failure() is None
+    for st in (x, y):
+        odc.push(st, torch.ones(world * 8))  # half of it crosses nodes, through the staging rows
+    odc.sync()
+    values = [x.grad.tolist(), y.grad.tolist()]
+    x.free()
+    y.free()
+    assert testing.transport().heap_used() > 0  # the node signal words stay for the runtime's life
+    return values
+
+
+def test_2_mismatched_free_under_the_hierarchy_loses_no_gradient() -> None:
+    results = run_ranks(_rank_hierarchy_free_mismatch, 4, env={"ODC_TIMEOUT": "20"}, timeout=60)
+    assert results == [[[4.0] * 8, [4.0] * 8]] * 4
+
+
+# -- 10. an empty tensor under the hierarchy ---------------------------------------------------------------------
+def _rank_hierarchy_empty(rank: int, world: int) -> list[float]:
+    odc.init("host", node_size=1)
+    empty = odc.shard(torch.zeros(0), name="empty")
+    w = odc.shard(torch.zeros(world * 2), name="w")
+    assert odc.fetch(empty).shape == (0,)
+    odc.push(empty, torch.zeros(0))
+    odc.push(w, torch.ones(world * 2))
+    odc.push(empty, torch.zeros(0), async_op=True).wait()
+    assert odc.fetch(empty, async_op=True).wait().shape == (0,)
+    odc.sync()
+    return w.grad.tolist()
+
+
+def test_10_empty_tensor_under_the_hierarchy() -> None:
+    assert run_ranks(_rank_hierarchy_empty, 2, env={"ODC_TIMEOUT": "20"}, timeout=60) == [[2.0, 2.0]] * 2
