@@ -171,26 +171,25 @@ class Hierarchy:
         return self.node * self.node_size + owner % self.node_size
 
     # -- tensors ---------------------------------------------------------------------------------------------
-    def add(self, seq: int, shard: int, param: SymmetricBuffer, grad: SymmetricBuffer | None, tag: str) -> None:
-        """Collective (from ``shard()``): allocate the tensor's hierarchical buffers and fill its mirror."""
+    def add(
+        self, seq: int, shard: int, param: SymmetricBuffer, grad: SymmetricBuffer | None, tag: str,
+        allocated: list[SymmetricBuffer],
+    ) -> None:
+        """Collective (from ``shard()``): allocate the tensor's hierarchical buffers and fill its mirror. Each
+        buffer is appended to ``allocated`` as soon as it exists: the caller releases them if a step fails (under
+        the fail-stop rule, which only it can apply to the whole of ``shard``)."""
         t = self.transport
         rows = (self.nodes - 1) * shard
-        allocated: list[SymmetricBuffer] = []
-        try:
-            if self._signal is None:
-                self._signal = t.alloc(2 * self.nodes, torch.int64, tag="odc.node_signals")
-            mirror = t.alloc(rows, param.dtype, tag=f"{tag}.mirror")
-            allocated.append(mirror)
-            stage = inbox = None
-            if grad is not None:
-                stage = t.alloc(rows, torch.float32, tag=f"{tag}.stage")
-                allocated.append(stage)
-                inbox = t.alloc(self.slots * shard, torch.float32, tag=f"{tag}.inbox")
-                allocated.append(inbox)
-        except BaseException:
-            for buf in reversed(allocated):
-                t.free(buf)
-            raise
+        if self._signal is None:  # kept for the runtime's life
+            self._signal = t.alloc(2 * self.nodes, torch.int64, tag="odc.node_signals")
+        mirror = t.alloc(rows, param.dtype, tag=f"{tag}.mirror")
+        allocated.append(mirror)
+        stage = inbox = None
+        if grad is not None:
+            stage = t.alloc(rows, torch.float32, tag=f"{tag}.stage")
+            allocated.append(stage)
+            inbox = t.alloc(self.slots * shard, torch.float32, tag=f"{tag}.inbox")
+            allocated.append(inbox)
         bufs = _Buffers(shard, param, grad, mirror, stage, inbox)
         self._tensors[seq] = bufs
         self._refresh([bufs])

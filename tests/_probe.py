@@ -103,6 +103,22 @@ def pause_after_next_announce(seconds: float) -> None:
     control.announce = announce
 
 
+def raise_in(obj: object, method: str, error: type[BaseException] | BaseException = KeyboardInterrupt,
+             after_calls: int = 0) -> None:
+    """Make call number ``after_calls + 1`` of ``obj.method`` raise ``error`` on entry, as a signal landing right
+    there would (the deterministic form of :func:`interrupt_in`); the other calls run unchanged."""
+    original = getattr(obj, method)
+    calls = [0]
+
+    def wrapper(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        if calls[0] == after_calls + 1:
+            raise error
+        return original(*args, **kwargs)
+
+    setattr(obj, method, wrapper)
+
+
 def collective(kind: str, tensors: dict[str, odc.ShardedTensor]) -> Callable[[], object]:
     """A collective call by name, for mismatch probes (ranks pass different ``kind`` values): ``"sync"``,
     ``"free:<name>"`` or ``"shard:<name>"``."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_ranks
-from _probe import HeldLock, Preempted, cancel_interrupt, interrupt_in, pause_after_next_announce
+from _probe import HeldLock, Preempted, cancel_interrupt, interrupt_in, pause_after_next_announce, raise_in
 
 import odc_runtime as odc
 from odc_runtime import testing
@@ -120,3 +120,31 @@ def _rank_hierarchy_empty(rank: int, world: int) -> list[float]:
 
 def test_10_empty_tensor_under_the_hierarchy() -> None:
     assert run_ranks(_rank_hierarchy_empty, 2, env={"ODC_TIMEOUT": "20"}, timeout=60) == [[2.0, 2.0]] * 2
+
+
+# -- 7. an interrupt inside shard() is re-raised as it is, and fail-stops instead of blaming a peer -------------------
+def _rank_interrupted_shard(rank: int, world: int, point: str, hierarchy: bool) -> None:
+    odc.init("host", node_size=1 if hierarchy else None)
+    transport = testing.transport()
+    if rank == 0:
+        # The interrupt lands between shard's collective steps, before this rank announced the next one: in the
+        # accumulator's allocation (its local step), or just before a barrier (after the allocations; with nodes,
+        # after the mirrors' allocations and refresh too).
+        if point == "alloc":
+            raise_in(transport.segments, "reserve", KeyboardInterrupt, after_calls=1)
+        else:
+            raise_in(transport, "barrier", KeyboardInterrupt, after_calls=1 if hierarchy else 0)
+        with pytest.raises(KeyboardInterrupt):
+            odc.shard(torch.zeros(world * 8), name="w")
+        assert testing.failure() is not None
+        # released locally, without waiting for anyone (with nodes, the runtime's node signal words stay)
+        assert transport.heap_used() == (256 if hierarchy and point == "barrier" else 0)
+    else:
+        with pytest.raises(odc.OdcPeerLostError, match=r"rank\(s\) \[0\].*FAILED"):
+            odc.shard(torch.zeros(world * 8), name="w")
+
+
+@pytest.mark.parametrize(("point", "hierarchy"), [("alloc", False), ("barrier", False), ("barrier", True)],
+                         ids=["in-alloc", "before-barrier", "before-barrier-nodes"])
+def test_7_interrupt_inside_shard_is_reraised_and_fail_stops(point: str, hierarchy: bool) -> None:
+    run_ranks(_rank_interrupted_shard, 2, point, hierarchy, env={"ODC_TIMEOUT": "20"}, timeout=60)
