@@ -148,3 +148,56 @@ def _rank_interrupted_shard(rank: int, world: int, point: str, hierarchy: bool) 
                          ids=["in-alloc", "before-barrier", "before-barrier-nodes"])
 def test_7_interrupt_inside_shard_is_reraised_and_fail_stops(point: str, hierarchy: bool) -> None:
     run_ranks(_rank_interrupted_shard, 2, point, hierarchy, env={"ODC_TIMEOUT": "20"}, timeout=60)
+
+
+# -- 8. Handle.wait(timeout=) gives up on the wait, not on the push ---------------------------------------------------
+def _rank_handle_timeout(rank: int, world: int) -> list[float]:
+    n = 1 << 10
+    odc.init("host")
+    st = odc.shard(torch.zeros(world * n), name="w")
+    held = HeldLock(st, owner=0, element=0) if rank == 1 else None  # rank 0's push to owner 0 waits for it
+    odc.sync()
+    if rank == 0:
+        handle = odc.push(st, torch.ones(world * n), async_op=True)
+        with pytest.raises(odc.OdcTimeoutError, match=r"still running.*not failed.*Do not issue it again"):
+            handle.wait(timeout=0.2)
+        assert testing.failure() is None and not handle.is_completed()
+        dist.barrier()  # rank 1 releases the lock
+        handle.wait()  # the same push completes; it is not issued again
+    else:
+        assert held is not None
+        dist.barrier()
+        held.release()
+    odc.sync()
+    return st.grad.tolist()
+
+
+def test_8_handle_wait_timeout_leaves_the_push_running_and_counted_once() -> None:
+    results = run_ranks(_rank_handle_timeout, 2, env={"ODC_TIMEOUT": "20"}, timeout=60)
+    assert results == [[1.0] * (1 << 10)] * 2
+
+
+# -- 9. ODC_TIMEOUT is bounded where it is parsed ----------------------------------------------------------------
+def test_9_timeouts_beyond_a_year_are_refused_where_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from odc_runtime import checks, config
+
+    for bad in ("1e10", "1e300", str(config.MAX_TIMEOUT_S * 1.01)):
+        monkeypatch.setenv("ODC_TIMEOUT", bad)
+        with pytest.raises(odc.OdcUsageError, match="ODC_TIMEOUT must be at most"):
+            config.resolve_timeout(None)
+    with pytest.raises(odc.OdcUsageError, match="timeout must be at most"):
+        config.resolve_timeout(1e10)
+    with pytest.raises(odc.OdcUsageError, match=r"Handle.wait\(timeout=...\)"):
+        checks.wait_timeout(1e10)
+    monkeypatch.setenv("ODC_TIMEOUT", str(config.MAX_TIMEOUT_S))
+    limit = config.resolve_timeout(None)
+    # The largest accepted value works in every kind of wait the runtime makes (a thread wait, a deadline).
+    from concurrent.futures import ThreadPoolExecutor
+
+    from odc_runtime.transport.host.worker import FutureWork
+    from odc_runtime.transport.wait import wait_for
+
+    with ThreadPoolExecutor(1) as pool:
+        FutureWork(pool.submit(lambda: None), limit, "probe").wait()
+    wait_for([0], lambda _: True, timeout=limit, check=None, on_timeout=lambda m, w: AssertionError())
+    assert checks.wait_timeout(limit) == limit

@@ -28,7 +28,14 @@ class FutureWork(Work):
             # that itself raised a timeout is done, and its error is what to report.
             if self._future.done():
                 raise
-            raise OdcTimeoutError(f"odc {self._what}: async operation did not complete within {limit:g} s") from None
+            # The operation goes on: this wait gave up, the operation did not fail. Issuing it again would do it
+            # twice (a push would be added twice), so the error says to wait again instead (docs/design.md,
+            # "Fail-stop": handle timeouts).
+            raise OdcTimeoutError(
+                f"odc {self._what}: the operation did not complete within {limit:g} s and is still running (it has "
+                "not failed: it completes on its own, and sync() waits for it). Do not issue it again (a push would "
+                "be added twice): call wait() again or sync()"
+            ) from None
 
     def is_completed(self) -> bool:
         return self._future.done()
