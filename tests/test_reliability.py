@@ -7,6 +7,9 @@ them at random with pushes and checks every sum.
 
 from __future__ import annotations
 
+import os
+import random
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -201,3 +204,99 @@ def test_9_timeouts_beyond_a_year_are_refused_where_parsed(monkeypatch: pytest.M
         FutureWork(pool.submit(lambda: None), limit, "probe").wait()
     wait_for([0], lambda _: True, timeout=limit, check=None, on_timeout=lambda m, w: AssertionError())
     assert checks.wait_timeout(limit) == limit
+
+
+# -- randomized stress: interrupts interleaved with pushes; every sum exact, or failure reported on every rank -------
+STRESS_SEED = int(os.environ.get("ODC_STRESS_SEED", "20260534"))
+STRESS_ITERATIONS = int(os.environ.get("ODC_STRESS_ITERATIONS", "24"))
+
+
+def _stress_sync(rng: random.Random) -> str:
+    """One interruptible ``sync()`` and its documented retries: ``"done"``, or ``"failed"`` when the runtime
+    failed on this rank (an interrupt after it announced its arrival) or reports a failed peer."""
+    control = testing.transport().control  # type: ignore[attr-defined]
+    interrupt = rng.random() < 0.6
+    while True:
+        epoch = control.epoch
+        try:
+            if interrupt:
+                interrupt_in(rng.random() * 0.008, rng.choice([KeyboardInterrupt, Preempted]))
+                interrupt = False  # a retry runs without one
+            odc.sync()
+            cancel_interrupt()
+            return "done"
+        except (KeyboardInterrupt, Preempted):
+            cancel_interrupt()
+            if testing.failure() is not None:
+                return "failed"  # fail-stop: the peers must learn it (checked by the caller's next rounds)
+            if control.epoch != epoch:
+                return "done"  # the signal landed after the round completed, outside the runtime
+            # an ordinary error (nothing announced): the documented retry
+        except odc.OdcPeerLostError:
+            cancel_interrupt()
+            assert testing.failure() is not None
+            return "failed"
+
+
+def _rank_stress(rank: int, world: int, seed: int, iterations: int) -> dict[str, int]:
+    n = world * (1 << 17)
+    own = random.Random(seed * 1000 + rank)  # this rank's interrupts
+    stats = {"syncs": 0, "checked": 0, "restarts": 0, "interrupted_waits": 0}
+    odc.init("host")
+    st = odc.shard(torch.zeros(n), name="s0")
+    expected = 0.0
+    for i in range(iterations):
+        plan = random.Random(seed * 7919 + i)  # what every rank pushes in iteration i: known to all
+        values = [[float(plan.randint(1, 8)) for _ in range(plan.randint(1, 3))] for _ in range(world)]
+        handles = []
+        for v in values[rank]:
+            if own.random() < 0.7:
+                handles.append(odc.push(st, torch.full((n,), v), async_op=True))
+            else:
+                odc.push(st, torch.full((n,), v))
+        if handles and own.random() < 0.3:  # a wait given up by an interrupt: the push goes on, never re-issued
+            try:
+                interrupt_in(own.random() * 0.004)
+                handles[-1].wait()
+                cancel_interrupt()
+            except KeyboardInterrupt:
+                cancel_interrupt()
+                stats["interrupted_waits"] += 1
+        outcome = _stress_sync(own)
+        if outcome == "done":
+            stats["syncs"] += 1
+            expected += sum(sum(v) for v in values)
+            got = st.grad
+            if not torch.equal(got, torch.full_like(got, expected)):
+                bad = (got != expected).nonzero().flatten()
+                raise AssertionError(
+                    f"seed {seed} iteration {i} rank {rank}: {bad.numel()} of {got.numel()} elements wrong "
+                    f"(first {got[bad[0]].item()} where {expected} is due) after a successful sync"
+                )
+            stats["checked"] += 1
+            try:
+                odc.sync()  # nobody pushes the next iteration before every rank checked this one
+                continue
+            except odc.OdcPeerLostError:
+                assert testing.failure() is not None
+        # The runtime failed on this rank or a peer in iteration i: every rank learns it in this iteration (its
+        # sync or the fence needs the failed rank), so every rank restarts here, together.
+        stats["restarts"] += 1
+        odc.finalize()  # local release, no waiting
+        odc.init("host")
+        st = odc.shard(torch.zeros(n), name=f"s{stats['restarts']}")
+        expected = 0.0
+    return stats
+
+
+def test_randomized_stress_interrupts_and_pushes_every_sum_exact() -> None:
+    world = 2
+    results = run_ranks(
+        _rank_stress, world, STRESS_SEED, STRESS_ITERATIONS,
+        env={"ODC_TIMEOUT": "20", "ODC_HOST_CHUNK_BYTES": "4K", "ODC_HEAP_SIZE": "64M"}, timeout=150,
+    )
+    restarts = {r["restarts"] for r in results}
+    assert len(restarts) == 1, f"seed {STRESS_SEED}: ranks restarted different numbers of times: {results}"
+    assert all(r["checked"] == r["syncs"] for r in results)
+    assert sum(r["checked"] for r in results) > 0, f"seed {STRESS_SEED}: no sum was checked: {results}"
+    print(f"stress seed {STRESS_SEED}: {results}")
