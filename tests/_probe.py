@@ -44,11 +44,10 @@ def cancel_interrupt() -> None:
     signal.signal(signal.SIGALRM, signal.SIG_IGN)
 
 
-def random_interrupt(rng: random.Random, within: float, error: type[BaseException] = KeyboardInterrupt) -> float:
-    """:func:`interrupt_in` a random delay in ``[0, within)``; returns the delay (for the failure message)."""
-    delay = rng.random() * within
-    interrupt_in(delay, error)
-    return delay
+def random_interrupt(rng: random.Random, within: float,
+                     errors: tuple[type[BaseException], ...] = (KeyboardInterrupt, Preempted)) -> None:
+    """:func:`interrupt_in` a delay drawn from ``[0, within)`` seconds, raising one of ``errors`` (drawn too)."""
+    interrupt_in(rng.random() * within, rng.choice(errors))
 
 
 class HeldLock:

@@ -14,7 +14,18 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_ranks
-from _probe import HeldLock, Preempted, cancel_interrupt, interrupt_in, pause_after_next_announce, raise_in
+from _probe import (
+    HeldLock,
+    Preempted,
+    cancel_interrupt,
+    collective,
+    die,
+    interrupt_in,
+    pause_after_next_announce,
+    raise_in,
+    random_interrupt,
+    stop_for,
+)
 
 import odc_runtime as odc
 from odc_runtime import testing
@@ -220,7 +231,7 @@ def _stress_sync(rng: random.Random) -> str:
         epoch = control.epoch
         try:
             if interrupt:
-                interrupt_in(rng.random() * 0.008, rng.choice([KeyboardInterrupt, Preempted]))
+                random_interrupt(rng, 0.008)
                 interrupt = False  # a retry runs without one
             odc.sync()
             cancel_interrupt()
@@ -256,7 +267,7 @@ def _rank_stress(rank: int, world: int, seed: int, iterations: int) -> dict[str,
                 odc.push(st, torch.full((n,), v))
         if handles and own.random() < 0.3:  # a wait given up by an interrupt: the push goes on, never re-issued
             try:
-                interrupt_in(own.random() * 0.004)
+                random_interrupt(own, 0.004, (KeyboardInterrupt,))
                 handles[-1].wait()
                 cancel_interrupt()
             except KeyboardInterrupt:
@@ -300,3 +311,36 @@ def test_randomized_stress_interrupts_and_pushes_every_sum_exact() -> None:
     assert all(r["checked"] == r["syncs"] for r in results)
     assert sum(r["checked"] for r in results) > 0, f"seed {STRESS_SEED}: no sum was checked: {results}"
     print(f"stress seed {STRESS_SEED}: {results}")
+
+
+# -- the probe families end typed or exact: kill a rank, stop a rank, mismatch a collective ---------------------------
+def _rank_probe(rank: int, world: int, probe: str) -> list[float] | None:
+    odc.init("host")
+    st = odc.shard(torch.zeros(world * 4), name="w")
+    odc.push(st, torch.ones(world * 4))
+    if probe == "kill" and rank == world - 1:
+        die()  # after a push, before the sync: the others must not wait out ODC_TIMEOUT
+    if probe == "stop" and rank == world - 1:
+        stop_for(1.0)  # shorter than ODC_TIMEOUT: only slow, so the sums stay exact
+    if probe == "mismatch":
+        kinds = ["sync"] * (world - 1) + ["shard:z"]  # the last rank is in another collective
+        with pytest.raises(odc.OdcMismatchError, match="collective mismatch"):
+            collective(kinds[rank], {"w": st})()
+        assert testing.failure() is None  # nothing changed: the runtime stays usable
+    if probe == "kill":
+        with pytest.raises(odc.OdcPeerLostError, match=rf"lost rank\(s\) \[{world - 1}\].*DEAD"):
+            odc.sync()
+        return None
+    odc.sync()
+    return st.grad.tolist()
+
+
+@pytest.mark.parametrize("probe", ["kill", "stop", "mismatch"])
+def test_probe_families_end_exact_or_typed(probe: str) -> None:
+    world = 3
+    results = run_ranks(
+        _rank_probe, world, probe, env={"ODC_TIMEOUT": "60"}, timeout=45,
+        expect_exit={world - 1} if probe == "kill" else frozenset(),
+    )
+    if probe != "kill":
+        assert results == [[3.0] * 4] * world
