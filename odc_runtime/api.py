@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +31,9 @@ from odc_runtime import checks, config, layout
 from odc_runtime import transport as registry
 from odc_runtime.agree import StoreExchange, gather_checked, op_digest, require_same, shorten
 from odc_runtime.errors import (
+    OdcError,
     OdcNotInitializedError,
+    OdcTimeoutError,
     OdcUsageError,
 )
 from odc_runtime.hierarchy import Hierarchy
@@ -38,8 +41,10 @@ from odc_runtime.plans import CONTIGUOUS, output_key, tensor_key
 from odc_runtime.sharded import Handle, ShardedTensor
 from odc_runtime.transport.base import (
     Group,
+    SymmetricBuffer,
     TransferPlan,
     Transport,
+    as_failure,
 )
 
 log = logging.getLogger("odc_runtime")
@@ -257,6 +262,9 @@ def shard(
     or another rank rejected its arguments,
     OdcMemoryError if the symmetric heap (or the filesystem backing it) cannot hold the tensor,
     OdcTimeoutError / OdcPeerLostError if a peer does not arrive within ``ODC_TIMEOUT``.
+    An interrupt (``KeyboardInterrupt``, or an exception a signal handler raises) inside ``shard`` is re-raised as
+    it is and fails the runtime (its peers raise OdcPeerLostError within a liveness period): the rank left a
+    sequence of collective steps its peers are in (docs/design.md, "Fail-stop").
     Not detected: with default names, two ``shard()`` calls of the same shape and dtypes issued in swapped order
     on different ranks (pass ``name=`` to have names compared); values are never compared across ranks.
     """
@@ -293,6 +301,24 @@ def shard(
         return identity, seq, tuple(tensor.shape), str(tensor.dtype), str(accum_dtype), bool(requires_grad), ranks
 
     op = f"shard({name}#{seq})"
+    allocated: list[SymmetricBuffer] = []  # released in reverse order if a later step fails
+    try:
+        st = _shard_steps(runtime, op, local_checks, tensor, name, seq, accum_dtype, requires_grad, group, allocated)
+    except BaseException as e:
+        _undo_shard(runtime, op, e, seq, allocated)
+        raise
+    runtime.live_names.add(name)
+    return st
+
+
+def _shard_steps(
+    runtime: _Runtime, op: str, local_checks: Callable[[], tuple], tensor: torch.Tensor, name: str, seq: int,
+    accum_dtype: torch.dtype, requires_grad: bool, group: dist.ProcessGroup | None, allocated: list[SymmetricBuffer],
+) -> ShardedTensor:
+    """The collective steps of :func:`shard` (agreement, allocations, initial values, mirrors); every buffer is
+    appended to ``allocated`` as soon as it exists."""
+    transport = runtime.transport
+    world, me = transport.world_size, transport.rank
     results = gather_checked(op, local_checks, exchange=transport)  # bounded by the transport's timeout
     require_same("shard", [r[:-1] for r in results])
     own = tuple(range(world))
@@ -308,38 +334,41 @@ def shard(
         size = max(-(-tensor.numel() // len(g)) for g in groups)
     tag = f"{name}#{seq}"
     param = transport.alloc(size, tensor.dtype, tag=f"{tag}.param")
+    allocated.append(param)
     grad = None
     if requires_grad:
-        try:
-            grad = transport.alloc(size, accum_dtype, tag=f"{tag}.grad")
-        except BaseException:
-            transport.free(param)  # collective unless the transport failed (then local, without waiting)
-            raise
-    try:
-        st = ShardedTensor(
-            name, tensor.shape, tensor.dtype, accum_dtype, param, grad, runtime, seq,
-            group=None if len(own) == world else group, group_ranks=own,
-        )
-        if not tensor.is_meta:  # the symmetric buffers start zeroed
-            start, stop = st.shard_range
-            st.local.copy_(tensor.detach().reshape(-1)[start:stop])
-    except BaseException:  # nothing should fail here after the checks; if it does, leak no heap
-        for buf in (grad, param):
-            if buf is not None:
-                transport.free(buf)
-        raise
+        grad = transport.alloc(size, accum_dtype, tag=f"{tag}.grad")
+        allocated.append(grad)
+    st = ShardedTensor(
+        name, tensor.shape, tensor.dtype, accum_dtype, param, grad, runtime, seq,
+        group=None if len(own) == world else group, group_ranks=own,
+    )
+    if not tensor.is_meta:  # the symmetric buffers start zeroed
+        start, stop = st.shard_range
+        st.local.copy_(tensor.detach().reshape(-1)[start:stop])
     transport.barrier(op)  # initial values are in place before anyone fetches them
     if runtime.hierarchy is not None and len(own) == world:
-        try:
-            runtime.hierarchy.add(seq, size, param, grad, tag)  # fills the mirrors from the initial values
-        except BaseException:
-            for buf in (grad, param):
-                if buf is not None:
-                    transport.free(buf)
-            raise
+        runtime.hierarchy.add(seq, size, param, grad, tag, allocated)  # fills the mirrors from the initial values
         transport.barrier(op)  # mirrors filled before any node-mate reads them
-    runtime.live_names.add(name)
     return st
+
+
+def _undo_shard(runtime: _Runtime, op: str, error: BaseException, seq: int, allocated: list[SymmetricBuffer]) -> None:
+    """Release what a failed :func:`shard` allocated, under the fail-stop rule (docs/design.md, "Fail-stop").
+
+    An error every rank raised at the same step (an agreed rejection, a mismatched round, a full heap: any
+    :class:`OdcError` but a timeout) leaves every rank with the same allocations, so they are freed collectively
+    and the runtime stays usable. Anything else (an interrupt, an exception a signal handler raised, a timed-out
+    local wait) struck this rank alone between collective steps its peers wait in: the runtime is failed here
+    (peers learn it within a liveness period), the memory is released locally, and the error is re-raised as it
+    is, never replaced by a mismatch from a rollback that its peers cannot match."""
+    transport = runtime.transport
+    if transport.failure is None and (not isinstance(error, OdcError) or isinstance(error, OdcTimeoutError)):
+        transport.fail(as_failure(shorten(op), error, "this rank left shard() between its collective steps"))
+    if runtime.hierarchy is not None:
+        runtime.hierarchy.remove(seq)  # collective unless failed; skipped when the tensor never got registered
+    for buf in reversed(allocated):
+        transport.free(buf)  # collective unless the transport failed (then local, without waiting); skips freed
 
 
 def _check_st(st: object, what: str) -> _Runtime:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from odc_runtime import config
 from odc_runtime.errors import OdcMismatchError, OdcUsageError
 
 if TYPE_CHECKING:
@@ -127,10 +128,11 @@ def wait_timeout(timeout: object) -> float | None:
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(float(timeout)) or (
-        timeout < 0
+        not 0 <= timeout <= config.MAX_TIMEOUT_S
     ):
         raise OdcUsageError(
-            f"odc_runtime.Handle.wait(timeout=...): expected None or a finite number of seconds >= 0, got {timeout!r}"
+            "odc_runtime.Handle.wait(timeout=...): expected None or a finite number of seconds in "
+            f"[0, {config.MAX_TIMEOUT_S:g}] (a year), got {timeout!r}"
         )
     return float(timeout)
 

@@ -5,7 +5,7 @@ but empty is an error too (it is never taken as "unset", nor as the current dire
 | env var | meaning | default |
 |---|---|---|
 | ``ODC_BACKEND`` | transport for ``init(backend=None)`` (a registry name) | first available (nvshmem, host) |
-| ``ODC_TIMEOUT`` | seconds any blocking wait of the runtime may take before it fails | ``300`` |
+| ``ODC_TIMEOUT`` | seconds any blocking wait of the runtime may take before it fails (at most a year) | ``300`` |
 | ``ODC_HEAP_SIZE`` | host transport: symmetric heap bytes per rank (``512M``, ``4G``, ...) | ``1G`` |
 | ``ODC_SHM_DIR`` | host transport: directory of the shared-memory segments | ``/dev/shm`` |
 | ``ODC_HOST_CHUNK_BYTES`` | host transport: bytes of an accumulate held under one lock | ``4M`` |
@@ -30,6 +30,10 @@ from fractions import Fraction
 from odc_runtime.errors import OdcUsageError
 
 DEFAULT_TIMEOUT_S = 300.0
+# A wait longer than this is not a deadline (a year: "never" in practice). Python's own waits refuse more than
+# threading.TIMEOUT_MAX (about 292 years as a C time_t of nanoseconds): a larger ODC_TIMEOUT made every wait raise
+# OverflowError instead of waiting.
+MAX_TIMEOUT_S = 365.0 * 24 * 3600
 DEFAULT_HOST_HEAP_BYTES = 1 << 30
 DEFAULT_HOST_CHUNK_BYTES = 4 << 20
 DEFAULT_SHM_DIR = "/dev/shm"
@@ -114,6 +118,11 @@ def resolve_timeout(arg: float | None) -> float:
         raise OdcUsageError(f"{what} must be a number of seconds, got {raw!r}") from None
     if not (timeout > 0 and math.isfinite(timeout)):
         raise OdcUsageError(f"{what} must be a positive, finite number of seconds, got {raw!r}")
+    if timeout > MAX_TIMEOUT_S:
+        raise OdcUsageError(
+            f"{what} must be at most {MAX_TIMEOUT_S:g} seconds (a year), got {raw!r}; a deadline that long already "
+            "means 'never time out'"
+        )
     return timeout
 
 

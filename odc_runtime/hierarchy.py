@@ -71,6 +71,10 @@ class _Buffers:
     stage: SymmetricBuffer | None
     inbox: SymmetricBuffer | None
 
+    def extra(self) -> tuple[SymmetricBuffer | None, ...]:
+        """The buffers the hierarchy allocated for the tensor (in the order they are freed)."""
+        return self.inbox, self.stage, self.mirror
+
 
 @dataclass
 class _Round:
@@ -167,38 +171,43 @@ class Hierarchy:
         return self.node * self.node_size + owner % self.node_size
 
     # -- tensors ---------------------------------------------------------------------------------------------
-    def add(self, seq: int, shard: int, param: SymmetricBuffer, grad: SymmetricBuffer | None, tag: str) -> None:
-        """Collective (from ``shard()``): allocate the tensor's hierarchical buffers and fill its mirror."""
+    def add(
+        self, seq: int, shard: int, param: SymmetricBuffer, grad: SymmetricBuffer | None, tag: str,
+        allocated: list[SymmetricBuffer],
+    ) -> None:
+        """Collective (from ``shard()``): allocate the tensor's hierarchical buffers and fill its mirror. Each
+        buffer is appended to ``allocated`` as soon as it exists: the caller releases them if a step fails (under
+        the fail-stop rule, which only it can apply to the whole of ``shard``)."""
         t = self.transport
         rows = (self.nodes - 1) * shard
-        allocated: list[SymmetricBuffer] = []
-        try:
-            if self._signal is None:
-                self._signal = t.alloc(2 * self.nodes, torch.int64, tag="odc.node_signals")
-            mirror = t.alloc(rows, param.dtype, tag=f"{tag}.mirror")
-            allocated.append(mirror)
-            stage = inbox = None
-            if grad is not None:
-                stage = t.alloc(rows, torch.float32, tag=f"{tag}.stage")
-                allocated.append(stage)
-                inbox = t.alloc(self.slots * shard, torch.float32, tag=f"{tag}.inbox")
-                allocated.append(inbox)
-        except BaseException:
-            for buf in reversed(allocated):
-                t.free(buf)
-            raise
+        if self._signal is None:  # kept for the runtime's life
+            self._signal = t.alloc(2 * self.nodes, torch.int64, tag="odc.node_signals")
+        mirror = t.alloc(rows, param.dtype, tag=f"{tag}.mirror")
+        allocated.append(mirror)
+        stage = inbox = None
+        if grad is not None:
+            stage = t.alloc(rows, torch.float32, tag=f"{tag}.stage")
+            allocated.append(stage)
+            inbox = t.alloc(self.slots * shard, torch.float32, tag=f"{tag}.inbox")
+            allocated.append(inbox)
         bufs = _Buffers(shard, param, grad, mirror, stage, inbox)
         self._tensors[seq] = bufs
         self._refresh([bufs])
 
     def remove(self, seq: int) -> None:
-        """Collective (from ``ShardedTensor.free``): release the tensor's hierarchical buffers."""
-        bufs = self._tensors.pop(seq, None)
+        """Collective (from ``ShardedTensor.free``): release the tensor's hierarchical buffers.
+
+        The tensor stays registered until all of them are freed: each free is its own collective step whose first
+        act is the check that every rank frees the same buffer, so a mismatch (every rank raises, nothing freed)
+        changes nothing here, and a retry after an interrupted step resumes at the buffer it stopped at (freed
+        buffers are skipped), which is the one its peers wait in."""
+        bufs = self._tensors.get(seq)
         if bufs is None:
             return
-        for buf in (bufs.inbox, bufs.stage, bufs.mirror):
+        for buf in bufs.extra():
             if buf is not None:
-                self.transport.free(buf)
+                self.transport.free(buf)  # skips a buffer freed by an earlier, interrupted call
+        del self._tensors[seq]
 
     def has(self, seq: int) -> bool:
         return seq in self._tensors
@@ -224,6 +233,8 @@ class Hierarchy:
             parts.append(t.plan(own, kind, direct))
         if routed:
             parts.append(t.plan(other, kind, routed))
+        if not parts:  # an empty tensor: nothing to move
+            return t.plan(own, kind, ())
         if len(parts) == 1:
             return parts[0]
         return SplitPlan(parts, own, kind, t.stream_key())
@@ -235,14 +246,17 @@ class Hierarchy:
         # The flags are part of the barrier's name: a transport that compares names (host) turns ranks passing
         # different flags into OdcMismatchError on every rank instead of a signal wait that runs into the timeout.
         t.barrier(f"{op}(gradients={gradients}, parameters={parameters})")
-        if not self._tensors or not (gradients or parameters):
+        # A tensor whose free was interrupted between its collective steps (some buffers freed, on every rank alike:
+        # each free is collective) takes no part any more: its staged pushes are dropped with it, as documented.
+        live = [b for b in self._tensors.values() if not any(x is not None and x.freed for x in b.extra())]
+        if not live or not (gradients or parameters):
             return
 
         def deliver() -> None:
             if gradients:
-                self._flush([b for b in self._tensors.values() if b.stage is not None], op)
+                self._flush([b for b in live if b.stage is not None], op)
             if parameters:
-                self._refresh(list(self._tensors.values()))
+                self._refresh(live)
             t.barrier(op)
 
         # Fail-stop: after barrier 1 every rank is committed to the puts, folds and zeroing of this sync; one

@@ -31,8 +31,13 @@ class Handle:
         self._result = result
 
     def wait(self, timeout: float | None = None) -> torch.Tensor | None:
-        """Wait at most ``timeout`` seconds (a non-negative number; default ``ODC_TIMEOUT``); OdcTimeoutError after
-        it, OdcUsageError for a bad ``timeout``."""
+        """Wait at most ``timeout`` seconds (a non-negative number; default ``ODC_TIMEOUT``); OdcUsageError for a bad
+        ``timeout``.
+
+        OdcTimeoutError after ``timeout`` means this wait gave up while the operation is still running: it has not
+        failed, it completes on its own (``sync()`` waits for it, and ``wait()`` may be called again), and it must
+        not be issued again (a repeated push would be added twice). An operation that itself failed raises its own
+        error here (e.g. a push that timed out after part of it landed says the runtime is unusable)."""
         self._work.wait(checks.wait_timeout(timeout))
         return self._result
 

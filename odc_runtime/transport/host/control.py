@@ -4,7 +4,8 @@ Rank r writes, in its own page, the round number (its *epoch*), a 16-byte digest
 (e.g. ``free(w#3.grad)``), the operation's name for messages, a payload, its pid and start time (for liveness
 checks), and its status: *failed* (its runtime is unusable) or *left* (it finalized); peers waiting for such a
 rank in a later round raise at once instead of timing out.
-A peer is at most one round ahead (it cannot pass the next round without us), so each page keeps
+A peer is at most one round ahead (it cannot pass the next round without us, and a mismatched round ends only
+once every rank announced it), so each page keeps
 the digest and name of the current and of the previous round, and payload slots alternate by epoch parity. Page
 stores and loads happen under a byte-range lock of the page: lock and unlock are system calls that order memory,
 so every data write a rank made before its barrier is visible to a peer that has seen its epoch.

@@ -316,17 +316,16 @@ class HostTransport(Transport):
     # -- barrier and exchange -----------------------------------------------------------------------
     def _quiet_then_meet(self, meet: Callable[[], None]) -> None:
         """``quiet()``, then ``meet()`` the peers even if one of this rank's operations failed (so they do not wait
-        out the timeout for it), then report that failure. A quiet that timed out is raised at once. A failure that
-        made the transport unusable (a torn push) is not met: the peers learn it from the failed flag."""
-        failed: BaseException | None = None
-        try:
-            self.quiet()
-        except OdcTimeoutError:
-            raise
-        except BaseException as e:  # every operation completed, one failed: still meet the peers, then report it
-            if self.failure is not None or not isinstance(e, Exception):
-                raise  # fail-stop, or an interrupt before this rank announced anything (nothing changed)
-            failed = e
+        out the timeout for it), then report that failure. A failure that made the transport unusable (a torn push)
+        or a timed-out operation is not met: the peers learn it from the failed flag, or the error is an ordinary
+        one before this rank announced anything. An interrupt of the wait itself (or this wait's own timeout)
+        propagates before anything is announced, and the operations still running stay pending, so a retry waits
+        for them (docs/design.md, "Fail-stop")."""
+        failed = self.worker.wait_all()
+        if failed is not None and (
+            self.failure is not None or not isinstance(failed, Exception) or isinstance(failed, OdcTimeoutError)
+        ):
+            raise failed
         meet()
         if failed is not None:
             raise failed
@@ -350,6 +349,8 @@ class HostTransport(Transport):
         payloads: list[bytes] = [b""] * self.world_size
         payloads[self.rank] = payload
 
+        mismatch: list[str] = []  # the first peer seen in another collective at this epoch
+
         def arrived(p: int) -> bool:
             state = self.control.read(p)
             if state.epoch < self.control.epoch:
@@ -357,12 +358,13 @@ class HostTransport(Transport):
                     self._check_not_crossed(op, p)  # a crossed collective is the better explanation
                     raise OdcPeerLostError(self._describe_missing(op, [p], lost=[], failed=[p]))
                 return False
-            # A peer is at most one round ahead (it cannot pass the next one without us), so what it did at our
-            # epoch is its current or its previous round.
+            # A peer is at most one round ahead (it cannot pass the next one without us, and a mismatched round
+            # ends only once every rank announced it: below), so what it did at our epoch is its current or its
+            # previous round.
             at_ours = state.epoch == self.control.epoch
             theirs, their_name = (state.digest, state.name) if at_ours else (state.prev_digest, state.prev_name)
-            if theirs != digest:
-                raise _RoundMismatch(
+            if theirs != digest and not mismatch:
+                mismatch.append(
                     f"odc collective mismatch at barrier #{self.control.epoch}: rank {self.rank} is in "
                     f"{shorten(op)!r} but rank {p} is in {their_name.decode(errors='replace')!r}"
                     f"{'…' if len(their_name) == NAME_BYTES else ''}; every rank must call the same "
@@ -375,6 +377,11 @@ class HostTransport(Transport):
             self.control.announce(digest, name, payload)
             peers = [p for p in range(self.world_size) if p != self.rank]
             self._wait_for_peers(op, peers, arrived, lambda p: self._check_not_crossed(op, p))
+            # A mismatch is raised only once every rank announced this epoch: every rank then sees every rank's
+            # operation at it, so every rank raises, and none can run ahead into the next round while a rank still
+            # waits in this one (which would break "at most one round ahead" for that rank).
+            if mismatch:
+                raise _RoundMismatch(mismatch[0])
 
         self.fail_stop(shorten(op), "this rank announced its arrival", meet, aligned=(_RoundMismatch,))
         if _TOO_BIG in payloads:

@@ -28,7 +28,14 @@ class FutureWork(Work):
             # that itself raised a timeout is done, and its error is what to report.
             if self._future.done():
                 raise
-            raise OdcTimeoutError(f"odc {self._what}: async operation did not complete within {limit:g} s") from None
+            # The operation goes on: this wait gave up, the operation did not fail. Issuing it again would do it
+            # twice (a push would be added twice), so the error says to wait again instead (docs/design.md,
+            # "Fail-stop": handle timeouts).
+            raise OdcTimeoutError(
+                f"odc {self._what}: the operation did not complete within {limit:g} s and is still running (it has "
+                "not failed: it completes on its own, and sync() waits for it). Do not issue it again (a push would "
+                "be added twice): call wait() again or sync()"
+            ) from None
 
     def is_completed(self) -> bool:
         return self._future.done()
@@ -56,24 +63,42 @@ class AsyncWorker:
     def quiet(self) -> None:
         """Wait for every submitted operation; then re-raise the first error of one that failed since the last
         quiet (so ``sync`` cannot report success after a lost push)."""
+        error = self.wait_all()
+        if error is not None:
+            raise error
+
+    def wait_all(self) -> BaseException | None:
+        """Wait for every submitted operation and return the first error of one that failed since the last call
+        (each failure is reported once), or ``None``.
+
+        Anything that ends the *wait* itself propagates and forgets nothing: an interrupt (``KeyboardInterrupt``,
+        or any exception a signal handler raises while this thread waits) or this wait's own timeout leaves every
+        operation that is still running or failed unreported in the pending list, so the next call waits for them
+        again. Dropping them would let a retried ``sync`` meet its peers while a push is still adding
+        (docs/design.md, "Fail-stop": an interrupt inside quiet is atomic)."""
         pending, self._pending = self._pending, []
         deadline = time.monotonic() + self._timeout
         error: BaseException | None = None
-        for i, future in enumerate(pending):
-            try:
-                future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except FutureTimeoutError as e:
-                if future.done():  # the operation's own timeout (see FutureWork.wait), not ours
-                    error = error or e
-                    continue
-                self._pending = pending[i:] + self._pending  # still running: the next quiet waits for them
-                raise OdcTimeoutError(
-                    f"odc quiet on rank {self._rank}: async operations still running after {self._timeout:g} s"
-                ) from None
-            except BaseException as e:  # re-raised below, after the others completed
-                error = error or e
-        if error is not None:
-            raise error
+        try:
+            for future in pending:
+                try:
+                    future.result(timeout=max(0.0, deadline - time.monotonic()))
+                except BaseException as e:
+                    if future.done() and future.exception() is e:  # the operation's own failure (a timeout too)
+                        error = error or e
+                        continue
+                    if isinstance(e, FutureTimeoutError):  # our wait ran out, the operation still runs
+                        raise OdcTimeoutError(
+                            f"odc quiet on rank {self._rank}: async operations still running after "
+                            f"{self._timeout:g} s"
+                        ) from None
+                    raise  # an interrupt of this wait: not the operation's outcome
+        except BaseException:
+            # Keep what was not reported yet (still running, or failed): the next quiet waits for / reports it.
+            kept = [f for f in pending if not f.done() or f.exception() is not None]
+            self._pending = kept + self._pending
+            raise
+        return error
 
     def shutdown(self) -> None:
         """Wait for the running operations, then stop the thread."""
