@@ -45,6 +45,7 @@ NONE = -32768  # "no contribution seen" in the exchanged exponents
 _ENTRY = struct.Struct("<hB")  # per unit: largest exponent seen (int16), overflow flags (uint8)
 _PER_ROUND = 1800 // _ENTRY.size  # units per exchange round (a round carries at most about 1.9 KB)
 _BOUND, _NONFINITE, _TOO_MANY = 1, 2, 4
+_CONVERT_ELEMS = 1 << 20  # elements converted at a time at sync (8 MiB of fp64 temporaries)
 
 
 def fraction_bits(world_size: int) -> int:
@@ -130,7 +131,7 @@ class FixedPointAccumulators:
         v = tensor.detach().reshape(-1).to(torch.float32)
         if scale != 1.0:
             v = v * scale
-        amax = float(v.abs().max()) if v.numel() else 0.0
+        amax = float(torch.linalg.vector_norm(v, ord=math.inf)) if v.numel() else 0.0  # one pass; NaN stays NaN
         if amax > 0.0 and math.isfinite(amax):
             unit.seen = max(unit.seen, math.frexp(amax)[1])  # amax < 2**e
         why = 0
@@ -167,7 +168,9 @@ class FixedPointAccumulators:
         busy = any(e != NONE for e in seen) or bool(flagged)
 
         def convert() -> None:
-            for unit in units:
+            for i, unit in enumerate(units):
+                if seen[i] == NONE:
+                    continue  # nobody pushed into this tensor in this window: its accumulator is still zero
                 if not flagged:
                     self._convert(unit)
                 else:  # the window is discarded on every rank: nothing partial reaches st.grad
@@ -208,10 +211,13 @@ class FixedPointAccumulators:
         return out
 
     def _convert(self, unit: _Unit) -> None:
-        acc = unit.acc.local
-        # int64 -> fp64 rounds above 2**53 and the product is exact: the same bits on every run.
-        unit.grad.local.add_(acc.to(torch.float64).mul_(math.ldexp(1.0, unit.exponent - self.precision)))
-        acc.zero_()
+        acc, grad = unit.acc.local, unit.grad.local
+        step = math.ldexp(1.0, unit.exponent - self.precision)
+        for lo in range(0, acc.numel(), _CONVERT_ELEMS):  # bounded temporary memory
+            part = acc[lo : lo + _CONVERT_ELEMS]
+            # int64 -> fp64 rounds above 2**53, the product is exact, fp32 rounds once: the same bits every run.
+            grad[lo : lo + _CONVERT_ELEMS].add_(part.to(torch.float64).mul_(step))
+            part.zero_()
 
 
 def _describe(why: int, amax: float, exponent: int) -> str:

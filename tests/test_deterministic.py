@@ -210,3 +210,50 @@ def test_setting_is_parsed_in_config(monkeypatch) -> None:
         config.deterministic(None)
     with pytest.raises(OdcUsageError, match="bool"):
         config.deterministic(1)  # type: ignore[arg-type]
+
+
+def _rank_fsdp(rank: int, world: int, hsdp: bool, order: str) -> list[bytes]:
+    """FSDP2 in ODC mode (HSDP: a 2 x (world / 2) mesh), 3 optimizer steps; each rank's backward passes delayed so
+    that pushes reach the owners in ``order``."""
+    import time
+
+    import _fsdp_harness as h
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import odc_runtime as odc
+    import odc_runtime.fsdp as ofsdp
+
+    odc.init("host", timeout=60, deterministic=True)
+    model = h.make_model()
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ofsdp.enable(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = h.make_data(3, [2] * world)
+    delay = 0.03 * _turns(world, order).index(rank)
+    for step in range(3):
+        tokens = sum(h.n_targets(mbs) for mbs in data[step])
+        with ofsdp.minibatch(model, divide_factor=tokens):
+            for mb in data[step][rank]:
+                loss = h.token_loss_sum(model, mb)
+                time.sleep(delay)
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+    dist.barrier()
+    return [p.full_tensor().detach().numpy().tobytes() for p in model.parameters()]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("world", "hsdp"), [(3, False), (4, True)])
+def test_fsdp_odc_mode_same_bits_whatever_the_arrival_order(world: int, hsdp: bool) -> None:
+    up = run_ranks(_rank_fsdp, world, hsdp, "up")
+    down = run_ranks(_rank_fsdp, world, hsdp, "down")
+    assert up == down
