@@ -184,14 +184,18 @@ def cost_table(runs: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=8, help="simulated ranks (precision)")
     parser.add_argument("--micro", type=int, default=4, help="micro-batches per rank (precision)")
     parser.add_argument("--orders", type=int, default=2, help="random arrival orders of the fp32 sum")
     parser.add_argument("--runs", type=int, default=5, help="runs per cost figure (median)")
     _common.add_output_args(parser, "determinism")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     import torch
     import torch.distributed as dist
