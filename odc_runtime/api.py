@@ -350,9 +350,7 @@ def shard(
     if runtime.hierarchy is not None and len(own) == world:
         try:
             runtime.hierarchy.add(seq, size, param, grad, tag)  # fills the mirrors from the initial values
-        except BaseException:
-            if runtime.fixed is not None:
-                runtime.fixed.remove(seq)
+        except BaseException:  # (no fixed-point accumulator here: deterministic mode refuses nodes)
             for buf in (grad, param):
                 if buf is not None:
                     transport.free(buf)

@@ -145,6 +145,17 @@ def _rank_overflow(rank: int, world: int) -> dict:
         odc.push(st, big)
     odc.sync()
     out["retry"] = st.grad.tolist()
+    # More pushes into one tensor in one window than the headroom allows (2 here): the third is refused.
+    from odc_runtime import deterministic as det
+
+    det.PUSH_BITS = 1
+    for _ in range(3 if rank == 0 else 1):
+        odc.push(st, torch.ones(10))
+    try:
+        odc.sync()
+    except odc.OdcOverflowError as e:
+        out["too_many"] = str(e)
+    out["too_many_unchanged"] = st.grad.tolist() == out["retry"]
     return out
 
 
@@ -156,6 +167,7 @@ def test_overflow_is_refused_on_every_rank_and_nothing_is_written() -> None:
         assert r["bound_unchanged"] and r["nonfinite_unchanged"]
         assert r["bound_acc_zero"] and r["nonfinite_acc_zero"]
         assert r["retry"] == [world + world + 1e6] * len(r["retry"])
+        assert "[0]" in r["too_many"] and r["too_many_unchanged"]
 
 
 def _rank_misuse(rank: int, world: int, case: str) -> str:
