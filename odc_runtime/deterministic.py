@@ -28,7 +28,7 @@ import logging
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -66,7 +66,6 @@ class _Unit:
     seen: int = NONE  # largest frexp exponent of a contribution this rank pushed in this window
     pushes: int = 0  # pushes this rank made into this unit in this window
     flags: int = 0  # why a push of this window was refused (_BOUND | _NONFINITE | _TOO_MANY)
-    refused: list[str] = field(default_factory=list)
 
 
 class _Done(Work):
