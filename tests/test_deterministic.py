@@ -300,3 +300,35 @@ def test_gang_split_samples_same_bits_whatever_the_arrival_order() -> None:
     up = run_ranks(_rank_gang, 2, "up", env=env, timeout=180)
     down = run_ranks(_rank_gang, 2, "down", env=env, timeout=180)
     assert up[0] == down[0] and up[0][-1] is not None
+
+
+def _rank_fsdp_overflow(rank: int, world: int) -> dict:
+    """FSDP2 ODC mode, deterministic: a minibatch whose gradients exceed the first bound (16) raises
+    OdcOverflowError on every rank from end_minibatch, writes no gradient, and the rerun of the same minibatch
+    trains."""
+    import _fsdp_harness as h
+
+    import odc_runtime as odc
+    import odc_runtime.fsdp as ofsdp
+
+    odc.init("host", timeout=60, deterministic=True)
+    model = h.shard_model(h.make_model())
+    ofsdp.enable(model)
+    data = h.make_data(1, [2] * world)[0]
+    out: dict[str, object] = {}
+    for attempt in ("first", "rerun"):
+        try:
+            with ofsdp.minibatch(model, divide_factor=1.0):
+                for mb in data[rank]:
+                    (1e4 * h.token_loss_sum(model, mb)).backward()
+        except odc.OdcOverflowError as e:
+            out[attempt] = type(e).__name__
+        # FSDP's own reduce-scatter leaves zero gradients in ODC mode; ODC writes the real ones
+        out[f"{attempt}_grads"] = [p.grad is not None and bool(p.grad.to_local().any()) for p in model.parameters()]
+    return out
+
+
+def test_fsdp_overflow_is_raised_everywhere_and_the_minibatch_can_be_rerun() -> None:
+    for r in run_ranks(_rank_fsdp_overflow, 2):
+        assert r["first"] == "OdcOverflowError" and "rerun" not in r
+        assert not any(r["first_grads"]) and any(r["rerun_grads"])
