@@ -30,6 +30,7 @@ import torch.distributed as dist
 from odc_runtime import checks, config, layout
 from odc_runtime import transport as registry
 from odc_runtime.agree import StoreExchange, gather_checked, op_digest, require_same, shorten
+from odc_runtime.deterministic import FixedPointAccumulators, check_supported
 from odc_runtime.errors import (
     OdcError,
     OdcNotInitializedError,
@@ -60,6 +61,7 @@ class _Runtime:
     # Proper subgroups seen by shard(): global ranks (group-rank order) -> agreed index (the same on every rank)
     groups: dict[tuple[int, ...], int] = field(default_factory=dict)
     hierarchy: Hierarchy | None = None  # nodes smaller than the world: routes world-sharded tensors' transfers
+    fixed: FixedPointAccumulators | None = None  # deterministic mode: int64 accumulators and the sync
 
 
 _runtime: _Runtime | None = None
@@ -107,6 +109,7 @@ def init(
     heap_size: int | str | None = None,
     node_size: int | None = None,
     node_slots: int | None = None,
+    deterministic: bool | None = None,
 ) -> None:
     """Start the runtime (collective; call after ``torch.distributed.init_process_group``).
 
@@ -127,6 +130,10 @@ def init(
         node_slots: inbox slots per tensor for pushes from other nodes (default ``ODC_NODE_SLOTS``, else one per
             other node). Fewer slots bound the memory (``slots × shard × 4`` bytes per tensor instead of
             ``(nodes − 1) × shard × 4``); ``sync`` then delivers in rounds, one network round trip each.
+        deterministic: bitwise-deterministic gradient accumulation (default ``ODC_DETERMINISTIC``, else off): pushes
+            add into int64 fixed-point accumulators (8 more bytes per shard element), ``sync`` writes ``st.grad``;
+            a push beyond its tensor's bound makes the next ``sync`` raise OdcOverflowError on every rank
+            (``odc_runtime.deterministic``). Host transport only, one node; must be the same on every rank.
 
     Raises (on every rank together): OdcUsageError for a bad argument or setting on this rank, OdcMismatchError
     when another rank rejected its arguments or ranks chose different backends, OdcTimeoutError /
@@ -144,19 +151,21 @@ def init(
     except OdcUsageError:
         exchange_timeout = config.DEFAULT_TIMEOUT_S
 
-    def local_checks() -> tuple[str, float, int | None, int | None]:
+    def local_checks() -> tuple[str, float, int | None, int | None, bool]:
         if heap_size is not None:
             config.parse_size(heap_size, what="heap_size")
         nodes = config.node_size(node_size, dist.get_world_size())
-        return _select_backend(backend), config.resolve_timeout(timeout), nodes, config.node_slots(node_slots)
+        return (_select_backend(backend), config.resolve_timeout(timeout), nodes, config.node_slots(node_slots),
+                config.deterministic(deterministic))
 
     results = gather_checked("init", local_checks, exchange=StoreExchange(exchange_timeout))
     # The backend and the node settings must match here; the transports compare the resolved heap sizes themselves.
     require_same("init", [r[0] for r in results])
     for i, what in ((2, "node size (init(node_size=...) / ODC_NODE_SIZE)"),
-                    (3, "inbox slots (init(node_slots=...) / ODC_NODE_SLOTS)")):
+                    (3, "inbox slots (init(node_slots=...) / ODC_NODE_SLOTS)"),
+                    (4, "accumulation mode (init(deterministic=...) / ODC_DETERMINISTIC)")):
         require_same("init", [r[i] for r in results], rule=f"needs the same {what} on every rank")
-    name, resolved_timeout, requested_nodes, slots = results[dist.get_rank()]
+    name, resolved_timeout, requested_nodes, slots, exact = results[dist.get_rank()]
     transport = registry.get(name).create(timeout=resolved_timeout, heap_size=heap_size)
     try:
         nodes = requested_nodes or transport.node_size()
@@ -165,6 +174,8 @@ def init(
                 f"odc_runtime.init(): node size {nodes} < world {transport.world_size} needs put-with-signal, which "
                 f"the {name} transport does not have; set ODC_NODE_SIZE={transport.world_size} (one node)"
             )
+        if exact:
+            check_supported(transport, nodes)  # agreed inputs: every rank refuses together
         hierarchy = None
         if nodes < transport.world_size:
             hierarchy = Hierarchy(transport, nodes, slots)
@@ -174,11 +185,12 @@ def init(
         transport.finalize()  # deterministic on every rank (agreed inputs), so every rank gets here together
         raise
     _runtime = _Runtime(
-        transport=transport, generation=next(_generations), shards=itertools.count(), hierarchy=hierarchy
+        transport=transport, generation=next(_generations), shards=itertools.count(), hierarchy=hierarchy,
+        fixed=FixedPointAccumulators(transport) if exact else None,
     )
     log.info(
-        "odc_runtime initialised: backend=%s rank=%d world=%d node_size=%d", name, transport.rank,
-        transport.world_size, nodes,
+        "odc_runtime initialised: backend=%s rank=%d world=%d node_size=%d deterministic=%s", name, transport.rank,
+        transport.world_size, nodes, exact,
     )
 
 
@@ -339,6 +351,8 @@ def _shard_steps(
     if requires_grad:
         grad = transport.alloc(size, accum_dtype, tag=f"{tag}.grad")
         allocated.append(grad)
+        if runtime.fixed is not None:
+            runtime.fixed.add(seq, name, grad, tag)  # the int64 accumulator; _undo_shard releases it first
     st = ShardedTensor(
         name, tensor.shape, tensor.dtype, accum_dtype, param, grad, runtime, seq,
         group=None if len(own) == world else group, group_ranks=own,
@@ -365,6 +379,8 @@ def _undo_shard(runtime: _Runtime, op: str, error: BaseException, seq: int, allo
     transport = runtime.transport
     if transport.failure is None and (not isinstance(error, OdcError) or isinstance(error, OdcTimeoutError)):
         transport.fail(as_failure(shorten(op), error, "this rank left shard() between its collective steps"))
+    if runtime.fixed is not None:
+        runtime.fixed.remove(seq)  # collective unless failed; skipped when it was never allocated
     if runtime.hierarchy is not None:
         runtime.hierarchy.remove(seq)  # collective unless failed; skipped when the tensor never got registered
     for buf in reversed(allocated):
@@ -384,6 +400,8 @@ def _check_st(st: object, what: str) -> _Runtime:
 def _make_plan(runtime: _Runtime, st: ShardedTensor, kind: str) -> TransferPlan:
     """The transfer plan of ``st`` for ``kind``: routed through the node hierarchy for its tensors."""
     pieces = layout.transfer_pieces(st.numel, st.group_ranks, st.rank)
+    if kind == "push" and runtime.fixed is not None:
+        return runtime.fixed.plan(st.seq, pieces)
     hierarchy = runtime.hierarchy
     if hierarchy is not None and hierarchy.has(st.seq):
         return hierarchy.plan(st.seq, kind, pieces)
@@ -521,11 +539,18 @@ def sync(group: dist.ProcessGroup | None = None, *, gradients: bool = True, para
         )
     ranks = checks.group_ranks("sync(group=...)", group, transport.world_size, transport.rank)
     if ranks is None:
-        if runtime.hierarchy is None:
+        if runtime.fixed is not None:
+            runtime.fixed.sync("sync")
+        elif runtime.hierarchy is None:
             transport.barrier("sync")
         else:
             runtime.hierarchy.sync("sync", gradients=gradients, parameters=parameters)
         return
+    if runtime.fixed is not None:
+        raise OdcUsageError(
+            "odc_runtime.sync(group=...) in deterministic mode: the fixed-point bounds are agreed in a world round; "
+            "call odc_runtime.sync() without a group (all ranks fence together, as HSDP does per minibatch)"
+        )
     index = runtime.groups.get(ranks)
     if index is None:
         raise OdcUsageError(

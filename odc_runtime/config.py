@@ -11,6 +11,7 @@ but empty is an error too (it is never taken as "unset", nor as the current dire
 | ``ODC_HOST_CHUNK_BYTES`` | host transport: bytes of an accumulate held under one lock | ``4M`` |
 | ``ODC_NODE_SIZE`` | ranks per node (consecutive; divides the world) for the hierarchical protocol | transport's node |
 | ``ODC_NODE_SLOTS`` | inbox slots per tensor for pushes from other nodes (fewer: less memory, more rounds) | M-1 |
+| ``ODC_DETERMINISTIC`` | ``1``: bitwise-deterministic gradient accumulation (int64 fixed point) | ``0`` |
 | ``ODC_REQUIRE_EXTENSION`` | tests: ``1`` turns "extension not built" skips into failures | ``0`` |
 | ``ODC_REQUIRE_VERL`` | tests: ``1`` turns "veRL not installed" skips into failures (``.ci/verl.sh``) | ``0`` |
 
@@ -196,6 +197,15 @@ def node_slots(arg: int | None) -> int | None:
     """Inbox slots per hierarchical tensor: ``init(node_slots=...)``, else ``ODC_NODE_SLOTS``, else ``None`` (one
     per other node). Raises OdcUsageError unless it is a positive integer."""
     return _positive_int(arg, "node_slots", "ODC_NODE_SLOTS")
+
+
+def deterministic(arg: bool | None) -> bool:
+    """Deterministic accumulation: ``init(deterministic=...)``, else ``ODC_DETERMINISTIC``, else off."""
+    if arg is None:
+        return env_flag("ODC_DETERMINISTIC", False)
+    if not isinstance(arg, bool):
+        raise OdcUsageError(f"odc_runtime.init(): deterministic must be a bool or None, got {arg!r}")
+    return arg
 
 
 def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:

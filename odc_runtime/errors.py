@@ -42,5 +42,10 @@ class OdcPeerLostError(OdcTimeoutError):
     """
 
 
+class OdcOverflowError(OdcError):
+    """Deterministic mode: a push did not fit its tensor's fixed-point bound (or was not finite). Raised by ``sync``
+    on every rank, which discarded the window's pushes everywhere (``st.grad`` unchanged); a retry fits."""
+
+
 class OdcBackendError(OdcError):
     """A transport failed (CUDA/NVSHMEM error, missing extension, unsupported platform, OS error)."""

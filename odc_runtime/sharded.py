@@ -146,6 +146,8 @@ class ShardedTensor:
         runtime = self._check_alive("free")
         if runtime.hierarchy is not None:
             runtime.hierarchy.remove(self.seq)
+        if runtime.fixed is not None:
+            runtime.fixed.remove(self.seq)
         if self._grad is not None:
             runtime.transport.free(self._grad)
         runtime.transport.free(self._param)

@@ -420,7 +420,7 @@ def _has_matplotlib() -> bool:
 # ----------------------------------------------------------------------------------------------- shared plumbing
 
 
-@pytest.mark.parametrize("tool", ["balance", "comm", "hostcost", "imbalance", "netmodel", "simulate"])
+@pytest.mark.parametrize("tool", ["balance", "comm", "determinism", "hostcost", "imbalance", "netmodel", "simulate"])
 def test_every_benchmark_takes_json_and_plot(tool):
     """The README promises --json PATH and --plot PATH for every benchmark."""
     module = __import__(tool)

@@ -495,6 +495,8 @@ def end_minibatch(model: nn.Module, *, divide_factor: float | None = None) -> No
         problem = _agree_or_explain(state, factor, overflow, changed)
         if problem is None:
             _write_grads(state, factor)
+    except odc.OdcOverflowError:  # deterministic mode: every rank discarded the minibatch; a retry is clean
+        raise
     except BaseException as e:
         state.broken = f"end_minibatch: {type(e).__name__}: {e}"
         raise

@@ -89,11 +89,14 @@ class Capabilities:
             protocol, i.e. nodes smaller than the world).
         group_fences: :meth:`Transport.group_barrier` (``sync(group=...)``).
         nodes: :meth:`Transport.node_size` may be below the world size (a real multi-node layout).
+        deterministic: :meth:`Transport.push` into an ``int64`` buffer (scale 1) adds exactly, so the core API's
+            deterministic mode (``odc_runtime.deterministic``) can run on it.
     """
 
     signals: bool = False
     group_fences: bool = False
     nodes: bool = False
+    deterministic: bool = False
 
 
 class Work(abc.ABC):

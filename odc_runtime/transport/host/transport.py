@@ -69,7 +69,7 @@ class HostTransport(Transport):
 
     name = "host"
     device_type = "cpu"
-    capabilities = Capabilities(signals=True, group_fences=True, nodes=False)
+    capabilities = Capabilities(signals=True, group_fences=True, nodes=False, deterministic=True)
 
     def __init__(
         self,

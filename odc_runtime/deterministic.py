@@ -1,0 +1,255 @@
+"""Deterministic gradient accumulation (``odc.init(deterministic=True)`` / ``ODC_DETERMINISTIC=1``): the same
+pushes give the same gradient bits whatever order they reach their owners in.
+
+Pushes land in an ``int64`` fixed-point accumulator beside each tensor's fp32 one; integer addition is associative,
+so the sum does not depend on arrival order. Each *unit* (one sharded tensor) has a power-of-two scale for the
+current *window* (the pushes between two ``sync`` calls), fixed at the previous ``sync`` from the largest
+contribution every rank saw in the window before, with headroom. Per element and window:
+
+* a contribution ``v`` (``src * scale`` in fp32) with ``|v| < 2**E`` becomes ``q = round(v * 2**F)``, ``F =
+  P - E``, so ``|q| <= 2**P``; at most ``2**PUSH_BITS`` pushes per unit, rank and window, and ``P = 62 -
+  PUSH_BITS - ceil(log2(world))``, so no sum of a window can exceed ``2**62`` in magnitude (no wrap, by bound);
+* a contribution the bound does not cover (``|v| >= 2**E``, not finite, or one push too many) is not written
+  anywhere (checked before any remote effect); the next ``sync`` raises :class:`OdcOverflowError` on every rank,
+  discards the window's pushes on every rank (``st.grad`` keeps what it had) and raises the bound to what was
+  seen, so the same minibatch retried succeeds;
+* ``sync`` (two world rounds): round 1 fences the pushes and exchanges each rank's largest exponent per unit and
+  its overflow flags; every rank then adds ``acc * 2**-F`` (fp64, then fp32) into ``st.grad`` and zeroes ``acc``;
+  round 2 keeps peers' next pushes out until the conversion is done. A window without pushes anywhere skips it.
+
+The choice, the measured alternatives, the precision and the cost are in docs/design.md ("Deterministic
+accumulation"). The transport sees only ``int64`` pushes with scale 1 (any transport whose push adds exactly into
+``int64`` supports it: ``Capabilities.deterministic``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from odc_runtime.errors import OdcOverflowError, OdcUsageError
+from odc_runtime.transport.base import Piece, SymmetricBuffer, TransferPlan, Transport, Work
+
+log = logging.getLogger("odc_runtime.deterministic")
+
+PUSH_BITS = 12  # at most 4096 pushes per unit, rank and window
+MARGIN_BITS = 4  # next window's bound: 16x the largest contribution seen in this one
+INITIAL_EXPONENT = 4  # bound of a unit's first window: |contribution| < 16
+MIN_EXPONENT, MAX_EXPONENT = -100, 100  # keeps 2**F and 2**-F normal in fp32 and fp64
+NONE = -32768  # "no contribution seen" in the exchanged exponents
+_ENTRY = struct.Struct("<hB")  # per unit: largest exponent seen (int16), overflow flags (uint8)
+_PER_ROUND = 1800 // _ENTRY.size  # units per exchange round (a round carries at most about 1.9 KB)
+_BOUND, _NONFINITE, _TOO_MANY = 1, 2, 4
+_ROUNDER = 1.5 * 2.0**52
+_ROUNDER_BITS = struct.unpack("<q", struct.pack("<d", _ROUNDER))[0]
+_CONVERT_ELEMS = 1 << 20  # elements converted at a time at sync (8 MiB of fp64 temporaries)
+
+
+def fraction_bits(world_size: int) -> int:
+    """``P``: bits of a contribution's magnitude below its bound (62 minus the headroom for every push)."""
+    return 62 - PUSH_BITS - max(0, math.ceil(math.log2(world_size)))  # <= 50: the rounding below needs < 2**51
+
+
+@dataclass
+class _Unit:
+    """The fixed-point state of one sharded tensor."""
+
+    name: str
+    acc: SymmetricBuffer  # int64, as many elements as the tensor's fp32 accumulator
+    grad: SymmetricBuffer  # the fp32 accumulator st.grad views
+    exponent: int = INITIAL_EXPONENT  # E: every contribution of this window is below 2**E
+    seen: int = NONE  # largest frexp exponent of a contribution this rank pushed in this window
+    pushes: int = 0  # pushes this rank made into this unit in this window
+    flags: int = 0  # why a push of this window was refused (_BOUND | _NONFINITE | _TOO_MANY)
+
+
+class _Done(Work):
+    """The work of a push that was refused (nothing to wait for; the refusal is reported by ``sync``)."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class FixedPointPlan(TransferPlan):
+    """A push plan that quantises the gradient and pushes ``int64`` into the unit's fixed-point accumulator."""
+
+    __slots__ = ("_accumulators", "_inner", "_unit")
+
+    def __init__(self, accumulators: FixedPointAccumulators, unit: _Unit, inner: TransferPlan) -> None:
+        super().__init__(inner.transport, unit.acc, "push", inner.pieces, inner.stream_key)
+        self._inner = inner
+        self._unit = unit
+        self._accumulators = accumulators
+
+    def run(self, tensor: torch.Tensor, scale: float = 1.0, *, async_op: bool = False) -> Work | None:
+        q = self._accumulators.quantize(self._unit, tensor, scale)
+        if q is None:
+            return _Done() if async_op else None
+        return self._inner.run(q, 1.0, async_op=async_op)
+
+
+class FixedPointAccumulators:
+    """Every unit of a runtime in deterministic mode: allocation beside ``shard``, push plans, the ``sync``."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.precision = fraction_bits(transport.world_size)  # P
+        self.units: dict[int, _Unit] = {}  # by shard sequence number (the same on every rank)
+
+    # -- allocation (collective, beside shard / free) ---------------------------------------------------
+    def add(self, seq: int, name: str, grad: SymmetricBuffer, tag: str) -> None:
+        acc = self.transport.alloc(grad.numel, torch.int64, tag=f"{tag}.fixed")
+        self.units[seq] = _Unit(name, acc, grad)
+
+    def remove(self, seq: int) -> None:
+        unit = self.units.get(seq)
+        if unit is not None:
+            # Freed before it is forgotten: a mismatched free (OdcMismatchError, nothing freed) keeps the unit, so
+            # later pushes still find it and a retried free resumes here (as the hierarchy does, issue 34 item 2).
+            self.transport.free(unit.acc)
+            del self.units[seq]
+
+    def has(self, seq: int) -> bool:
+        return seq in self.units
+
+    def bytes_per_rank(self) -> int:
+        """Symmetric memory the mode adds on this rank (the ``int64`` accumulators)."""
+        return sum(u.acc.nbytes for u in self.units.values())
+
+    def plan(self, seq: int, pieces: Sequence[Piece]) -> TransferPlan:
+        unit = self.units[seq]
+        return FixedPointPlan(self, unit, self.transport.plan(unit.acc, "push", pieces))
+
+    # -- push ------------------------------------------------------------------------------------------
+    def quantize(self, unit: _Unit, tensor: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """``round(tensor * scale * 2**F)`` as ``int64``, or ``None`` (recorded, nothing sent) when the window's
+        bound does not cover it. Deterministic: fp32 products, a power-of-two scaling (exact) and round-half-even."""
+        v = tensor.detach().reshape(-1).to(torch.float32)
+        if scale != 1.0:
+            v = v * scale
+        amax = 0.0
+        if v.numel():
+            lo, hi = torch.aminmax(v)  # one pass; NaN stays NaN
+            amax = max(-float(lo), float(hi))
+        if amax > 0.0 and math.isfinite(amax):
+            unit.seen = max(unit.seen, math.frexp(amax)[1])  # amax < 2**e
+        why = 0
+        if not math.isfinite(amax):
+            why = _NONFINITE
+        elif amax >= math.ldexp(1.0, unit.exponent):
+            why = _BOUND
+        elif unit.pushes >= 1 << PUSH_BITS:
+            why = _TOO_MANY
+        if why:
+            unit.flags |= why
+            log.warning(
+                "odc push into %r refused in deterministic mode (%s); nothing was written, the next sync raises "
+                "OdcOverflowError on every rank", unit.name, _describe(why, amax, unit.exponent),
+            )
+            return None
+        unit.pushes += 1
+        # round(v * 2**F) to nearest even: v * 2**F is exact in fp64 and below 2**P <= 2**50 in magnitude, so
+        # adding 1.5 * 2**52 rounds it to an integer in the low mantissa bits (one pass instead of round + cast).
+        q = v.to(torch.float64).mul_(math.ldexp(1.0, self.precision - unit.exponent)).add_(_ROUNDER)
+        return q.view(torch.int64).sub_(_ROUNDER_BITS)
+
+    # -- sync (world-collective) -----------------------------------------------------------------------
+    def sync(self, op: str) -> None:
+        """Fence every push, agree on the next window's bounds and on overflow, convert into ``st.grad``."""
+        transport = self.transport
+        transport.quiet()
+        units = [self.units[s] for s in sorted(self.units)]
+        payloads = self._exchange(op, units)
+        seen = [NONE] * len(units)
+        flagged: dict[int, list[int]] = {}
+        for r, entries in enumerate(payloads):
+            for i, (e, flags) in enumerate(entries):
+                seen[i] = max(seen[i], e)
+                if flags:
+                    flagged.setdefault(i, []).append(r)
+        busy = any(e != NONE for e in seen) or bool(flagged)
+
+        def convert() -> None:
+            for i, unit in enumerate(units):
+                if seen[i] == NONE:
+                    continue  # nobody pushed into this tensor in this window: its accumulator is still zero
+                if not flagged:
+                    self._convert(unit)
+                else:  # the window is discarded on every rank: nothing partial reaches st.grad
+                    unit.acc.local.zero_()
+            # Round 2: no peer pushes its next window into an accumulator before its owner converted it.
+            transport.barrier(f"{op} (deterministic conversion)")
+
+        if busy:  # the same on every rank (agreed data); a window without pushes anywhere has nothing to convert
+            # Peers passed round 1 with us: an error here leaves them waiting in round 2 (fail-stop).
+            transport.fail_stop(op, "the deterministic bounds were agreed", convert)
+        for i, unit in enumerate(units):
+            if seen[i] != NONE:  # a discarded window only raises the bound (its retry must fit)
+                wanted = min(MAX_EXPONENT, max(MIN_EXPONENT, seen[i] + MARGIN_BITS))
+                unit.exponent = max(unit.exponent, wanted) if flagged else wanted
+            unit.seen, unit.pushes, unit.flags = NONE, 0, 0
+        if flagged:
+            what = "; ".join(
+                f"{units[i].name!r} (ranks {ranks}; bound now 2**{units[i].exponent})" for i, ranks in flagged.items()
+            )
+            raise OdcOverflowError(
+                f"odc {op}: in deterministic mode a push exceeded its tensor's fixed-point bound (or was not finite, "
+                f"or was one push too many: at most {1 << PUSH_BITS} per tensor, rank and sync) for {what}. Nothing "
+                "of it was written; every rank discarded this window's pushes (st.grad is unchanged) and raised the "
+                "bounds to what was seen, so the same minibatch can be retried. Not finite gradients must be fixed "
+                "at their source."
+            )
+
+    def _exchange(self, op: str, units: list[_Unit]) -> list[list[tuple[int, int]]]:
+        """Every rank's ``(largest exponent seen, flags)`` per unit, in rounds of at most ``_PER_ROUND`` units."""
+        out: list[list[tuple[int, int]]] = [[] for _ in range(self.transport.world_size)]
+        for start in range(0, max(1, len(units)), _PER_ROUND):
+            part = units[start : start + _PER_ROUND]
+            payload = b"".join(_ENTRY.pack(max(NONE, min(32767, u.seen)), u.flags) for u in part)
+            for r, data in enumerate(self.transport.exchange(f"{op} (deterministic bounds)", payload)):
+                if len(data) != len(payload):
+                    raise OdcUsageError(f"odc {op}: rank {r} has a different number of tensors in deterministic mode")
+                out[r].extend(_ENTRY.iter_unpack(data))
+        return out
+
+    def _convert(self, unit: _Unit) -> None:
+        acc, grad = unit.acc.local, unit.grad.local
+        step = math.ldexp(1.0, unit.exponent - self.precision)
+        for lo in range(0, acc.numel(), _CONVERT_ELEMS):  # bounded temporary memory
+            part = acc[lo : lo + _CONVERT_ELEMS]
+            # int64 -> fp64 rounds above 2**53, the product is exact, fp32 rounds once: the same bits every run.
+            grad[lo : lo + _CONVERT_ELEMS].add_(part.to(torch.float64).mul_(step))
+            part.zero_()
+
+
+def _describe(why: int, amax: float, exponent: int) -> str:
+    if why == _NONFINITE:
+        return f"the gradient is not finite (max |value| {amax})"
+    if why == _TOO_MANY:
+        return f"more than {1 << PUSH_BITS} pushes into this tensor since the last sync"
+    return f"max |value * scale| {amax:.6g} >= this window's bound 2**{exponent}"
+
+
+def check_supported(transport: Transport, node_size: int) -> None:
+    """Refuse what deterministic mode cannot run (the same outcome on every rank: agreed inputs)."""
+    if not transport.capabilities.deterministic:
+        raise OdcUsageError(
+            f"odc_runtime.init(deterministic=True): the {transport.name} transport cannot accumulate "
+            "deterministically (it has no exact int64 push); use backend='host', or init without "
+            "deterministic=True / ODC_DETERMINISTIC"
+        )
+    if node_size < transport.world_size:
+        raise OdcUsageError(
+            f"odc_runtime.init(deterministic=True): node size {node_size} < world {transport.world_size} (the "
+            "hierarchical protocol) is not supported in deterministic mode: its staging rows and inboxes are fp32 "
+            "and folded in arrival order. Set ODC_NODE_SIZE to the world size, or turn the mode off"
+        )
+
