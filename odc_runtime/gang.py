@@ -13,19 +13,20 @@ Mechanism. Everything goes through the transport's signalled put (:meth:`Transpo
 receiver that sees the signal word reach a count sees the data of every put counted in it. A one-sided ``get`` of
 the owner's own region would need the owner's local write to be visible to a peer without a fence, which the
 interface only promises after a (world-wide) barrier. So member ``s`` *puts* its K/V at layer ``l`` into the next
-slot of its ring in every other member's ``slots`` buffer, plus a tag (gang, sample, length, layer, pass) into the
-matching tag slot, each put adding 1 to word ``s`` of the receiver's signal buffer; the backward pass puts dK/dV
-into the owners' rings the same way. A receiver has one ring of ``depth`` slots per gang position relative to it
-(the member ``i`` places after it uses ring ``i - 1``), so memory grows with the largest gang, not the world. A
-receiver that copied a slot out returns a *credit* (a signalled put into the sender's ``acks``); within a gang
-micro-batch a sender reuses a slot only after the credit of its previous use. A ring serves different senders in
-different gangs, so before its first put of a gang micro-batch a member tells every peer that it started it (a
-*join*: everything of its earlier gangs is consumed) and waits for every peer's join. Only gang members signal one
-another: no barrier, no collective. Every wait is bounded by the transport's timeout (``ODC_TIMEOUT``) and raises
-:class:`~odc_runtime.errors.OdcTimeoutError` (or :class:`~odc_runtime.errors.OdcPeerLostError`) naming the gang,
-the sample, the layer and the rank that did not deliver; a tag that does not match (ranks running different plans
-or layers) raises :class:`~odc_runtime.errors.OdcMismatchError`. Owners sum contributions in member order, so the
-result is deterministic.
+slot of its ring in every other member's ``slots`` buffer, plus a tag (gang, sample, length, layer, pass, the
+sender's part and the gang's members in order) into the matching tag slot, each put adding 1 to word ``s`` of the
+receiver's signal buffer; the backward pass puts dK/dV into the owners' rings the same way. A receiver has one ring
+of ``depth`` slots per gang position relative to it (the member ``i`` places after it uses ring ``i - 1``), so
+memory grows with the largest gang, not the world. A receiver that copied a slot out returns a *credit* (a signalled
+put into the sender's ``acks``); within a gang micro-batch a sender reuses a slot only after the credit of its
+previous use. A ring serves different senders in different gangs, so before its first put of a gang micro-batch a
+member tells every peer that it started it (a *join*: everything of its earlier gangs is consumed) and waits for
+every peer's join. Only gang members signal one another: no barrier, no collective. Every wait is bounded by the
+transport's timeout (``ODC_TIMEOUT``) and raises :class:`~odc_runtime.errors.OdcTimeoutError` (or
+:class:`~odc_runtime.errors.OdcPeerLostError`) naming the gang, the sample, the layer and the rank that did not
+deliver; a tag that does not match (ranks running different plans or layers, or members that disagree on the member
+order, hence on which chunk each runs) raises :class:`~odc_runtime.errors.OdcMismatchError`. Owners sum
+contributions in member order, so the result is deterministic.
 
 No host synchronisation per layer. On the GPU ``put_signal``/``wait_signal`` are stream-ordered, so the exchange
 must not read device memory on the host inside the layer loop: every put reads its source from a small symmetric
@@ -68,7 +69,9 @@ __all__ = ["GangExchange", "GangStep", "active_step", "exchange_kv", "gang_atten
 
 T = TypeVar("T")
 
-_TAG_WORDS = 5  # gang, sample, length, layer, pass
+# A tag: gang, sample, length, layer, pass, the sender's part, then the gang's members in order (padded with -1 to
+# the exchange's max_gang_size), so members that disagree on the order (on who runs which chunk) see a mismatch.
+_TAG_FIXED = 6
 # Passes, what an exchange belongs to: the forward pass (K/V), a checkpointed layer's recomputation (K/V again),
 # the backward pass (dK/dV).
 _FIRST, _RECOMPUTE, _GRAD = 0, 1, 2
@@ -76,6 +79,15 @@ _ACTIVE: contextvars.ContextVar[GangStep | None] = contextvars.ContextVar("odc_g
 # The step whose forward pass completed last: a checkpointed layer recomputes under it during the backward pass,
 # which runs outside its `with step:` block (and on the GPU on another thread, so not a context variable).
 _PENDING: GangStep | None = None
+
+
+def _describe(tag: list[int]) -> str:
+    """A tag in words, for mismatch messages."""
+    gang, sample, length, layer, pass_, part, *members = tag
+    kind = ("forward K/V", "recomputed forward K/V", "backward dK/dV")[pass_] if 0 <= pass_ < 3 else f"pass {pass_}"
+    ranks = tuple(r for r in members if r >= 0)
+    return (f"(gang {gang}, sample {sample} of {length} tokens, layer {layer}, {kind}, chunk {part} of the gang "
+            f"of ranks {ranks})")
 
 
 def _in_backward() -> bool:
@@ -128,13 +140,14 @@ class GangExchange:
         self.max_gang_size = max_gang_size or w
         rings = max(self.max_gang_size - 1, 1)  # one ring per gang position of a sender relative to the receiver
         self.slot = 2 * max_chunk_tokens * kv_features
+        self.tag_words = _TAG_FIXED + self.max_gang_size
         self.slots = self.transport.alloc(rings * depth * self.slot, dtype, "gang.slots")
-        self.tags = self.transport.alloc(rings * depth * _TAG_WORDS, torch.int64, "gang.tags")
+        self.tags = self.transport.alloc(rings * depth * self.tag_words, torch.int64, "gang.tags")
         self.acks = self.transport.alloc(2 * w, torch.int64, "gang.acks")  # payloads of credits and joins
         # Sources of every put (data, then a tag and a credit word): symmetric, so network puts can read them;
         # reused in stream order, since a put has read its source before anything later on the stream runs.
         self.stage = self.transport.alloc(self.slot, dtype, "gang.stage")
-        self.stage_words = self.transport.alloc(_TAG_WORDS + 1, torch.int64, "gang.stage_words")
+        self.stage_words = self.transport.alloc(self.tag_words + 1, torch.int64, "gang.stage_words")
         # Words [s]: puts from sender s (data and tag: +2 per exchange); [W + r]: credits from receiver r (+1 per
         # exchange it consumed); [2W + r]: joins from member r (+1 per gang micro-batch it starts with this rank).
         # Words only grow; both sides keep running counts per pair.
@@ -169,7 +182,7 @@ class GangExchange:
         return (ring * self.depth + n % self.depth) * self.slot
 
     def _tag_offset(self, ring: int, n: int) -> int:
-        return (ring * self.depth + n % self.depth) * _TAG_WORDS
+        return (ring * self.depth + n % self.depth) * self.tag_words
 
 
 class GangStep:
@@ -208,7 +221,7 @@ class GangStep:
         #: The gathered rows in global order (the chunks cover the sample: sorted, the positions are 0..length-1).
         self.kv_order = torch.argsort(self.kv_positions)
         # Every tag this step sends, made on the device once: row pass · num_layers + layer.
-        self._tags = torch.tensor([self._tag(layer, p) for p in (_FIRST, _RECOMPUTE, _GRAD)
+        self._tags = torch.tensor([self._tag(layer, p, chunk.part) for p in (_FIRST, _RECOMPUTE, _GRAD)
                                    for layer in range(exchange.num_layers)], dtype=torch.int64, device=device)
         self._next_layer = 0  # first pass: the next layer to exchange
         self._recomputed: set[int] = set()  # layers whose forward ran again (activation checkpointing)
@@ -223,9 +236,11 @@ class GangStep:
         self._joined = False
         self._token = None
 
-    def _tag(self, layer: int, pass_: int) -> list[int]:
+    def _tag(self, layer: int, pass_: int, part: int) -> list[int]:
+        """The tag of member ``part``'s put at ``layer`` in pass ``pass_`` (the words are listed at ``_TAG_FIXED``)."""
         c = self.chunk
-        return [c.gang, c.sample, c.length, layer, pass_]
+        pad = [-1] * (self.exchange.max_gang_size - len(c.ranks))
+        return [c.gang, c.sample, c.length, layer, pass_, part, *c.ranks, *pad]
 
     def __enter__(self) -> GangStep:
         global _PENDING
@@ -259,10 +274,12 @@ class GangStep:
         received, self._received = self._received, []
         got = torch.stack([t for t, *_ in received]).tolist()
         for tag, (_, pass_, layer, peer) in zip(got, received, strict=True):
-            if tag != self._tag(layer, pass_):
+            expected = self._tag(layer, pass_, self.members.index(peer))
+            if tag != expected:
                 error = OdcMismatchError(
-                    f"odc {self._what(layer, pass_, peer)}: it sent (gang, sample, length, layer, pass) = "
-                    f"{tag}, this rank expected {self._tag(layer, pass_)}; the ranks run different plans or models"
+                    f"odc {self._what(layer, pass_, peer)}: it sent {_describe(tag)}, this rank expected "
+                    f"{_describe(expected)}; the ranks run different plans or models (every member must build its "
+                    "chunk from the same plan entry: the same gang, sample and member order)"
                 )
                 # Fail-stop: the members exchanged different things, so their running counts may differ and data
                 # may have been used; the runtime is marked failed, which also ends the peers' waits at once. The
@@ -276,7 +293,7 @@ class GangStep:
         sender, so a peer's ring may have served another sender in an earlier gang: this is what frees it."""
         ex, me, w = self.exchange, self.exchange.rank, self.exchange.transport.world_size
         peers = self._peers
-        word = ex.stage_words.local[_TAG_WORDS:]
+        word = ex.stage_words.local[ex.tag_words :]
         word.fill_(1)
         ex.transport.put_signal(ex.acks, [PutRequest(p, word, w + me, 2 * w + me) for p in peers], ex.signal)
         for p in peers:
@@ -312,7 +329,7 @@ class GangStep:
                 src = stage[: rows[p].numel()]
                 src.copy_(rows[p].reshape(-1))
                 ex.transport.put_signal(ex.slots, [PutRequest(p, src, ex._slot(*at[p]), me)], ex.signal)
-        tag = ex.stage_words.local[:_TAG_WORDS]
+        tag = ex.stage_words.local[: ex.tag_words]
         tag.copy_(self._tags[pass_ * ex.num_layers + layer])
         ex.transport.put_signal(ex.tags, [PutRequest(p, tag, ex._tag_offset(*at[p]), me) for p in peers], ex.signal)
         for p in peers:
@@ -341,12 +358,12 @@ class GangStep:
         self._wait(peer, 2 * (n + 1), self._what(layer, pass_, peer), peer)
         ring = self._ring_from[peer]
         t = ex._tag_offset(ring, n)
-        self._received.append((ex.tags.local[t : t + _TAG_WORDS].clone(), pass_, layer, peer))
+        self._received.append((ex.tags.local[t : t + ex.tag_words].clone(), pass_, layer, peer))
         offset = ex._slot(ring, n)
         data = ex.slots.local[offset : offset + numel].clone()
         ex._received[peer] = n + 1
         # Credit: the slot is free again (the copies above are ordered before the put, on the stream on GPU).
-        credit = ex.stage_words.local[_TAG_WORDS:]
+        credit = ex.stage_words.local[ex.tag_words :]
         credit.fill_(n + 1)
         ex.transport.put_signal(ex.acks, [PutRequest(peer, credit, me, w + me)], ex.signal)
         return data
