@@ -61,9 +61,9 @@ from typing import TypeVar
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from odc_runtime.errors import OdcError, OdcMismatchError, OdcUsageError
+from odc_runtime.errors import OdcBackendError, OdcError, OdcMismatchError, OdcUsageError
 from odc_runtime.split import Chunk
-from odc_runtime.transport.base import PutRequest, SymmetricBuffer, Transport
+from odc_runtime.transport.base import PutRequest, SymmetricBuffer, Transport, as_failure
 
 __all__ = ["GangExchange", "GangStep", "active_step", "exchange_kv", "gang_attention"]
 
@@ -155,6 +155,7 @@ class GangExchange:
         self._sent = [0] * w  # [peer]: exchanges this rank put to peer
         self._received = [0] * w  # [peer]: exchanges this rank consumed from peer
         self._joined = [0] * w  # [peer]: gang micro-batches this rank started with peer
+        self._backward_open: GangStep | None = None  # the step whose backward pass started and has not ended
 
     @property
     def rank(self) -> int:
@@ -166,7 +167,21 @@ class GangExchange:
         return sum(b.numel * b.dtype.itemsize for b in self._buffers())
 
     def step(self, chunk: Chunk) -> GangStep:
-        """The exchange state of this rank's gang micro-batch ``chunk``; use as ``with exchange.step(c):``."""
+        """The exchange state of this rank's gang micro-batch ``chunk``; use as ``with exchange.step(c):``.
+
+        Raises (and fails the runtime) if the previous step's backward pass started and never ended: an exception
+        elsewhere in that backward pass stopped it after this rank had sent some dK/dV (fail-stop, see
+        :class:`GangStep`)."""
+        last = self._backward_open
+        if last is not None:
+            self._backward_open = None
+            error = OdcBackendError(
+                f"odc gang {last.chunk.gang} (sample {last.chunk.sample}): its backward pass stopped on this rank "
+                f"after sending dK/dV down to layer {last._grad_layer} of {self.num_layers} (an exception elsewhere "
+                "in the backward pass?); its members wait for the rest, so the runtime is unusable now (call "
+                "odc_runtime.finalize() and restart the job)"
+            )
+            raise self.transport.fail(error)
         return GangStep(self, chunk)
 
     def free(self) -> None:
@@ -192,6 +207,16 @@ class GangStep:
     use); leaving the block after a forward pass that did not exchange at every layer raises
     :class:`~odc_runtime.errors.OdcUsageError` (the model's attention is not the gang's), and a tag mismatch seen
     in the forward pass raises :class:`~odc_runtime.errors.OdcMismatchError` there.
+
+    Fail-stop. Once the step delivered its first put (its join), its members count on every exchange of the rest
+    of the step, so an exception that ends it early (an interrupt, a hook that raises, a usage error) marks the
+    runtime failed before it propagates (unchanged): on this rank every later operation raises at once, and the
+    members waiting for this rank raise :class:`~odc_runtime.errors.OdcPeerLostError` within the transport's
+    liveness period instead of waiting out ``ODC_TIMEOUT``. This covers exceptions escaping the ``with step:``
+    block and the exchanges themselves (forward, recomputation, backward); an exception elsewhere in the backward
+    pass (a tensor hook, another autograd function) never reaches the gang, so the next :meth:`GangExchange.step`
+    finds that backward pass unfinished and fails then. Before the join nothing was delivered: an exception is an
+    ordinary error and the step can be run again.
     """
 
     def __init__(self, exchange: GangExchange, chunk: Chunk) -> None:
@@ -234,6 +259,11 @@ class GangStep:
         self._ring_from = {r: (p - me - 1) % chunk.parts for p, r in enumerate(self.members)}  # r's puts, here
         self._sent = dict.fromkeys(self.members, 0)  # exchanges put to each member in this step
         self._joined = False
+        self._grad_layer: int | None = None  # the last layer whose dK/dV this step sent
+        # The lowest layer whose first-pass exchange autograd recorded: where the backward pass ends (layers below
+        # it may be frozen). Layer 0 when the first pass recorded none (reentrant checkpointing runs it without
+        # grad; the recomputation records it).
+        self._backward_end = exchange.num_layers
         self._token = None
 
     def _tag(self, layer: int, pass_: int, part: int) -> list[int]:
@@ -248,19 +278,31 @@ class GangStep:
         self._token = _ACTIVE.set(self)
         return self
 
-    def __exit__(self, exc_type: object, *_: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, _tb: object) -> None:
         global _PENDING
         _ACTIVE.reset(self._token)
-        if exc_type is not None:
+        if exc is not None:
+            self._abandon(exc)
             return
-        self._verify()
-        if self._next_layer != self.exchange.num_layers:
-            raise OdcUsageError(
-                f"odc gang {self.chunk.gang}: the forward pass exchanged K/V at {self._next_layer} of "
-                f"{self.exchange.num_layers} layers; every attention layer must run the gang attention "
-                "(Hugging Face: odc_runtime.integrations.hf_gang.enable(model))"
-            )
+        try:
+            self._verify()
+            if self._next_layer != self.exchange.num_layers:
+                raise OdcUsageError(
+                    f"odc gang {self.chunk.gang}: the forward pass exchanged K/V at {self._next_layer} of "
+                    f"{self.exchange.num_layers} layers; every attention layer must run the gang attention "
+                    "(Hugging Face: odc_runtime.integrations.hf_gang.enable(model))"
+                )
+        except BaseException as e:
+            self._abandon(e)
+            raise
         _PENDING = self
+
+    def _abandon(self, error: BaseException) -> None:
+        """``error`` ends this step early: once its join was delivered, fail the runtime (see the class
+        docstring); before, nothing changed and the error is an ordinary one."""
+        if self._joined:
+            self.exchange.transport.fail(as_failure(
+                f"gang {self.chunk.gang}", error, "its puts were delivered to the gang's members"))
 
     def _what(self, layer: int, pass_: int, peer: int) -> str:
         kind = ("forward K/V", "recomputed forward K/V", "backward dK/dV")[pass_]
@@ -296,11 +338,11 @@ class GangStep:
         word = ex.stage_words.local[ex.tag_words :]
         word.fill_(1)
         ex.transport.put_signal(ex.acks, [PutRequest(p, word, w + me, 2 * w + me) for p in peers], ex.signal)
+        self._joined = True  # delivered: from here on, an exception ending this step is fatal
         for p in peers:
             ex._joined[p] += 1
             what = self._what(layer, pass_, p).replace(" from rank ", ": join (it started the gang) from rank ")
             self._wait(2 * w + p, ex._joined[p], what, p)
-        self._joined = True
 
     def _send(self, pass_: int, layer: int, rows: torch.Tensor | dict[int, torch.Tensor]) -> None:
         """Put the rows (one tensor for every peer, or one per peer) into every peer's next slot of this rank's
@@ -342,14 +384,19 @@ class GangStep:
 
     def _exchange(self, run: Callable[[], T]) -> T:
         """Run one layer's exchange. When a transport error ends it (a wait that timed out, a peer whose runtime
-        failed), a tag mismatch received before is its cause, and is what is raised."""
+        failed), a tag mismatch received before is its cause, and is what is raised. Any exception ending it
+        after the join (an interrupt in a wait included) fails the runtime (fail-stop, see the class docstring)."""
         try:
             return run()
         except OdcMismatchError:
             raise
         except OdcError as e:
             self._verify()
+            self._abandon(e)
             raise e from None
+        except BaseException as e:
+            self._abandon(e)
+            raise
 
     def _receive(self, pass_: int, layer: int, peer: int, numel: int) -> torch.Tensor:
         """Wait for ``peer``'s put of this layer and pass; a copy of its data (its tag is checked later)."""
@@ -368,7 +415,10 @@ class GangStep:
         ex.transport.put_signal(ex.acks, [PutRequest(peer, credit, me, w + me)], ex.signal)
         return data
 
-    def _forward(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, recorded: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V exchange of ``layer`` (``recorded``: autograd records it, so its backward pass will come)."""
         ex = self.exchange
         first = self._next_layer < ex.num_layers
         if active_step() is not self or (layer != self._next_layer if first else
@@ -399,6 +449,8 @@ class GangStep:
             vs.append(data[1])
         if first:
             self._next_layer += 1
+            if recorded:
+                self._backward_end = min(self._backward_end, layer)
         else:
             self._recomputed.add(layer)
         shape = (-1, *k.shape[1:])
@@ -411,15 +463,18 @@ class GangStep:
         dv_rows = dv_all.reshape(-1, f).to(ex.dtype).split(self.counts)
         rows = {peer: torch.cat([dk_rows[p], dv_rows[p]])
                 for p, peer in enumerate(self.members) if p != self.chunk.part}
+        ex._backward_open = self  # until layer 0's exchange completes (GangExchange.step checks it)
+        self._grad_layer = layer
         self._send(_GRAD, layer, rows)
         me, n = self.chunk.part, self.counts[self.chunk.part]
         total = torch.cat([dk_rows[me], dv_rows[me]])
         for p, peer in enumerate(self.members):  # member order: a deterministic sum
             if p != me:
                 total = total + self._receive(_GRAD, layer, peer, 2 * n * f).view(2 * n, f)
-        if layer == 0:  # the last layer of the backward pass
+        if layer == self._backward_end % ex.num_layers:  # the last layer of the backward pass
             if _PENDING is self:
                 _PENDING = None
+            ex._backward_open = None
             self._verify()
         shape = (n, *dk_all.shape[1:])
         return total[:n].reshape(shape), total[n:].reshape(shape)
@@ -427,21 +482,23 @@ class GangStep:
 
 class _ExchangeKV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, k: torch.Tensor, v: torch.Tensor, step: GangStep, layer: int) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+    def forward(ctx, k: torch.Tensor, v: torch.Tensor, step: GangStep, layer: int,  # noqa: ANN001
+                recorded: bool) -> tuple[torch.Tensor, ...]:
         ctx.step, ctx.layer = step, layer
-        return step._exchange(lambda: step._forward(layer, k.detach(), v.detach()))
+        return step._exchange(lambda: step._forward(layer, k.detach(), v.detach(), recorded))
 
     @staticmethod
     def backward(ctx, dk_all: torch.Tensor, dv_all: torch.Tensor) -> tuple:  # noqa: ANN001
         dk, dv = ctx.step._exchange(lambda: ctx.step._backward(ctx.layer, dk_all, dv_all))
-        return dk, dv, None, None
+        return dk, dv, None, None, None
 
 
 def exchange_kv(step: GangStep, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gang's K/V at ``layer``: ``k``, ``v`` (this chunk's ``(tokens, ...)``) gathered from every member in
     member order (rows at global positions ``step.kv_positions``). Differentiable: the backward pass sends every
     owner its dK/dV and returns this rank's, summed over the gang."""
-    return _ExchangeKV.apply(k, v, step, layer)
+    recorded = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)  # its backward pass will come
+    return _ExchangeKV.apply(k, v, step, layer, recorded)
 
 
 def active_step() -> GangStep | None:
