@@ -224,8 +224,15 @@ def scenario_idioms(rank: int, world: int, names: list[str], steps: int, unequal
     return out
 
 
-def scenario_compile(rank: int, world: int, steps: int, counts: list[int]) -> dict:
-    """torch.compile (inductor) on every block before fully_shard, as torchtitan does: ODC vs the reference."""
+def scenario_compile(rank: int, world: int, steps: int, counts: list[int], odc_timeout: float) -> dict:
+    """torch.compile (inductor) on every block before fully_shard, as torchtitan does: ODC vs the reference.
+
+    A rank compiles the blocks at its first micro-batch, inside a minibatch, while a rank without micro-batches
+    there waits in ``end_minibatch``'s sync: ``odc_timeout`` must cover a cold compile (over 100 s on a loaded
+    2-core host; the harness's 60 s made this test fail with an ODC timeout at that sync)."""
+    import odc_runtime as odc
+
+    odc.init("host", timeout=odc_timeout)
     opts = {"compile": True}
     odc_run = train(rank, world, opts, counts, steps, True)
     return compare(odc_run, reference(rank, world, opts, counts, steps))
