@@ -415,10 +415,7 @@ class GangStep:
         ex.transport.put_signal(ex.acks, [PutRequest(peer, credit, me, w + me)], ex.signal)
         return data
 
-    def _forward(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, recorded: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K/V exchange of ``layer`` (``recorded``: autograd records it, so its backward pass will come)."""
+    def _forward(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ex = self.exchange
         first = self._next_layer < ex.num_layers
         if active_step() is not self or (layer != self._next_layer if first else
@@ -449,8 +446,6 @@ class GangStep:
             vs.append(data[1])
         if first:
             self._next_layer += 1
-            if recorded:
-                self._backward_end = min(self._backward_end, layer)
         else:
             self._recomputed.add(layer)
         shape = (-1, *k.shape[1:])
@@ -485,7 +480,11 @@ class _ExchangeKV(torch.autograd.Function):
     def forward(ctx, k: torch.Tensor, v: torch.Tensor, step: GangStep, layer: int,  # noqa: ANN001
                 recorded: bool) -> tuple[torch.Tensor, ...]:
         ctx.step, ctx.layer = step, layer
-        return step._exchange(lambda: step._forward(layer, k.detach(), v.detach(), recorded))
+        first = step._next_layer < step.exchange.num_layers
+        out = step._exchange(lambda: step._forward(layer, k.detach(), v.detach()))
+        if first and recorded:  # autograd records this first-pass exchange: the backward pass reaches it
+            step._backward_end = min(step._backward_end, layer)
+        return out
 
     @staticmethod
     def backward(ctx, dk_all: torch.Tensor, dv_all: torch.Tensor) -> tuple:  # noqa: ANN001
