@@ -13,19 +13,20 @@ Mechanism. Everything goes through the transport's signalled put (:meth:`Transpo
 receiver that sees the signal word reach a count sees the data of every put counted in it. A one-sided ``get`` of
 the owner's own region would need the owner's local write to be visible to a peer without a fence, which the
 interface only promises after a (world-wide) barrier. So member ``s`` *puts* its K/V at layer ``l`` into the next
-slot of its ring in every other member's ``slots`` buffer, plus a tag (gang, sample, length, layer, pass) into the
-matching tag slot, each put adding 1 to word ``s`` of the receiver's signal buffer; the backward pass puts dK/dV
-into the owners' rings the same way. A receiver has one ring of ``depth`` slots per gang position relative to it
-(the member ``i`` places after it uses ring ``i - 1``), so memory grows with the largest gang, not the world. A
-receiver that copied a slot out returns a *credit* (a signalled put into the sender's ``acks``); within a gang
-micro-batch a sender reuses a slot only after the credit of its previous use. A ring serves different senders in
-different gangs, so before its first put of a gang micro-batch a member tells every peer that it started it (a
-*join*: everything of its earlier gangs is consumed) and waits for every peer's join. Only gang members signal one
-another: no barrier, no collective. Every wait is bounded by the transport's timeout (``ODC_TIMEOUT``) and raises
-:class:`~odc_runtime.errors.OdcTimeoutError` (or :class:`~odc_runtime.errors.OdcPeerLostError`) naming the gang,
-the sample, the layer and the rank that did not deliver; a tag that does not match (ranks running different plans
-or layers) raises :class:`~odc_runtime.errors.OdcMismatchError`. Owners sum contributions in member order, so the
-result is deterministic.
+slot of its ring in every other member's ``slots`` buffer, plus a tag (gang, sample, length, layer, pass, the
+sender's part and the gang's members in order) into the matching tag slot, each put adding 1 to word ``s`` of the
+receiver's signal buffer; the backward pass puts dK/dV into the owners' rings the same way. A receiver has one ring
+of ``depth`` slots per gang position relative to it (the member ``i`` places after it uses ring ``i - 1``), so
+memory grows with the largest gang, not the world. A receiver that copied a slot out returns a *credit* (a signalled
+put into the sender's ``acks``); within a gang micro-batch a sender reuses a slot only after the credit of its
+previous use. A ring serves different senders in different gangs, so before its first put of a gang micro-batch a
+member tells every peer that it started it (a *join*: everything of its earlier gangs is consumed) and waits for
+every peer's join. Only gang members signal one another: no barrier, no collective. Every wait is bounded by the
+transport's timeout (``ODC_TIMEOUT``) and raises :class:`~odc_runtime.errors.OdcTimeoutError` (or
+:class:`~odc_runtime.errors.OdcPeerLostError`) naming the gang, the sample, the layer and the rank that did not
+deliver; a tag that does not match (ranks running different plans or layers, or members that disagree on the member
+order, hence on which chunk each runs) raises :class:`~odc_runtime.errors.OdcMismatchError`. Owners sum
+contributions in member order, so the result is deterministic.
 
 No host synchronisation per layer. On the GPU ``put_signal``/``wait_signal`` are stream-ordered, so the exchange
 must not read device memory on the host inside the layer loop: every put reads its source from a small symmetric
@@ -59,15 +60,17 @@ from typing import TypeVar
 
 import torch
 
-from odc_runtime.errors import OdcError, OdcMismatchError, OdcUsageError
+from odc_runtime.errors import OdcBackendError, OdcError, OdcMismatchError, OdcUsageError
 from odc_runtime.split import Chunk
-from odc_runtime.transport.base import PutRequest, SymmetricBuffer, Transport
+from odc_runtime.transport.base import PutRequest, SymmetricBuffer, Transport, as_failure
 
 __all__ = ["GangExchange", "GangStep", "active_step", "exchange_kv", "gang_attention"]
 
 T = TypeVar("T")
 
-_TAG_WORDS = 5  # gang, sample, length, layer, pass
+# A tag: gang, sample, length, layer, pass, the sender's part, then the gang's members in order (padded with -1 to
+# the exchange's max_gang_size), so members that disagree on the order (on who runs which chunk) see a mismatch.
+_TAG_FIXED = 6
 # Passes, what an exchange belongs to: the forward pass (K/V), a checkpointed layer's recomputation (K/V again),
 # the backward pass (dK/dV).
 _FIRST, _RECOMPUTE, _GRAD = 0, 1, 2
@@ -75,6 +78,15 @@ _ACTIVE: contextvars.ContextVar[GangStep | None] = contextvars.ContextVar("odc_g
 # The step whose forward pass completed last: a checkpointed layer recomputes under it during the backward pass,
 # which runs outside its `with step:` block (and on the GPU on another thread, so not a context variable).
 _PENDING: GangStep | None = None
+
+
+def _describe(tag: list[int]) -> str:
+    """A tag in words, for mismatch messages."""
+    gang, sample, length, layer, pass_, part, *members = tag
+    kind = ("forward K/V", "recomputed forward K/V", "backward dK/dV")[pass_] if 0 <= pass_ < 3 else f"pass {pass_}"
+    ranks = tuple(r for r in members if r >= 0)
+    return (f"(gang {gang}, sample {sample} of {length} tokens, layer {layer}, {kind}, chunk {part} of the gang "
+            f"of ranks {ranks})")
 
 
 def _in_backward() -> bool:
@@ -127,13 +139,14 @@ class GangExchange:
         self.max_gang_size = max_gang_size or w
         rings = max(self.max_gang_size - 1, 1)  # one ring per gang position of a sender relative to the receiver
         self.slot = 2 * max_chunk_tokens * kv_features
+        self.tag_words = _TAG_FIXED + self.max_gang_size
         self.slots = self.transport.alloc(rings * depth * self.slot, dtype, "gang.slots")
-        self.tags = self.transport.alloc(rings * depth * _TAG_WORDS, torch.int64, "gang.tags")
+        self.tags = self.transport.alloc(rings * depth * self.tag_words, torch.int64, "gang.tags")
         self.acks = self.transport.alloc(2 * w, torch.int64, "gang.acks")  # payloads of credits and joins
         # Sources of every put (data, then a tag and a credit word): symmetric, so network puts can read them;
         # reused in stream order, since a put has read its source before anything later on the stream runs.
         self.stage = self.transport.alloc(self.slot, dtype, "gang.stage")
-        self.stage_words = self.transport.alloc(_TAG_WORDS + 1, torch.int64, "gang.stage_words")
+        self.stage_words = self.transport.alloc(self.tag_words + 1, torch.int64, "gang.stage_words")
         # Words [s]: puts from sender s (data and tag: +2 per exchange); [W + r]: credits from receiver r (+1 per
         # exchange it consumed); [2W + r]: joins from member r (+1 per gang micro-batch it starts with this rank).
         # Words only grow; both sides keep running counts per pair.
@@ -141,6 +154,7 @@ class GangExchange:
         self._sent = [0] * w  # [peer]: exchanges this rank put to peer
         self._received = [0] * w  # [peer]: exchanges this rank consumed from peer
         self._joined = [0] * w  # [peer]: gang micro-batches this rank started with peer
+        self._backward_open: GangStep | None = None  # the step whose backward pass started and has not ended
 
     @property
     def rank(self) -> int:
@@ -152,7 +166,21 @@ class GangExchange:
         return sum(b.numel * b.dtype.itemsize for b in self._buffers())
 
     def step(self, chunk: Chunk) -> GangStep:
-        """The exchange state of this rank's gang micro-batch ``chunk``; use as ``with exchange.step(c):``."""
+        """The exchange state of this rank's gang micro-batch ``chunk``; use as ``with exchange.step(c):``.
+
+        Raises (and fails the runtime) if the previous step's backward pass started and never ended: an exception
+        elsewhere in that backward pass stopped it after this rank had sent some dK/dV (fail-stop, see
+        :class:`GangStep`)."""
+        last = self._backward_open
+        if last is not None:
+            self._backward_open = None
+            error = OdcBackendError(
+                f"odc gang {last.chunk.gang} (sample {last.chunk.sample}): its backward pass stopped on this rank "
+                f"after sending dK/dV down to layer {last._grad_layer} of {self.num_layers} (an exception elsewhere "
+                "in the backward pass?); its members wait for the rest, so the runtime is unusable now (call "
+                "odc_runtime.finalize() and restart the job)"
+            )
+            raise self.transport.fail(error)
         return GangStep(self, chunk)
 
     def free(self) -> None:
@@ -168,7 +196,7 @@ class GangExchange:
         return (ring * self.depth + n % self.depth) * self.slot
 
     def _tag_offset(self, ring: int, n: int) -> int:
-        return (ring * self.depth + n % self.depth) * _TAG_WORDS
+        return (ring * self.depth + n % self.depth) * self.tag_words
 
 
 class GangStep:
@@ -178,6 +206,16 @@ class GangStep:
     use); leaving the block after a forward pass that did not exchange at every layer raises
     :class:`~odc_runtime.errors.OdcUsageError` (the model's attention is not the gang's), and a tag mismatch seen
     in the forward pass raises :class:`~odc_runtime.errors.OdcMismatchError` there.
+
+    Fail-stop. Once the step delivered its first put (its join), its members count on every exchange of the rest
+    of the step, so an exception that ends it early (an interrupt, a hook that raises, a usage error) marks the
+    runtime failed before it propagates (unchanged): on this rank every later operation raises at once, and the
+    members waiting for this rank raise :class:`~odc_runtime.errors.OdcPeerLostError` within the transport's
+    liveness period instead of waiting out ``ODC_TIMEOUT``. This covers exceptions escaping the ``with step:``
+    block and the exchanges themselves (forward, recomputation, backward); an exception elsewhere in the backward
+    pass (a tensor hook, another autograd function) never reaches the gang, so the next :meth:`GangExchange.step`
+    finds that backward pass unfinished and fails then. Before the join nothing was delivered: an exception is an
+    ordinary error and the step can be run again.
     """
 
     def __init__(self, exchange: GangExchange, chunk: Chunk) -> None:
@@ -207,7 +245,7 @@ class GangStep:
         #: The gathered rows in global order (the chunks cover the sample: sorted, the positions are 0..length-1).
         self.kv_order = torch.argsort(self.kv_positions)
         # Every tag this step sends, made on the device once: row pass · num_layers + layer.
-        self._tags = torch.tensor([self._tag(layer, p) for p in (_FIRST, _RECOMPUTE, _GRAD)
+        self._tags = torch.tensor([self._tag(layer, p, chunk.part) for p in (_FIRST, _RECOMPUTE, _GRAD)
                                    for layer in range(exchange.num_layers)], dtype=torch.int64, device=device)
         self._next_layer = 0  # first pass: the next layer to exchange
         self._recomputed: set[int] = set()  # layers whose forward ran again (activation checkpointing)
@@ -220,11 +258,18 @@ class GangStep:
         self._ring_from = {r: (p - me - 1) % chunk.parts for p, r in enumerate(self.members)}  # r's puts, here
         self._sent = dict.fromkeys(self.members, 0)  # exchanges put to each member in this step
         self._joined = False
+        self._grad_layer: int | None = None  # the last layer whose dK/dV this step sent
+        # The lowest layer whose first-pass exchange autograd recorded: where the backward pass ends (layers below
+        # it may be frozen). Layer 0 when the first pass recorded none (reentrant checkpointing runs it without
+        # grad; the recomputation records it).
+        self._backward_end = exchange.num_layers
         self._token = None
 
-    def _tag(self, layer: int, pass_: int) -> list[int]:
+    def _tag(self, layer: int, pass_: int, part: int) -> list[int]:
+        """The tag of member ``part``'s put at ``layer`` in pass ``pass_`` (the words are listed at ``_TAG_FIXED``)."""
         c = self.chunk
-        return [c.gang, c.sample, c.length, layer, pass_]
+        pad = [-1] * (self.exchange.max_gang_size - len(c.ranks))
+        return [c.gang, c.sample, c.length, layer, pass_, part, *c.ranks, *pad]
 
     def __enter__(self) -> GangStep:
         global _PENDING
@@ -232,19 +277,31 @@ class GangStep:
         self._token = _ACTIVE.set(self)
         return self
 
-    def __exit__(self, exc_type: object, *_: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, _tb: object) -> None:
         global _PENDING
         _ACTIVE.reset(self._token)
-        if exc_type is not None:
+        if exc is not None:
+            self._abandon(exc)
             return
-        self._verify()
-        if self._next_layer != self.exchange.num_layers:
-            raise OdcUsageError(
-                f"odc gang {self.chunk.gang}: the forward pass exchanged K/V at {self._next_layer} of "
-                f"{self.exchange.num_layers} layers; every attention layer must run the gang attention "
-                "(Hugging Face: odc_runtime.integrations.hf_gang.enable(model))"
-            )
+        try:
+            self._verify()
+            if self._next_layer != self.exchange.num_layers:
+                raise OdcUsageError(
+                    f"odc gang {self.chunk.gang}: the forward pass exchanged K/V at {self._next_layer} of "
+                    f"{self.exchange.num_layers} layers; every attention layer must run the gang attention "
+                    "(Hugging Face: odc_runtime.integrations.hf_gang.enable(model))"
+                )
+        except BaseException as e:
+            self._abandon(e)
+            raise
         _PENDING = self
+
+    def _abandon(self, error: BaseException) -> None:
+        """``error`` ends this step early: once its join was delivered, fail the runtime (see the class
+        docstring); before, nothing changed and the error is an ordinary one."""
+        if self._joined:
+            self.exchange.transport.fail(as_failure(
+                f"gang {self.chunk.gang}", error, "its puts were delivered to the gang's members"))
 
     def _what(self, layer: int, pass_: int, peer: int) -> str:
         kind = ("forward K/V", "recomputed forward K/V", "backward dK/dV")[pass_]
@@ -259,10 +316,12 @@ class GangStep:
         got = torch.stack([t for t, *_ in received]).tolist()
         for (*tag, delivered), (_, pass_, layer, peer) in zip(got, received, strict=True):
             # An undelivered tag (its wait was released by the abort) says nothing: the wait's timeout is the error.
-            if delivered and tag != self._tag(layer, pass_):
+            expected = self._tag(layer, pass_, self.members.index(peer))
+            if delivered and tag != expected:
                 error = OdcMismatchError(
-                    f"odc {self._what(layer, pass_, peer)}: it sent (gang, sample, length, layer, pass) = "
-                    f"{tag}, this rank expected {self._tag(layer, pass_)}; the ranks run different plans or models"
+                    f"odc {self._what(layer, pass_, peer)}: it sent {_describe(tag)}, this rank expected "
+                    f"{_describe(expected)}; the ranks run different plans or models (every member must build its "
+                    "chunk from the same plan entry: the same gang, sample and member order)"
                 )
                 # Fail-stop: the members exchanged different things, so their running counts may differ and data
                 # may have been used; the runtime is marked failed, which also ends the peers' waits at once. The
@@ -276,14 +335,14 @@ class GangStep:
         sender, so a peer's ring may have served another sender in an earlier gang: this is what frees it."""
         ex, me, w = self.exchange, self.exchange.rank, self.exchange.transport.world_size
         peers = self._peers
-        word = ex.stage_words.local[_TAG_WORDS:]
+        word = ex.stage_words.local[ex.tag_words :]
         word.fill_(1)
         ex.transport.put_signal(ex.acks, [PutRequest(p, word, w + me, 2 * w + me) for p in peers], ex.signal)
+        self._joined = True  # delivered: from here on, an exception ending this step is fatal
         for p in peers:
             ex._joined[p] += 1
             what = self._what(layer, pass_, p).replace(" from rank ", ": join (it started the gang) from rank ")
             self._wait(2 * w + p, ex._joined[p], what, p)
-        self._joined = True
 
     def _send(self, pass_: int, layer: int, rows: torch.Tensor | dict[int, torch.Tensor]) -> None:
         """Put the rows (one tensor for every peer, or one per peer) into every peer's next slot of this rank's
@@ -312,7 +371,7 @@ class GangStep:
                 src = stage[: rows[p].numel()]
                 src.copy_(rows[p].reshape(-1))
                 ex.transport.put_signal(ex.slots, [PutRequest(p, src, ex._slot(*at[p]), me)], ex.signal)
-        tag = ex.stage_words.local[:_TAG_WORDS]
+        tag = ex.stage_words.local[: ex.tag_words]
         tag.copy_(self._tags[pass_ * ex.num_layers + layer])
         ex.transport.put_signal(ex.tags, [PutRequest(p, tag, ex._tag_offset(*at[p]), me) for p in peers], ex.signal)
         for p in peers:
@@ -325,14 +384,19 @@ class GangStep:
 
     def _exchange(self, run: Callable[[], T]) -> T:
         """Run one layer's exchange. When a transport error ends it (a wait that timed out, a peer whose runtime
-        failed), a tag mismatch received before is its cause, and is what is raised."""
+        failed), a tag mismatch received before is its cause, and is what is raised. Any exception ending it
+        after the join (an interrupt in a wait included) fails the runtime (fail-stop, see the class docstring)."""
         try:
             return run()
         except OdcMismatchError:
             raise
         except OdcError as e:
             self._verify()
+            self._abandon(e)
             raise e from None
+        except BaseException as e:
+            self._abandon(e)
+            raise
 
     def _receive(self, pass_: int, layer: int, peer: int, numel: int) -> torch.Tensor:
         """Wait for ``peer``'s put of this layer and pass; a copy of its data (its tag is checked later)."""
@@ -345,12 +409,12 @@ class GangStep:
         # the tag copied then is stale. So the copy carries whether the count had arrived (read first, in stream
         # order), and _verify compares delivered tags only.
         delivered = (ex.signal.local[peer : peer + 1] >= 2 * (n + 1)).long()
-        self._received.append((torch.cat([ex.tags.local[t : t + _TAG_WORDS], delivered]), pass_, layer, peer))
+        self._received.append((torch.cat([ex.tags.local[t : t + ex.tag_words], delivered]), pass_, layer, peer))
         offset = ex._slot(ring, n)
         data = ex.slots.local[offset : offset + numel].clone()
         ex._received[peer] = n + 1
         # Credit: the slot is free again (the copies above are ordered before the put, on the stream on GPU).
-        credit = ex.stage_words.local[_TAG_WORDS:]
+        credit = ex.stage_words.local[ex.tag_words :]
         credit.fill_(n + 1)
         ex.transport.put_signal(ex.acks, [PutRequest(peer, credit, me, w + me)], ex.signal)
         return data
@@ -398,15 +462,18 @@ class GangStep:
         dv_rows = dv_all.reshape(-1, f).to(ex.dtype).split(self.counts)
         rows = {peer: torch.cat([dk_rows[p], dv_rows[p]])
                 for p, peer in enumerate(self.members) if p != self.chunk.part}
+        ex._backward_open = self  # until layer 0's exchange completes (GangExchange.step checks it)
+        self._grad_layer = layer
         self._send(_GRAD, layer, rows)
         me, n = self.chunk.part, self.counts[self.chunk.part]
         total = torch.cat([dk_rows[me], dv_rows[me]])
         for p, peer in enumerate(self.members):  # member order: a deterministic sum
             if p != me:
                 total = total + self._receive(_GRAD, layer, peer, 2 * n * f).view(2 * n, f)
-        if layer == 0:  # the last layer of the backward pass
+        if layer == self._backward_end % ex.num_layers:  # the last layer of the backward pass
             if _PENDING is self:
                 _PENDING = None
+            ex._backward_open = None
             self._verify()
         shape = (n, *dk_all.shape[1:])
         return total[:n].reshape(shape), total[n:].reshape(shape)
@@ -414,21 +481,27 @@ class GangStep:
 
 class _ExchangeKV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, k: torch.Tensor, v: torch.Tensor, step: GangStep, layer: int) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+    def forward(ctx, k: torch.Tensor, v: torch.Tensor, step: GangStep, layer: int,  # noqa: ANN001
+                recorded: bool) -> tuple[torch.Tensor, ...]:
         ctx.step, ctx.layer = step, layer
-        return step._exchange(lambda: step._forward(layer, k.detach(), v.detach()))
+        first = step._next_layer < step.exchange.num_layers
+        out = step._exchange(lambda: step._forward(layer, k.detach(), v.detach()))
+        if first and recorded:  # autograd records this first-pass exchange: the backward pass reaches it
+            step._backward_end = min(step._backward_end, layer)
+        return out
 
     @staticmethod
     def backward(ctx, dk_all: torch.Tensor, dv_all: torch.Tensor) -> tuple:  # noqa: ANN001
         dk, dv = ctx.step._exchange(lambda: ctx.step._backward(ctx.layer, dk_all, dv_all))
-        return dk, dv, None, None
+        return dk, dv, None, None, None
 
 
 def exchange_kv(step: GangStep, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gang's K/V at ``layer``: ``k``, ``v`` (this chunk's ``(tokens, ...)``) gathered from every member in
     member order (rows at global positions ``step.kv_positions``). Differentiable: the backward pass sends every
     owner its dK/dV and returns this rank's, summed over the gang."""
-    return _ExchangeKV.apply(k, v, step, layer)
+    recorded = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)  # its backward pass will come
+    return _ExchangeKV.apply(k, v, step, layer, recorded)
 
 
 def active_step() -> GangStep | None:

@@ -224,8 +224,15 @@ def scenario_idioms(rank: int, world: int, names: list[str], steps: int, unequal
     return out
 
 
-def scenario_compile(rank: int, world: int, steps: int, counts: list[int]) -> dict:
-    """torch.compile (inductor) on every block before fully_shard, as torchtitan does: ODC vs the reference."""
+def scenario_compile(rank: int, world: int, steps: int, counts: list[int], odc_timeout: float) -> dict:
+    """torch.compile (inductor) on every block before fully_shard, as torchtitan does: ODC vs the reference.
+
+    A rank compiles the blocks at its first micro-batch, inside a minibatch, while a rank without micro-batches
+    there waits in ``end_minibatch``'s sync: ``odc_timeout`` must cover a cold compile (over 100 s on a loaded
+    2-core host; the harness's 60 s made this test fail with an ODC timeout at that sync)."""
+    import odc_runtime as odc
+
+    odc.init("host", timeout=odc_timeout)
     opts = {"compile": True}
     odc_run = train(rank, world, opts, counts, steps, True)
     return compare(odc_run, reference(rank, world, opts, counts, steps))
@@ -475,3 +482,71 @@ def scenario_lone_eval(rank: int, world: int) -> str:
     with contextlib.suppress(odc.OdcError):  # rank 0's runtime recorded the failure; rank 1's finalize cannot agree
         odc.finalize()
     return msg
+
+
+def _grad_slip(rank: int, world: int, kind: str, odc_mode: bool) -> dict:
+    """Two minibatches of 2 micro-batches per rank; minibatch 1 runs the gradient idiom ``kind`` (ODC mode or
+    collective FSDP2, the reference). Returns the error raised (``NO ERROR``) and the gradients after minibatch 1,
+    then after minibatch 2 (run plainly, after ``zero_grad``)."""
+    import torch
+
+    import odc_runtime.fsdp as ofsdp
+
+    model, opt, _, _ = _build({}, rank)
+    if odc_mode:
+        ofsdp.enable(model)
+    data = h.make_data(3, [2] * world, seed=11)
+    tokens = [sum(h.n_targets(m) for m in step) for step in data]
+
+    def window(k):
+        return ofsdp.minibatch(model) if odc_mode else contextlib.nullcontext()
+
+    def backward(k, i):
+        _loss(model, data[k][rank][i], world, tokens[k]).backward()
+
+    with window(0):  # leaves gradients in .grad (no zero_grad after it)
+        backward(0, 0)
+        backward(0, 1)
+
+    def idiom():
+        with window(1):
+            if kind == "zero_grad_first":  # before any backward of the minibatch: drops minibatch 0 (both modes)
+                opt.zero_grad()
+            backward(1, 0)
+            if kind == "zero_grad_between":  # FSDP2 drops micro-batch 0 (and minibatch 0)
+                opt.zero_grad()
+            if kind == "zero_grad_keep":  # set_to_none=False
+                opt.zero_grad(set_to_none=False)
+            if kind == "clip_between":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            backward(1, 1)
+
+    out = {"error": _error(idiom)}
+    out["grads"] = [g.tolist() for g in _grads(model)] if all(p.grad is not None for p in model.parameters()) else None
+    if kind == "zero_grad_between" and odc_mode:  # refused at end_minibatch on every rank: the model stays usable
+        opt.zero_grad()
+        with window(2):
+            backward(2, 0)
+            backward(2, 1)
+        out["next"] = [g.tolist() for g in _grads(model)]
+    if odc_mode:
+        ofsdp.disable(model)
+    elif kind == "zero_grad_between":
+        opt.zero_grad()
+        backward(2, 0)
+        backward(2, 1)
+        out["next"] = [g.tolist() for g in _grads(model)]
+    return out
+
+
+def scenario_grad_slips(rank: int, world: int, kinds: list[str]) -> dict:
+    """Each gradient idiom inside a minibatch in ODC mode and in collective FSDP2 (equal micro-batch counts)."""
+    import torch.distributed as dist
+
+    out = {}
+    for kind in kinds:
+        dist.barrier()
+        out[kind] = {"odc": _grad_slip(rank, world, kind, True)}
+        if kind != "clip_between":  # collective FSDP2 clips a partial sum; ODC refuses at the call
+            out[kind]["fsdp2"] = _grad_slip(rank, world, kind, False)
+    return out

@@ -179,7 +179,8 @@ def _sizes_rank(rank: int, world: int) -> tuple[int, str]:
 def test_memory_grows_with_the_largest_gang_and_a_larger_gang_is_refused() -> None:
     for nbytes, message in run_ranks(_sizes_rank, 3, timeout=60):
         slot = 2 * 16 * 4 * 4  # K and V of a chunk, fp32
-        words = (5 + 2 * 3 + 5 + 1 + 3 * 3) * 8  # tags, acks, stage words, signal
+        tag = 6 + 2  # gang, sample, length, layer, pass, part, and the members (up to max_gang_size)
+        words = (tag + 2 * 3 + tag + 1 + 3 * 3) * 8  # tags, acks, stage words, signal
         assert nbytes == (1 * 1 + 1) * slot + words  # one ring of one slot, and the stage
         assert "split across 3 ranks, more than the exchange's max_gang_size=2" in message
 
@@ -295,3 +296,40 @@ def test_members_checkpointing_differently_is_a_mismatch_on_both() -> None:
     results = run_ranks(_faulty_rank, 2, "checkpoint", timeout=60, env={"ODC_TIMEOUT": "30"})
     assert results[0][0] == "OdcMismatchError" and "layer 1: recomputed forward K/V from rank 1" in results[0][1]
     assert results[1][0] == "OdcMismatchError" and "layer 1: backward dK/dV from rank 0" in results[1][1]
+
+
+def _member_order_rank(rank: int, world: int, orders: list[tuple[int, ...]]):
+    """Run one gang whose members each build their chunk from their own member order ``orders[rank]``."""
+    import torch
+
+    import odc_runtime as odc
+    from odc_runtime.errors import OdcMismatchError
+    from odc_runtime.gang import GangExchange
+    from odc_runtime.split import Chunk
+
+    odc.init("host")
+    ex = GangExchange(num_layers=LAYERS, max_chunk_tokens=16, kv_features=KV_HEADS * HEAD_DIM, dtype=torch.float64)
+    ranks = orders[rank]
+    try:
+        _run_chunk(ex, Chunk(0, ranks.index(rank), len(ranks), 12, 0, ranks))
+    except OdcMismatchError as e:
+        return "OdcMismatchError", str(e), odc.api._runtime.transport.failure is not None
+    finally:
+        torch.distributed.barrier()  # both ranks reach finalize together
+    ex.free()
+    return "no error", "", False
+
+
+@pytest.mark.parametrize("orders", [
+    [(1, 0), (0, 1)],  # each rank takes itself for chunk 1: both compute the same chunk
+    [(0, 1, 2), (0, 1, 2), (0, 2, 1)],  # rank 2 takes itself for chunk 1, ranks 0 and 1 give it chunk 2
+])
+def test_members_disagreeing_on_the_member_order_is_a_mismatch(orders: list) -> None:
+    # The README's promise: members that run different plans raise OdcMismatchError, never a wrong sum. Before the
+    # tag carried the sender's part and the members, this ran to completion with a loss off by 86 %.
+    results = run_ranks(_member_order_rank, len(orders), orders, timeout=60, env={"ODC_TIMEOUT": "20"})
+    for rank, (kind, message, failed) in enumerate(results):
+        assert kind == "OdcMismatchError", (rank, kind)
+        assert "different plans" in message and "member order" in message, message
+        assert f"of the gang of ranks {orders[rank]}" in message, message  # what this rank expected
+        assert failed  # fail-stop: the members exchanged different chunks

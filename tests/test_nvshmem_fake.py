@@ -690,12 +690,13 @@ def _rank_fake_gang_far(rank: int, world: int) -> str:
             step._forward(0, k, v)
             # the fake moves no data: the tag slot holds zeros, which is only reported when the pass ends
             step._forward(1, k, v)
-        assert "(gang, sample, length, layer, pass) = [0, 0, 0, 0, 0]" in str(e.value)
+        assert "it sent (gang 0, sample 0 of 0 tokens, layer 0, forward K/V, chunk 0 of the gang of ranks (0, 0))" in (
+            str(e.value))
         puts = [c for c in calls if c[0] == "put_signal"]
         # the join, then per layer: K/V, its tag, the credit for PE 1's slot
         assert [c[4] for c in puts] == [[1]] * 7 and all(c[5] == [False] for c in puts), puts
         assert all(heap.contains(ptr, n) for c in puts for ptr, n in zip(c[2], c[3], strict=True)), puts
-        assert [c[3] for c in puts[:4]] == [[8], [2 * 6 * 4 * 4], [5 * 8], [8]], puts
+        assert [c[3] for c in puts[:4]] == [[8], [2 * 6 * 4 * 4], [(6 + 2) * 8], [8]], puts  # tag: 6 words + members
         waits = [c for c in calls if c[0] == "wait_signal"]
         assert len(waits) == 3 and all(c[3] == current.cuda_stream for c in waits), waits
         testing.uninstall()

@@ -95,7 +95,7 @@ import torch.nn as nn
 import odc_runtime as odc
 from odc_runtime.errors import OdcUsageError
 
-from . import _compat, _hooks
+from . import _compat, _grads, _hooks
 from ._compat import CAPABILITIES, has_capability
 from ._layout import OWNER as _OWNER
 from ._layout import STATES as _STATES
@@ -466,6 +466,7 @@ def begin_minibatch(model: nn.Module) -> None:
     except BaseException as e:
         state.broken = f"begin_minibatch: {type(e).__name__}: {e}"
         raise
+    _grads.hold(state)  # .grad holds no gradient until end_minibatch: using it inside raises (._grads)
     state.in_minibatch = True
     state.minibatches += 1
 
@@ -483,6 +484,7 @@ def end_minibatch(model: nn.Module, *, divide_factor: float | None = None) -> No
         raise OdcUsageError("odc_runtime.fsdp.end_minibatch() without begin_minibatch()")
     factor = _check_divide_factor(divide_factor)
     state.in_minibatch = False
+    reset = _grads.release(state)  # .grad as before the minibatch; a zero_grad() after a backward is refused
     try:
         _to_normal_state(state)
         changed = _changed_params(state)
@@ -492,7 +494,7 @@ def end_minibatch(model: nn.Module, *, divide_factor: float | None = None) -> No
         odc.sync(parameters=False)
         _all_reduce_replicas(state)
         overflow = _overflow(state, factor)
-        problem = _agree_or_explain(state, factor, overflow, changed)
+        problem = _agree_or_explain(state, factor, overflow, changed, reset)
         if problem is None:
             _write_grads(state, factor)
     except odc.OdcOverflowError:  # deterministic mode: every rank discarded the minibatch; a retry is clean
@@ -553,17 +555,25 @@ def _show_factor(value: float) -> str:
 
 
 def _agree_or_explain(
-    state: _State, divide_factor: float | None, overflow: str | None, changed: str | None
+    state: _State, divide_factor: float | None, overflow: str | None, changed: str | None, reset: str | None = None
 ) -> str | None:
     """One small all-reduce (after S2, so every rank is here): the divide factor must be the same on every rank
-    (a per-rank value, e.g. a local token count, would divide each owner's rows differently), and an overflow or a
-    parameter changed inside the minibatch on any rank fails the minibatch on every rank, so none is left waiting.
-    Returns the error message for this rank, or None."""
+    (a per-rank value, e.g. a local token count, would divide each owner's rows differently), and an overflow, a
+    parameter changed or a gradient reset inside the minibatch on any rank fails the minibatch on every rank, so
+    none is left waiting. Returns the error message for this rank, or None."""
     device = state.units[0].device if state.units and state.units[0].device.type == "cuda" else "cpu"
     mine = -1.0 if divide_factor is None else divide_factor
-    flags = torch.tensor([mine, -mine, float(overflow is not None), float(changed is not None)], dtype=torch.float64)
+    flags = torch.tensor([mine, -mine, float(overflow is not None), float(changed is not None),
+                          float(reset is not None)], dtype=torch.float64)
     dist.all_reduce(flags_dev := flags.to(device), op=dist.ReduceOp.MAX)
-    hi, neg_lo, any_overflow, any_changed = flags_dev.tolist()
+    hi, neg_lo, any_overflow, any_changed, any_reset = flags_dev.tolist()
+    if reset is not None:
+        return f"odc_runtime.fsdp: {reset}. This minibatch's gradients were discarded on every rank"
+    if any_reset:
+        return (
+            "odc_runtime.fsdp: another rank reset its gradients (zero_grad) inside the minibatch after a backward "
+            "(see its error); this minibatch's gradients were discarded on every rank"
+        )
     if changed is not None:
         return (
             f"odc_runtime.fsdp: parameters changed inside the minibatch: {changed}. The minibatch computed its "
@@ -658,6 +668,7 @@ def minibatch(model: nn.Module, *, divide_factor: float | None = None) -> Iterat
         if state is not None and state.in_minibatch:
             state.in_minibatch = False
             state.broken = f"{type(e).__name__}: {e}"
+            _grads.release(state)
         raise
     end_minibatch(model, divide_factor=divide_factor)
 

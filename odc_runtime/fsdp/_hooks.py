@@ -29,7 +29,7 @@ import odc_runtime as odc
 from odc_runtime.api import PARAM_DTYPES
 from odc_runtime.errors import OdcUsageError
 
-from . import _compat
+from . import _compat, _grads
 from ._layout import Param, State, Unit, fp16_pre_factor
 
 
@@ -153,6 +153,7 @@ def make_reduce_scatter(base: type) -> type:
                     "micro-batches in `with odc_runtime.fsdp.minibatch(model):` (or begin_minibatch/end_minibatch). "
                     f"FSDP's iteration state is now undefined: {recover}"
                 )
+            _grads.before_reduce(unit)
             w, n = unit.rows, unit.rs_numel
             if unit.st_rs is None or input_tensor.dtype not in PARAM_DTYPES:
                 raise _layout_error(unit, input_tensor, w)

@@ -41,6 +41,9 @@ class Param:
     rs_offset: int | None  # offset in the reduce-scatter row; None if frozen
     padded: int  # padded shard numel (the same in both rows)
     used: bool = False  # got a gradient since the last reduce-scatter (only tracked without the torch hook)
+    # inside a minibatch (._grads): (what .grad held before it,); the placeholder .grad ODC puts there (kept)
+    held: tuple = ()
+    placeholder: torch.Tensor | None = None
 
     @property
     def sharded_param(self) -> nn.Parameter:
@@ -68,6 +71,7 @@ class Unit:
     handles: list[RemovableHandle] = field(default_factory=list)  # hook handles removed by disable()
     hooked: set[int] = field(default_factory=set)  # ids of unsharded params with a grad-tracking hook
     checked: bool = False
+    reduced: bool = False  # this rank reduce-scattered this unit in the current minibatch (._grads)
     all_gathers: int = 0
     reduce_scatters: int = 0
     # HSDP (2-D mesh (replicate, shard)): FSDP's rows span the shard group only; None/0 for a 1-D mesh
