@@ -29,6 +29,7 @@ if ! "$venv/bin/python" -c "$check" 2>/dev/null; then
   "$venv/bin/python" -m pip install -q "verl==$verl_version" uvicorn fastapi "torch==$torch_version"
   "$venv/bin/python" -c "$check" || { echo "verl: torch was replaced (a CUDA build?) or veRL is not $verl_version"; exit 1; }
 fi
+if [[ ${1:-} == --prepare ]]; then echo "verl: venv ready in $(( $(date +%s) - start ))s"; exit 0; fi
 ODC_BUILD_EXT=0 "$venv/bin/python" -m pip install -q -e ".[test]"
 "$venv/bin/python" -c "import torch, verl; print('verl: veRL', verl.__version__, 'torch', torch.__version__, 'ready')"
 echo "verl: installed in $(( $(date +%s) - start ))s"
