@@ -49,8 +49,14 @@ from odc_runtime.transport.symm.heap import PeerHeap, SegmentHeap
 
 log = logging.getLogger("odc_runtime.transport.symm")
 
-_DONE, _ABORTED = 1, 2  # kernel status words
+_DONE = 1  # kernel status word: the wait completed (else it was aborted)
+_BARRIER_MARK = b"\0odc-kernel-barrier"  # control-page payload of a world round that is a kernel barrier
 _ABORT_BYTES = 64  # the abort word, alone in its line
+
+
+class RoundMismatch(OdcMismatchError):
+    """Ranks met in a kernel barrier from different collectives: each raises, and every rank completed the round,
+    so the rounds stay aligned and the transport stays usable."""
 
 
 class SymmTransport(HostTransport):
@@ -180,36 +186,48 @@ class SymmTransport(HostTransport):
     def barrier(self, op: str = "barrier") -> None:
         self.check_usable(shorten(op))
         self._quiet_then_meet(lambda: self.fail_stop(shorten(op), "this rank announced its arrival",
-                                                     lambda: self._world_round(op)))
+                                                     lambda: self._world_round(op), aligned=(RoundMismatch,)))
 
     def _world_round(self, op: str) -> None:
         digest = op_digest(op)
-        self.control.announce(digest, op.encode()[:NAME_BYTES], b"")  # rounds stay aligned with exchange()
+        # Rounds stay aligned with exchange(): the same epochs, and the marker payload tells a peer's watchdog that
+        # this round is a kernel barrier (which will meet it) rather than an exchange (which never will).
+        self.control.announce(digest, op.encode()[:NAME_BYTES], _BARRIER_MARK)
         epoch = self.control.epoch
         peers = [p for p in range(self.world_size) if p != self.rank]
         self._kernel_barrier(op, 0, self._members, peers, epoch, lambda p: self._watch_world(op, digest, p))
-        for p in peers:  # the kernel met every peer at this round: it must be the same collective
-            self._check_same_op(op, digest, p)
+        for p in peers:  # the kernel met every peer in this round: it must have been the same collective
+            other = self._other_op(digest, p)
+            if other is not None:  # every rank completed the round, so the rounds stay aligned: an ordinary error
+                raise RoundMismatch(self._mismatch(op, p, other))
 
-    def _check_same_op(self, op: str, digest: bytes, peer: int) -> None:
-        """Raise OdcMismatchError if ``peer`` announced another collective at this round (a peer is at most one
-        round ahead, so its op at our round is its current or its previous one)."""
+    def _other_op(self, digest: bytes, peer: int) -> tuple[str, bytes] | None:
+        """``(name, payload)`` of the collective ``peer`` announced at this round if it is not ours, else ``None``
+        (also while it has not reached the round). A peer is at most one round ahead, so its op at our round is
+        its current or its previous one."""
         state = self.control.read(peer)
-        if state.epoch < self.control.epoch:
-            return  # not there yet (the watchdog's liveness checks cover it)
-        at_ours = state.epoch == self.control.epoch
+        epoch = self.control.epoch
+        if state.epoch < epoch:
+            return None
+        at_ours = state.epoch == epoch
         theirs, name = (state.digest, state.name) if at_ours else (state.prev_digest, state.prev_name)
-        if theirs != digest:
-            raise OdcMismatchError(
-                f"odc collective mismatch at barrier #{self.control.epoch}: rank {self.rank} is in {shorten(op)!r} "
-                f"but rank {peer} is in {name.decode(errors='replace')!r}; every rank must call the same "
-                "collectives (shard, free, sync, finalize) in the same order"
-            )
+        if theirs == digest:
+            return None
+        return name.decode(errors="replace"), self.control.payload(state, epoch)
+
+    def _mismatch(self, op: str, peer: int, other: tuple[str, bytes]) -> str:
+        return (
+            f"odc collective mismatch at barrier #{self.control.epoch}: rank {self.rank} is in {shorten(op)!r} but "
+            f"rank {peer} is in {other[0]!r}; every rank must call the same collectives (shard, free, sync, "
+            "finalize) in the same order"
+        )
 
     def _watch_world(self, op: str, digest: bytes, peer: int) -> None:
-        """While waiting for ``peer`` in a world barrier: it is in another collective at this round, or it waits
-        in a group fence for this rank."""
-        self._check_same_op(op, digest, peer)
+        """While waiting for ``peer`` in a world barrier: it is in an exchange (not a barrier, so it never meets
+        this one) at this round, or it waits in a group fence for this rank."""
+        other = self._other_op(digest, peer)
+        if other is not None and other[1] != _BARRIER_MARK:
+            raise OdcMismatchError(self._mismatch(op, peer, other))
         self.fences.check_not_waiting_for_us(op, peer)
 
     def group_barrier(self, op: str, group: Group) -> None:

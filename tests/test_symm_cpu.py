@@ -1,0 +1,145 @@
+"""The one-node Triton transport on CPU ranks (``symm-cpu``): its kernels executed by the Triton interpreter across
+processes, under the scenarios the host transport passes (the transport contract runs on it from
+``tests/test_transport_contract.py``, which covers every registered transport).
+
+Each test reuses a rank function of another test module unchanged: :func:`_on` runs it with ``odc.init("host")``
+(or ``odc.init()``) answered by the backend under test, so the same assertions hold the same exact values. Small
+tensors only: an interpreted launch costs tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from _dist import run_ranks
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+BACKEND = "symm-cpu"
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+def _on(rank: int, world: int, backend: str, fn: Callable, *args: Any) -> Any:
+    """Run ``fn(rank, world, *args)`` with every ``odc.init("host")`` / ``odc.init()`` initialising ``backend``."""
+    import odc_runtime as odc
+
+    real = odc.init
+
+    def init(name: str | None = None, **kwargs: Any) -> None:
+        real(backend if name in (None, "host") else name, **kwargs)
+        assert odc.backend() == backend
+
+    odc.init = init
+    return fn(rank, world, *args)
+
+
+def run_on_symm(fn: Callable, world: int, *args: Any, **kwargs: Any) -> list[Any]:
+    return run_ranks(_on, world, BACKEND, fn, *args, **kwargs)
+
+
+# -- core API (tests/test_core.py) ----------------------------------------------------------------------------
+def test_fetch_push_sync_all_dtypes_uneven() -> None:
+    from test_core import _rank_roundtrip
+
+    run_on_symm(_rank_roundtrip, 3, (7, 11), timeout=180)
+
+
+def test_concurrent_pushes_are_exact() -> None:
+    from test_core import _rank_concurrent
+
+    run_on_symm(_rank_concurrent, 4, 4, timeout=180)
+
+
+def test_misuse_raises_typed_errors_and_changes_nothing() -> None:
+    from test_core import _rank_misuse
+
+    run_on_symm(_rank_misuse, 2, timeout=120)
+
+
+def test_dead_peer_is_reported_at_once_and_once(tmp_path) -> None:
+    from test_core import _rank_dies
+
+    run_on_symm(_rank_dies, 3, env={"ODC_TIMEOUT": "600", "ODC_SHM_DIR": str(tmp_path)}, expect_exit={1}, timeout=120)
+    assert os.listdir(tmp_path) == [], "segments left behind after a crashed job"
+
+
+def _rank_absent(rank: int, world: int) -> tuple[str, str, float]:
+    """Rank 1 stays alive but never enters the sync: the others' barrier kernels must give up at ODC_TIMEOUT."""
+    import torch
+    import torch.distributed as dist
+
+    import odc_runtime as odc
+
+    odc.init()
+    st = odc.shard(torch.zeros(10))
+    odc.push(st, torch.ones(10))
+    kind, message, waited = "no error", "", 0.0
+    if rank != 1:
+        start = time.monotonic()
+        try:
+            odc.sync()
+        except odc.OdcTimeoutError as e:
+            kind, message = type(e).__name__, str(e)
+        waited = time.monotonic() - start
+    dist.barrier()  # rank 1 leaves only after the others gave up
+    if rank == 1:
+        from odc_runtime import testing
+
+        testing.abandon()
+    return kind, message, waited
+
+
+def test_absent_peer_times_out_naming_it() -> None:
+    results = run_on_symm(_rank_absent, 3, env={"ODC_TIMEOUT": "3"}, timeout=90)
+    for rank in (0, 2):
+        kind, message, waited = results[rank]
+        assert kind == "OdcTimeoutError", results[rank]
+        assert "rank 1 (pid" in message and "timed out after 3 s" in message, message
+        assert 3 <= waited < 20, waited
+
+
+# -- FSDP2 ODC mode (tests/test_fsdp.py) ----------------------------------------------------------------------
+def test_fsdp_odc_mode_equal_unequal_and_zero_microbatches() -> None:
+    import _fsdp_harness as h
+
+    plan = [
+        ("unequal", "scenario_vs_reference", (2, [1, 2, 3], {})),
+        ("zero_clip", "scenario_vs_reference", (2, [0, 2, 1], {"clip": 0.5})),
+        ("equal_vs_fsdp", "scenario_vs_fsdp", (2, 2, {})),
+    ]
+    suite = run_on_symm(h._with_odc, 3, h.run_suite, plan, timeout=240)
+    for key in ("unequal", "zero_clip"):
+        h.check_vs_reference(h.results(suite, key), 1e-5)
+    for res in h.results(suite, "equal_vs_fsdp"):
+        assert max(res["diff"]) < 1e-5, res
+
+
+# -- the gang exchange of split samples (tests/test_gang.py) --------------------------------------------------
+def test_split_sample_equals_unsplit() -> None:
+    from test_gang import _check_against_reference, _gangs_rank
+
+    gangs = [(17, 3, (0, 1, 2))]
+    _check_against_reference(run_on_symm(_gangs_rank, 3, gangs, 1, timeout=180), gangs)
+
+
+def test_gang_member_that_leaves_is_a_timeout() -> None:
+    from test_gang import _faulty_rank
+
+    results = run_on_symm(_faulty_rank, 2, "leave", timeout=90, env={"ODC_TIMEOUT": "3"}, expect_exit={1})
+    kind, message = results[0]
+    assert kind == "OdcTimeoutError", results[0]
+    assert "odc gang 0 (sample 0) layer 0: forward K/V: join (it started the gang) from rank 1" in message
+
+
+# -- the hierarchy on virtual nodes (tests/test_hierarchy.py) -------------------------------------------------
+def test_hierarchy_push_and_fetch_are_exact_with_virtual_nodes() -> None:
+    from test_hierarchy import WORLD, _rank_exact
+
+    run_on_symm(_rank_exact, WORLD, 2, timeout=240)
