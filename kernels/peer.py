@@ -11,6 +11,11 @@ peers); program ``(b, r)`` handles block ``b`` of request ``r``. Accumulators ar
 atomics lose updates across processes and bf16 atomics do not exist there), so sources of any float dtype are
 cast in the kernel. ``ACC`` is a constexpr so that an ``int64`` fixed-point push can reuse the kernel.
 
+The kernels use only builtins of ``triton.language``, none of its ``@triton.jit`` library functions (``tl.zeros``,
+``tl.sum``, ...): those are defined when ``triton.language`` is first imported, and a process that imported it
+before ``symm-cpu`` set the interpreter up (torch does, e.g. for SDPA) holds compiled ones the interpreter cannot
+call.
+
 :data:`ORDERING` declares, per kernel, the atomics its protocol needs as ``(op, sem, scope)``: the PTX check
 compiles each kernel and asserts them; docs/design.md ("One-node Triton transport") gives the arguments.
 """
@@ -29,18 +34,22 @@ INTERPRET = bool(getattr(getattr(triton, "knobs", None), "runtime", None) and tr
 DESC_COLUMNS = 4
 BLOCK = 4096 if INTERPRET else 1024  # the interpreter pays per program: fewer, larger blocks
 
-# The atomics each kernel must carry, as the PTX check reads them: (instruction, semantics, scope).
+# The memory operations each kernel's protocol needs, as ``(op, sem, scope)`` with ``op`` the PTX instruction and
+# its operation (``atom.add``, ``red.max``, ``ld``; state space and type left out): what Triton 3.9 emits for sm_90
+# (an atomic whose result is unused becomes ``red``; an acquire atomic add of 0 becomes an acquire load).
 ORDERING: dict[str, list[tuple[str, str, str]]] = {
-    # lost-update freedom across GPUs: every add is one hardware atomic at system scope; no ordering needed
-    # (the barrier's release/acquire publishes the sums)
-    "push_kernel": [("atom.add", "relaxed", "sys")],
-    # data stores, then each block counts itself in with acq_rel; the last block's release add on the peer's
-    # signal word makes every block's data visible to an acquire of that word
-    "put_signal_kernel": [("atom.add", "acq_rel", "sys"), ("atom.add", "release", "sys")],
-    # a spin on relaxed volatile loads, then one acquire read of the word that ended it
-    "wait_kernel": [("atom.add", "acquire", "sys")],
-    # announce with release (orders this stream's earlier work), acquire read of every member's word
-    "barrier_kernel": [("atom.max", "release", "sys"), ("atom.add", "acquire", "sys")],
+    # lost-update freedom across GPUs: every add one hardware atomic at system scope; no ordering needed (the
+    # barrier's release/acquire publishes the sums)
+    "push_kernel": [("red.add", "relaxed", "sys")],
+    # plain loads: the barrier before the fetch orders them
+    "fetch_kernel": [],
+    # data stores, then each block counts itself in (acq_rel); the last block's release add on the peer's signal
+    # word makes every block's data visible to an acquire of that word
+    "put_signal_kernel": [("atom.add", "acq_rel", "sys"), ("red.add", "release", "sys")],
+    # a spin on volatile loads, then one acquire read of the word that ended it
+    "wait_kernel": [("ld", "acquire", "sys")],
+    # announce with a release max (orders this stream's earlier work), acquire read of every member's word
+    "barrier_kernel": [("red.max", "release", "sys"), ("ld", "acquire", "sys")],
 }
 
 # The interpreter must not run launches of two threads of one process at once (the async worker and the caller).
@@ -140,7 +149,7 @@ def barrier_kernel(table_ptr, members_ptr, nmembers, rank, row_offset, epoch, ab
         tl.atomic_max(_peer_ptr(table_ptr, q, row_offset + rank * 8, tl.int64), epoch, sem="release", scope="sys")
         i += 1
     own = _peer_ptr(table_ptr, rank, row_offset, tl.int64)
-    aborted = tl.zeros([], dtype=tl.int64)
+    aborted = tl.load(abort_ptr, volatile=True)  # an int64 scalar (loop-carried), already raised or not
     i = 0
     while (i < nmembers) & (aborted == 0):
         q = tl.load(members_ptr + i).to(tl.int64)
@@ -162,16 +171,25 @@ def barrier_kernel(table_ptr, members_ptr, nmembers, rank, row_offset, epoch, ab
 
 
 # -- launchers ------------------------------------------------------------------------------------------------
-_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.int64: tl.int64,
-       torch.int32: tl.int32, torch.uint8: tl.uint8, torch.int8: tl.int8}
+_FLOATS = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+           torch.int64: tl.int64}
+_WORDS = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}  # copies move bits: any dtype by its item size
 
 
 def tl_dtype(dtype: torch.dtype):
-    """The Triton element type of a torch dtype (TypeError for one the kernels do not move)."""
+    """The Triton type a push reads or accumulates for a torch dtype (TypeError for one it does not)."""
     try:
-        return _TL[dtype]
+        return _FLOATS[dtype]
     except KeyError:
-        raise TypeError(f"odc peer kernels do not move {dtype}") from None
+        raise TypeError(f"odc push kernels do not read or accumulate {dtype}") from None
+
+
+def word_dtype(dtype: torch.dtype):
+    """The Triton integer type of a torch dtype's item size (copies move bits, so any dtype of 1-8 bytes)."""
+    try:
+        return _WORDS[dtype.itemsize]
+    except KeyError:
+        raise TypeError(f"odc copy kernels do not move {dtype}") from None
 
 
 def _launch(kernel, grid, *args, **kwargs) -> None:
@@ -195,13 +213,13 @@ def push(table: torch.Tensor, desc: torch.Tensor, longest: int, scale: float, sr
 
 def fetch(table: torch.Tensor, desc: torch.Tensor, longest: int, dtype: torch.dtype) -> None:
     """Launch :func:`fetch_kernel` over the rows of ``desc``."""
-    _launch(fetch_kernel, _grid(desc, longest), table, desc, DT=tl_dtype(dtype), BLOCK=BLOCK)
+    _launch(fetch_kernel, _grid(desc, longest), table, desc, DT=word_dtype(dtype), BLOCK=BLOCK)
 
 
 def put_signal(table: torch.Tensor, desc: torch.Tensor, longest: int, dtype: torch.dtype,
                signal_offsets: torch.Tensor, counters: torch.Tensor) -> None:
     """Launch :func:`put_signal_kernel`; ``counters`` is a zeroed ``int64[rows]`` scratch on the same device."""
-    _launch(put_signal_kernel, _grid(desc, longest), table, desc, signal_offsets, counters, DT=tl_dtype(dtype),
+    _launch(put_signal_kernel, _grid(desc, longest), table, desc, signal_offsets, counters, DT=word_dtype(dtype),
             BLOCK=BLOCK)
 
 

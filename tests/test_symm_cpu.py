@@ -106,6 +106,7 @@ def test_absent_peer_times_out_naming_it() -> None:
 
 
 # -- FSDP2 ODC mode (tests/test_fsdp.py) ----------------------------------------------------------------------
+@pytest.mark.timeout(300)
 def test_fsdp_odc_mode_equal_unequal_and_zero_microbatches() -> None:
     import _fsdp_harness as h
 
@@ -114,7 +115,7 @@ def test_fsdp_odc_mode_equal_unequal_and_zero_microbatches() -> None:
         ("zero_clip", "scenario_vs_reference", (2, [0, 2, 1], {"clip": 0.5})),
         ("equal_vs_fsdp", "scenario_vs_fsdp", (2, 2, {})),
     ]
-    suite = run_on_symm(h._with_odc, 3, h.run_suite, plan, timeout=240)
+    suite = run_on_symm(h._with_odc, 3, h.run_suite, plan, timeout=280)
     for key in ("unequal", "zero_clip"):
         h.check_vs_reference(h.results(suite, key), 1e-5)
     for res in h.results(suite, "equal_vs_fsdp"):
@@ -122,11 +123,12 @@ def test_fsdp_odc_mode_equal_unequal_and_zero_microbatches() -> None:
 
 
 # -- the gang exchange of split samples (tests/test_gang.py) --------------------------------------------------
+@pytest.mark.timeout(240)
 def test_split_sample_equals_unsplit() -> None:
     from test_gang import _check_against_reference, _gangs_rank
 
     gangs = [(17, 3, (0, 1, 2))]
-    _check_against_reference(run_on_symm(_gangs_rank, 3, gangs, 1, timeout=180), gangs)
+    _check_against_reference(run_on_symm(_gangs_rank, 3, gangs, 1, timeout=220), gangs)
 
 
 def test_gang_member_that_leaves_is_a_timeout() -> None:
@@ -139,7 +141,8 @@ def test_gang_member_that_leaves_is_a_timeout() -> None:
 
 
 # -- the hierarchy on virtual nodes (tests/test_hierarchy.py) -------------------------------------------------
+@pytest.mark.timeout(300)
 def test_hierarchy_push_and_fetch_are_exact_with_virtual_nodes() -> None:
     from test_hierarchy import WORLD, _rank_exact
 
-    run_on_symm(_rank_exact, WORLD, 2, timeout=240)
+    run_on_symm(_rank_exact, WORLD, 2, timeout=280)

@@ -266,15 +266,17 @@ class SymmTransport(HostTransport):
                  what: str, launch: Callable[[], None], status: torch.Tensor) -> None:
         """Run a waiting kernel (``launch``) under the host's bounded wait on a watchdog thread.
 
-        The watchdog polls what the kernel waits for (``arrived``), checks liveness, peer status and ``watch``
+        The watchdog polls what the kernel waits for (``arrived``; on a GPU only the kernel's completion, since a
+        read of device memory would queue behind the spinning kernel), checks liveness, peer status and ``watch``
         every liveness period, and at the first error (dead or failed peer, crossed collective, ``ODC_TIMEOUT``)
         records it and raises the abort word, which ends the kernel's spin; the error is raised here."""
         done = threading.Event()
         errors: list[BaseException] = []
+        on_host = self.device.type == "cpu"
 
         def guard() -> None:
             try:
-                self._wait_for_peers(op, peers, lambda p: done.is_set() or arrived(p), watch, what)
+                self._wait_for_peers(op, peers, lambda p: done.is_set() or (on_host and arrived(p)), watch, what)
             except BaseException as e:  # typed OdcError (recorded as the failure) or anything unexpected
                 errors.append(e)
                 self._raise_abort()
@@ -283,6 +285,10 @@ class SymmTransport(HostTransport):
         thread.start()
         try:
             launch()
+            if not on_host:  # the kernel leaves its spin when the watchdog raises the abort word
+                event = torch.cuda.Event()
+                event.record()
+                event.synchronize()
         finally:
             done.set()
             thread.join()
@@ -294,9 +300,15 @@ class SymmTransport(HostTransport):
             raise errors[0]
 
     def _raise_abort(self) -> None:
-        """Raise this rank's abort word: every waiting kernel of this rank leaves its spin. Never lowered."""
+        """Raise this rank's abort word: every waiting kernel of this rank leaves its spin. Never lowered. On a GPU
+        the store goes through a side stream (a pool stream does not wait for the stream of the spinning kernel)."""
         with self._abort_lock:
-            self._abort.fill_(1)
+            if self.device.type == "cpu":
+                self._abort.fill_(1)
+                return
+            with torch.cuda.stream(torch.cuda.Stream(self.device)):
+                self._abort.fill_(1)
+                torch.cuda.current_stream().synchronize()
 
     # -- teardown -------------------------------------------------------------------------------------
     def finalize(self) -> None:
