@@ -146,3 +146,47 @@ def test_hierarchy_push_and_fetch_are_exact_with_virtual_nodes() -> None:
     from test_hierarchy import WORLD, _rank_exact
 
     run_on_symm(_rank_exact, WORLD, 2, timeout=280)
+
+
+# -- group fences (tests/test_groups.py) ----------------------------------------------------------------------
+def test_groups_shard_fetch_push_sync_exact() -> None:
+    from test_groups import _rank_groups
+
+    run_on_symm(_rank_groups, 4, [2, 2], {0: 2, 1: 3}, timeout=180)
+
+
+def test_crossed_group_and_world_sync_is_a_mismatch_not_a_hang() -> None:
+    from test_groups import _rank_crossed
+
+    run_on_symm(_rank_crossed, 4, env={"ODC_TIMEOUT": "6"}, timeout=110)
+
+
+# -- the signalled put's ordering, where the interpreter can show it -------------------------------------------
+def _rank_put_many_blocks(rank: int, world: int, numel: int) -> None:
+    """Rank 0 puts rows of several kernel blocks into rank 1; rank 1 reads the data as soon as the signal counts
+    it. The interpreter runs a launch's blocks one after another, so a signal issued before the last block stored
+    its data is seen with data missing."""
+    import torch
+
+    import odc_runtime as odc
+    from odc_runtime import testing
+    from odc_runtime.transport.base import PutRequest
+
+    odc.init()
+    t = testing.transport()
+    buf = t.alloc(numel, torch.float32, tag="rows")
+    signal = t.alloc(1, torch.int64, tag="signal")
+    for rnd in (1, 2, 3):
+        row = torch.arange(numel, dtype=torch.float32) + 1000 * rnd
+        if rank == 0:
+            t.put_signal(buf, [PutRequest(1, row, 0, 0)], signal)
+        else:
+            t.wait_signal(signal, 0, rnd, "rows", [0])
+            assert torch.equal(buf.local, row), f"round {rnd}: data missing after its signal"
+        t.barrier(f"round {rnd}")  # the row is overwritten only after it was read
+    t.free(signal)
+    t.free(buf)
+
+
+def test_put_signal_delivers_every_block_before_the_signal() -> None:
+    run_on_symm(_rank_put_many_blocks, 2, 4 * 4096 + 1, timeout=110)  # 5 blocks of the interpreter's 4096

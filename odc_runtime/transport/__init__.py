@@ -124,4 +124,4 @@ register(TransportSpec("nvshmem", "odc_runtime.transport.nvshmem", device_type="
 # The one-node Triton transport: on GPUs over PyTorch symmetric memory, and on CPU ranks under the Triton
 # interpreter (never chosen automatically: it exists to execute the GPU data plane in CI).
 register(TransportSpec("symm", "odc_runtime.transport.symm.cuda", device_type="cuda", priority=5))
-register(TransportSpec("symm-cpu", "odc_runtime.transport.symm.cpu", device_type="cpu", priority=-10))
+register(TransportSpec("symm-cpu", "odc_runtime.transport.symm.cpu", device_type="cpu", priority=-1))

@@ -88,9 +88,15 @@ class SymmTransport(HostTransport):
 
     def map_peers(self, identities: Sequence[tuple[int, int, str]]) -> None:
         super().map_peers(identities)
-        self.heap = SegmentHeap(self.segments, self.rank, self.world_size, self._allocator.capacity)
+        self.heap = self.open_heap()
         self._table = self.heap.peer_bases
         self._abort = self._int64(self._words, 1)
+
+    def open_heap(self) -> PeerHeap:
+        """The symmetric heap the kernels work on (called once every rank mapped every segment): here the
+        segments' heaps; a transport over another provider overrides this (and ``alloc``, which views and
+        reserves segment memory)."""
+        return SegmentHeap(self.segments, self.rank, self.world_size, self._allocator.capacity)
 
     def _int64(self, offset: int, numel: int) -> torch.Tensor:
         """``numel`` int64 words at byte ``offset`` of this rank's heap."""
@@ -230,25 +236,15 @@ class SymmTransport(HostTransport):
             raise OdcMismatchError(self._mismatch(op, peer, other))
         self.fences.check_not_waiting_for_us(op, peer)
 
-    def group_barrier(self, op: str, group: Group) -> None:
-        self.check_usable(shorten(op))
-        if not 0 <= group.index < MAX_GROUPS:
-            raise OdcUsageError(
-                f"odc {shorten(op)}: the {self.name} transport fences at most {MAX_GROUPS} distinct groups (this is "
-                f"group #{group.index}); shard over fewer distinct groups"
-            )
-        if self.rank not in group.ranks:
-            raise OdcUsageError(f"odc {shorten(op)}: rank {self.rank} is not in the group {list(group.ranks)}")
+    def _fence(self, op: str, group: Group) -> None:
+        """One group fence (the host transport's ``group_barrier`` validates and wraps it): the kernel barrier on
+        the group's row, its fence number published on the control page for crossed-collective detection."""
+        epoch = self.fences.enter(group)
         members = torch.tensor(group.ranks, dtype=torch.int32)
-
-        def fence() -> None:
-            epoch = self.fences.enter(group)  # published on the control page: crossed-collective detection
-            peers = [p for p in group.ranks if p != self.rank]
-            self._kernel_barrier(op, 1 + group.index, members, peers, epoch, lambda p: self._check_not_crossed(op, p),
-                                 what=f" (group fence #{epoch} of ranks {list(group.ranks)})")
-            self.fences.leave(group, epoch)
-
-        self._quiet_then_meet(lambda: self.fail_stop(shorten(op), "this rank entered the fence", fence))
+        peers = [p for p in group.ranks if p != self.rank]
+        self._kernel_barrier(op, 1 + group.index, members, peers, epoch, lambda p: self._check_not_crossed(op, p),
+                             what=f" (group fence #{epoch} of ranks {list(group.ranks)})")
+        self.fences.leave(group, epoch)
 
     def _kernel_barrier(self, op: str, row: int, members: torch.Tensor, peers: list[int], epoch: int,
                         watch: Callable[[int], None], what: str = "") -> None:
