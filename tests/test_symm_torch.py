@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from odc_runtime.errors import OdcBackendError, OdcMemoryError, OdcUsageError
-from odc_runtime.transport.symm import _torch_symm, heap_cuda
+from odc_runtime.transport.symm import _torch_symm, torch_heap
 from tests._dist import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
@@ -133,7 +133,7 @@ def test_the_installed_torch_matches_a_known_shape() -> None:
 def test_unavailable_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _torch_symm.unavailable_reason() == "no CUDA device is available"
-    assert not heap_cuda.is_available()
+    assert not torch_heap.is_available()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
     def broken() -> _torch_symm.SymmApi:
@@ -221,7 +221,7 @@ def test_heap_views_and_close(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
     local = torch.zeros(64, dtype=torch.uint8)
     h = FakeHandle([local.data_ptr(), 0x5000, 0x9000], offset=128, size=4096)
-    heap = heap_cuda.CudaPeerHeap(rank=0, world=3, local=local, handle=h)
+    heap = torch_heap.CudaPeerHeap(rank=0, world=3, local=local, handle=h)
     assert heap.nbytes == 64 and heap.peer_bases.dtype == torch.int64
     assert heap.peer_bases.tolist() == [local.data_ptr() + 128, 0x5000 + 128, 0x9000 + 128]
     assert heap.peer_view(0) is local
@@ -235,21 +235,35 @@ def test_heap_views_and_close(monkeypatch: pytest.MonkeyPatch) -> None:
         heap.peer_view(1)
 
 
+def test_open_heap_checks_its_arguments_before_any_collective(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(OdcUsageError, match="rank 0 of 2 given, but this process is rank 1 of 2"):
+        torch_heap.open_heap(0, 2, 64, DEV)
+    with pytest.raises(OdcUsageError, match="positive int"):
+        torch_heap.open_heap(1, 2, 0, DEV)
+    with pytest.raises(OdcUsageError, match="needs a CUDA device"):
+        torch_heap.open_heap(1, 2, 64, torch.device("cpu"))
+
+
 def test_topology_refuses_several_hosts_and_unreachable_peers(monkeypatch: pytest.MonkeyPatch) -> None:
     two_hosts = [("a", "g0", 0, 8), ("b", "g1", 0, 8)]
     with pytest.raises(OdcBackendError, match=r"spans 2 hosts.*nvshmem"):
-        heap_cuda.check_topology(two_hosts, 0, {"g0": 0})
+        torch_heap.check_topology(two_hosts, 0, {"g0": 0})
     one_host = [("a", "g0", 0, 8), ("a", "g1", 1, 8), ("a", "g2", 2, 8)]
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda d, p: (d, p) != (0, 2))
-    heap_cuda.check_topology(one_host, 0, {"g0": 0, "g1": 1})  # g2 hidden: left to the rendezvous
+    torch_heap.check_topology(one_host, 0, {"g0": 0, "g1": 1})  # g2 hidden: left to the rendezvous
     with pytest.raises(OdcBackendError, match="rank 0's GPU g0 cannot access rank 2's GPU g2"):
-        heap_cuda.check_topology(one_host, 0, {"g0": 0, "g1": 1, "g2": 2})
+        torch_heap.check_topology(one_host, 0, {"g0": 0, "g1": 1, "g2": 2})
 
 
 # -- the collective create, on 2 CPU ranks with a fake torch module -----------------------------------------------
 def _fake_ranks(rank: int, calls: list[tuple], *, host: str, oom: bool) -> None:
     import odc_runtime.transport.symm._torch_symm as ts
-    import odc_runtime.transport.symm.heap_cuda as hc
+    import odc_runtime.transport.symm.torch_heap as hc
 
     hc._local_facts = lambda nbytes: (host, f"gpu{rank}", rank, nbytes)
     hc._visible_gpus = dict
@@ -262,12 +276,12 @@ def _fake_ranks(rank: int, calls: list[tuple], *, host: str, oom: bool) -> None:
 def _create(rank: int, world: int, hosts: list[str], oom_rank: int) -> dict:
     import torch.distributed as dist
 
-    import odc_runtime.transport.symm.heap_cuda as hc
+    import odc_runtime.transport.symm.torch_heap as hc
 
     calls: list[tuple] = []
     _fake_ranks(rank, calls, host=hosts[rank], oom=rank == oom_rank)
     try:
-        heap = hc.create(256, timeout=20)
+        heap = hc.open_heap(rank, world, 256, torch.device("cuda", 0), timeout=20)
     except Exception as e:
         return {"error": type(e).__name__, "msg": str(e), "calls": calls}
     out = {"bases": heap.peer_bases.tolist(), "local": heap.local.tolist(), "ptr": heap.local.data_ptr(),

@@ -1,6 +1,6 @@
 """The ``symm`` transport's memory on GPUs: one SymmetricMemory block per rank, mapped into every peer (one node).
 
-:func:`create` is collective over the default ``torch.distributed`` group and returns a :class:`CudaPeerHeap`, the
+:func:`open_heap` is collective over the default ``torch.distributed`` group and returns a :class:`CudaPeerHeap`, the
 CUDA implementation of the transport's ``PeerHeap`` shape (``odc_runtime.transport.symm.heap``): ``local`` is this
 rank's ``uint8[nbytes]`` heap, ``peer_bases`` an ``int64[world]`` CUDA tensor of every rank's heap address *in this
 process* (what the Triton kernels load and cast to pointers), ``peer_view(p)`` a tensor view of rank ``p``'s heap
@@ -29,11 +29,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from odc_runtime import config
 from odc_runtime.agree import gather_checked
 from odc_runtime.errors import OdcBackendError, OdcMismatchError, OdcNotInitializedError, OdcUsageError
 from odc_runtime.transport.symm import _torch_symm
 
-__all__ = ["CudaPeerHeap", "create", "is_available"]
+__all__ = ["CudaPeerHeap", "check_topology", "is_available", "open_heap"]
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def is_available() -> bool:
 
 
 class CudaPeerHeap:
-    """One rank's symmetric heap on its GPU and its peers' heaps as mapped here. Build it with :func:`create`."""
+    """One rank's symmetric heap on its GPU and its peers' heaps as mapped here. Build it with :func:`open_heap`."""
 
     def __init__(self, *, rank: int, world: int, local: torch.Tensor, handle: Any) -> None:
         self.rank = rank
@@ -126,19 +127,39 @@ def check_topology(facts: list[tuple[str, str, int, int]], rank: int, visible: d
             )
 
 
-def create(nbytes: int, *, timeout: float) -> CudaPeerHeap:
-    """Collective over the default group: allocate and map one ``nbytes`` heap per rank; zeroed on return.
+def open_heap(
+    rank: int, world: int, nbytes: int, device: torch.device, *, timeout: float | None = None
+) -> CudaPeerHeap:
+    """Collective over the default group (``rank``/``world`` are this rank's there): allocate and map one
+    ``nbytes`` heap per rank on ``device`` (this rank's GPU); zeroed on return.
 
-    Raises (on every rank together, within ``timeout`` except inside torch's rendezvous): OdcBackendError when
-    torch lacks SymmetricMemory, there is no CUDA device, the job spans several hosts, peers are not P2P reachable
-    or the rendezvous fails; OdcMemoryError when a GPU cannot hold the heap; OdcMismatchError when another rank
-    failed or ranks asked for different sizes.
+    ``timeout`` bounds each agreement step (default ``ODC_TIMEOUT``). Raises (on every rank together, within it
+    except inside torch's rendezvous): OdcBackendError when torch lacks SymmetricMemory, there is no CUDA device,
+    the job spans several hosts, peers are not P2P reachable or the rendezvous fails; OdcMemoryError when a GPU
+    cannot hold the heap; OdcMismatchError when another rank failed or ranks asked for different sizes;
+    OdcUsageError for bad arguments.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise OdcNotInitializedError("symm transport: call torch.distributed.init_process_group first")
+    if (rank, world) != (dist.get_rank(), dist.get_world_size()):
+        raise OdcUsageError(
+            f"symm heap: rank {rank} of {world} given, but this process is rank {dist.get_rank()} of "
+            f"{dist.get_world_size()} in the default group"
+        )
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
         raise OdcUsageError(f"symm heap: nbytes must be a positive int, got {nbytes!r}")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise OdcUsageError(f"symm heap: needs a CUDA device, got {device}")
+    if timeout is None:
+        timeout = config.resolve_timeout(None)
+    if device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            return _open(rank, world, nbytes, timeout)
+    return _open(rank, world, nbytes, timeout)
+
+
+def _open(rank: int, world: int, nbytes: int, timeout: float) -> CudaPeerHeap:
     facts = gather_checked("symm heap (devices)", lambda: _local_facts(nbytes), timeout=timeout)
     sizes = {f[3] for f in facts}
     if len(sizes) > 1:
