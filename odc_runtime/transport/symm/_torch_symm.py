@@ -6,30 +6,30 @@ into a :class:`SymmApi`; the helpers below take that and a rendezvous handle. A 
 :class:`~odc_runtime.errors.OdcBackendError` naming the torch version and the attribute, and
 ``tests/test_symm_torch.py`` runs the detection against a fake module of each API shape.
 
-What ODC needs, and where it differs (read from the sources: torch 2.13's wheel, ``torch/distributed/
-_symmetric_memory/__init__.py`` and ``torch/_C/_distributed_c10d.pyi``; PyTorch main of 2026, the same file; older
-releases through the feature tests below, whose fallbacks keep the older shapes working):
+What ODC needs, and where it differs (read from the released sources: torch 2.9.1, 2.13.0 and 2.15.0, files
+``torch/distributed/_symmetric_memory/__init__.py`` and ``torch/_C/_distributed_c10d.pyi``; the releases between
+are covered by the same feature tests, and ``.ci/compat.sh`` runs ``tests/test_symm_torch.py`` on its torches):
 
-- ``empty(*size, dtype=, device=)`` allocates the local block. Same shape in 2.13 and main. There CUDA
-  allocations come from an implicit ``MemPool`` with ``no_split=True`` (env
-  ``TORCH_SYMMMEM_IMPLICIT_POOL=0`` turns it off), so the tensor may sit at an offset inside its allocation.
-- ``rendezvous(tensor, group)``: collective; 2.13 and main take a group *name* or a ``ProcessGroup`` (required,
-  no default). ODC passes the group name positionally, which every shape with a group argument accepts. A
+- ``empty(*size, dtype=, device=)`` allocates the local block; same shape in 2.9-2.15. From 2.13 (not in 2.9) CUDA
+  allocations come from an implicit ``MemPool`` with ``no_split=True`` (``TORCH_SYMMMEM_IMPLICIT_POOL=0`` turns it
+  off), so the tensor may sit at an offset inside its allocation.
+- ``rendezvous(tensor, group)``: collective; ``group`` is a group *name* or a ``ProcessGroup``, required, in
+  2.9-2.15. ODC passes the group name positionally, which every shape with a group argument accepts. A
   ``rendezvous`` with no group argument (the first prototypes took the group at allocation) is refused.
-- ``enable_symm_mem_for_group(group_name)`` had to run before the first rendezvous on a group; 2.13 and main keep
-  it only as a ``typing_extensions.deprecated`` no-op wrapper (``__deprecated__`` set), resolving the group
-  themselves. ODC calls it only where it is not marked deprecated.
-- Backends: ``set_backend("CUDA" | "NVSHMEM" | "NCCL")`` / ``get_backend(device)`` (2.13, main; the env var
+- ``enable_symm_mem_for_group(group_name)``: in 2.9 a plain function that registers the group's store (its
+  ``rendezvous`` calls it too; it is idempotent); in 2.13 and 2.15 a ``typing_extensions.deprecated`` no-op wrapper
+  (``__deprecated__`` set) that warns. ODC calls it only where it is not marked deprecated.
+- Backends: ``set_backend("CUDA" | "NVSHMEM" | "NCCL")`` / ``get_backend(device)`` in 2.9-2.15 (the env var
   ``TORCH_SYMMMEM`` picks the default). ODC wants the CUDA backend: plain ``cuMem`` allocations exchanged as
   POSIX file descriptors, peer pointers over NVLink/PCIe P2P, no NVSHMEM initialised inside torch (which would
   clash with ODC's own ``nvshmem`` transport in the same process). ``set_backend`` cannot change the backend
-  after the first allocation. A torch without ``set_backend`` has only the CUDA backend.
-- The handle: ``buffer_ptrs`` (each rank's *allocation* base as mapped in this process), ``buffer_size``,
-  ``rank``, ``world_size``, ``get_buffer(rank, sizes, dtype, storage_offset)`` (a tensor view of a peer's
-  allocation; ``storage_offset`` in elements, counted from the allocation base, not from the tensor),
-  ``barrier(channel=0, timeout_ms=0)``; 2.13 and main add ``offset``, the tensor's byte offset inside its
-  allocation (main's own ``_cuda_get_out`` adds it to ``storage_offset`` itself). Without ``offset`` the tensor
-  starts its allocation (offset 0).
+  after the first allocation. A torch without ``set_backend`` would have only the CUDA backend.
+- The handle: ``buffer_ptrs`` (each rank's *allocation* base as mapped in this process), ``rank``,
+  ``world_size``, ``get_buffer(rank, sizes, dtype, storage_offset)`` (a tensor view of a peer's allocation;
+  ``storage_offset`` in elements, counted from the allocation base, not from the tensor),
+  ``barrier(channel=0, timeout_ms=0)``: all in 2.9-2.15. 2.13 and 2.15 add ``buffer_size`` and ``offset``, the
+  tensor's byte offset inside its allocation (their own ``_cuda_get_out`` adds it to ``storage_offset``). 2.9's
+  handle has no ``offset``: its tensor starts its allocation (offset 0).
 """
 
 from __future__ import annotations
