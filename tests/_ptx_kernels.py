@@ -40,12 +40,9 @@ def _signal_wrong_sem_kernel(data_ptr, value, flag_ptr):
 
 
 @triton.jit
-def _push_wrong_scope_kernel(bases_ptr, peer, offset, src_ptr, n, scale, BLOCK: tl.constexpr):
-    base = tl.load(bases_ptr + peer).to(tl.pointer_type(tl.float32))
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(src_ptr + offs, mask=mask, other=0).to(tl.float32) * scale
-    tl.atomic_add(base + offset + offs, x, mask=mask, sem="relaxed", scope="gpu")  # WRONG: another GPU's memory
+def _push_wrong_scope_kernel(bases_ptr, peer, src_ptr):
+    dst = tl.load(bases_ptr + peer).to(tl.pointer_type(tl.float32))
+    tl.atomic_add(dst, tl.load(src_ptr), sem="relaxed", scope="gpu")  # WRONG: other GPUs add to the same word
 
 
 PUSH = [("atom.add", "relaxed", "sys")]
@@ -66,7 +63,7 @@ PTX_ARGS = {
     "_signal_kernel": _SIGNAL_ARGS,
     "_wait_kernel": ({"flag_ptr": "*i32", "abort_ptr": "*i32", "target": "i32", "out_ptr": "*i32"}, {}),
     "_signal_wrong_sem_kernel": _SIGNAL_ARGS,
-    "_push_wrong_scope_kernel": _PUSH_ARGS,
+    "_push_wrong_scope_kernel": ({"bases_ptr": "*i64", "peer": "i32", "src_ptr": "*fp32"}, {}),
 }
 
 
