@@ -52,6 +52,20 @@ ORDERING: dict[str, list[tuple[str, str, str]]] = {
     "barrier_kernel": [("red.max", "release", "sys"), ("ld", "acquire", "sys")],
 }
 
+# How the PTX check (``odc_runtime.kernels.ptx``, tests/test_ptx.py) compiles each kernel of ORDERING: the
+# signature and constexprs the launchers below use (one representative source dtype where a kernel takes several).
+PTX_ARGS: dict[str, tuple[dict[str, str], dict[str, object]]] = {
+    "push_kernel": ({"table_ptr": "*i64", "desc_ptr": "*i64", "scale": "fp32"},
+                    {"SRC": tl.bfloat16, "ACC": tl.float32, "BLOCK": 1024}),
+    "fetch_kernel": ({"table_ptr": "*i64", "desc_ptr": "*i64"}, {"DT": tl.int16, "BLOCK": 1024}),
+    "put_signal_kernel": ({"table_ptr": "*i64", "desc_ptr": "*i64", "sig_ptr": "*i64", "count_ptr": "*i64"},
+                          {"DT": tl.int32, "BLOCK": 1024}),
+    "wait_kernel": ({"word_ptr": "*i64", "target": "i64", "abort_ptr": "*i64", "status_ptr": "*i64"}, {}),
+    "barrier_kernel": ({"table_ptr": "*i64", "members_ptr": "*i32", "nmembers": "i32", "rank": "i32",
+                        "row_offset": "i64", "epoch": "i64", "abort_ptr": "*i64", "status_ptr": "*i64"}, {}),
+}
+PTX_HELPERS = ("_peer_ptr",)  # a device function, checked inside the kernels that call it
+
 # The interpreter must not run launches of two threads of one process at once (the async worker and the caller).
 _LAUNCH = threading.Lock() if INTERPRET else None
 

@@ -66,30 +66,3 @@ PTX_ARGS = {
     "_push_wrong_scope_kernel": ({"bases_ptr": "*i64", "peer": "i32", "src_ptr": "*fp32"}, {}),
 }
 
-
-# -- the transport's kernels (odc_runtime.kernels.peer) -----------------------------------------------------------
-# How to compile each of them for the check, and the ordering of the one its ORDERING leaves out (fetch: plain loads
-# and stores, ordered by the barriers around it). Used only where kernels/peer.py does not declare these itself.
-PEER_PTX_ARGS = {
-    "push_kernel": ({"table_ptr": "*i64", "desc_ptr": "*i64", "scale": "fp32"},
-                    {"SRC": tl.bfloat16, "ACC": tl.float32, "BLOCK": 1024}),
-    "fetch_kernel": ({"table_ptr": "*i64", "desc_ptr": "*i64"}, {"DT": tl.bfloat16, "BLOCK": 1024}),
-    "put_signal_kernel": ({"table_ptr": "*i64", "desc_ptr": "*i64", "sig_ptr": "*i64", "count_ptr": "*i64"},
-                          {"DT": tl.float32, "BLOCK": 1024}),
-    "wait_kernel": ({"word_ptr": "*i64", "target": "i64", "abort_ptr": "*i64", "status_ptr": "*i64"}, {}),
-    "barrier_kernel": ({"table_ptr": "*i64", "members_ptr": "*i64", "nmembers": "i32", "rank": "i32",
-                        "row_offset": "i64", "epoch": "i64", "abort_ptr": "*i64", "status_ptr": "*i64"}, {}),
-}
-PEER_ORDERING_EXTRA = {"fetch_kernel": []}
-PEER_HELPERS = ("_peer_ptr",)
-
-
-def complete_peer_tables(module) -> None:
-    """Give ``module`` (kernels/peer.py) the check's tables it does not declare; never overrides its own."""
-    if not hasattr(module, "PTX_ARGS"):
-        module.PTX_ARGS = {k: v for k, v in PEER_PTX_ARGS.items() if k in module.ORDERING or k in PEER_ORDERING_EXTRA}
-    for name, table in PEER_ORDERING_EXTRA.items():
-        if hasattr(module, name) and name in module.PTX_ARGS:
-            module.ORDERING.setdefault(name, table)
-    if not hasattr(module, "PTX_HELPERS"):
-        module.PTX_HELPERS = tuple(h for h in PEER_HELPERS if hasattr(module, h))

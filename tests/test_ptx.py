@@ -3,7 +3,7 @@ ordered memory operations compared with each module's declared table.
 
 The compiling runs in one child process without ``TRITON_INTERPRET`` (other tests of this pytest process may have
 defined the kernels under the interpreter, which cannot be compiled). It checks the project's kernel modules (the
-transport's ``kernels/peer.py`` once it exists), the protocol-shaped kernels of ``tests/_ptx_kernels.py``, two of
+transport's ``kernels/peer.py``), the protocol-shaped kernels of ``tests/_ptx_kernels.py``, two of
 them written wrong on purpose, and every ``sem=`` / ``scope=`` literal of the right ones changed in turn.
 """
 
@@ -26,17 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULES = ["tests._ptx_kernels", *(m for m in ptx.DEFAULT_MODULES if importlib.util.find_spec(m) is not None)]
 
 
-# The CLI, after giving kernels/peer.py the tables it does not declare itself (tests/_ptx_kernels.py).
+# The CLI (kernels/peer.py declares its own ORDERING / PTX_ARGS / PTX_HELPERS next to its kernels).
 _CHILD = """
-import importlib.util, sys
+import sys
 from odc_runtime.kernels import ptx
-if importlib.util.find_spec("odc_runtime.kernels.peer") is not None:
-    import odc_runtime.kernels.peer as peer
-    import tests._ptx_kernels as T
-    T.complete_peer_tables(peer)
 sys.exit(ptx.main(sys.argv[1:]))
 """
-
 
 @functools.cache
 def _report() -> tuple[int, dict, str]:
