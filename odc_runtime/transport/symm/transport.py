@@ -76,7 +76,6 @@ class SymmTransport(HostTransport):
         self._words_bytes = _ABORT_BYTES + (1 + MAX_GROUPS) * self._row_bytes
         self._words = self._allocator.alloc(self._words_bytes, "the transport's signal and abort words")
         self.heap: PeerHeap | None = None
-        self._members = torch.arange(world_size, dtype=torch.int32)
         self._abort_lock = threading.Lock()
 
     # -- setup ----------------------------------------------------------------------------------------
@@ -90,6 +89,7 @@ class SymmTransport(HostTransport):
         super().map_peers(identities)
         self.heap = self.open_heap()
         self._table = self.heap.peer_bases
+        self._members = torch.arange(self.world_size, dtype=torch.int32, device=self.heap.device)
         self._abort = self._int64(self._words, 1)
 
     def open_heap(self) -> PeerHeap:
@@ -116,6 +116,8 @@ class SymmTransport(HostTransport):
     def _rows(self, buf: SymmetricBuffer, peers_offsets_tensors: list[tuple[int, int, torch.Tensor]]) -> tuple:
         """The descriptor tensor of ``(peer, byte offset in the peer's heap, local address, numel)`` rows."""
         itemsize = buf.dtype.itemsize
+        if any(t.device != self.device for _, _, t in peers_offsets_tensors):
+            raise OdcUsageError(f"symm: local tensors must be on {self.device} (the kernels read them there)")
         rows = [(p, buf.handle + off * itemsize, t.data_ptr(), t.numel()) for p, off, t in peers_offsets_tensors]  # type: ignore[operator]
         desc = torch.tensor(rows, dtype=torch.int64, device=self.device).reshape(-1, 4)
         return desc, max((r[3] for r in rows), default=0)
@@ -240,7 +242,7 @@ class SymmTransport(HostTransport):
         """One group fence (the host transport's ``group_barrier`` validates and wraps it): the kernel barrier on
         the group's row, its fence number published on the control page for crossed-collective detection."""
         epoch = self.fences.enter(group)
-        members = torch.tensor(group.ranks, dtype=torch.int32)
+        members = torch.tensor(group.ranks, dtype=torch.int32, device=self.device)
         peers = [p for p in group.ranks if p != self.rank]
         self._kernel_barrier(op, 1 + group.index, members, peers, epoch, lambda p: self._check_not_crossed(op, p),
                              what=f" (group fence #{epoch} of ranks {list(group.ranks)})")
@@ -302,9 +304,10 @@ class SymmTransport(HostTransport):
             if self.device.type == "cpu":
                 self._abort.fill_(1)
                 return
-            with torch.cuda.stream(torch.cuda.Stream(self.device)):
+            side = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(side):
                 self._abort.fill_(1)
-                torch.cuda.current_stream().synchronize()
+            side.synchronize()
 
     # -- teardown -------------------------------------------------------------------------------------
     def finalize(self) -> None:
