@@ -190,3 +190,36 @@ def _rank_put_many_blocks(rank: int, world: int, numel: int) -> None:
 
 def test_put_signal_delivers_every_block_before_the_signal() -> None:
     run_on_symm(_rank_put_many_blocks, 2, 4 * 4096 + 1, timeout=110)  # 5 blocks of the interpreter's 4096
+
+
+# -- the cached launch descriptors of a plan (odc_runtime/transport/symm/plan.py) ------------------------------------
+def _rank_plan_addresses(rank: int, world: int, numel: int) -> None:
+    """One plan (same shape, dtype, device) used with more caller tensors than it keeps descriptors for, in turn:
+    every fetch lands in the tensor passed and every push adds the tensor passed, exactly."""
+    import torch
+
+    import odc_runtime as odc
+
+    odc.init()
+    full = torch.arange(numel, dtype=torch.float32) * 3 + 1
+    st = odc.shard(full.clone(), name="plan")
+    outs = [torch.full((numel,), -1.0) for _ in range(6)]  # more than a plan keeps (4)
+    for rnd in range(2):
+        for i, out in enumerate(outs):
+            for o in outs:
+                o.fill_(-1.0)
+            odc.fetch(st, out=out)
+            assert torch.equal(out, full), f"round {rnd}: fetch into tensor {i} landed elsewhere"
+            assert all(bool((o == -1.0).all()) for o in outs if o is not out), "a fetch wrote into another tensor"
+    grads = [torch.full((numel,), float(k + 1)) for k in range(6)]
+    for _ in range(2):
+        for g in grads:
+            odc.push(st, g)
+    odc.sync()
+    expected = 2 * world * sum(range(1, 7))  # every rank pushed 1..6 twice
+    assert torch.equal(st.grad, torch.full_like(st.grad, float(expected))), st.grad
+    odc.finalize()
+
+
+def test_plan_descriptors_follow_the_caller_tensor() -> None:
+    run_on_symm(_rank_plan_addresses, 2, 37, timeout=120)

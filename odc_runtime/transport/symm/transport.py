@@ -46,6 +46,7 @@ from odc_runtime.transport.host.fences import MAX_GROUPS
 from odc_runtime.transport.host.segments import CONTROL_BYTES
 from odc_runtime.transport.host.transport import HostTransport
 from odc_runtime.transport.symm.heap import PeerHeap, SegmentHeap
+from odc_runtime.transport.symm.plan import SymmPlan
 
 log = logging.getLogger("odc_runtime.transport.symm")
 
@@ -108,10 +109,7 @@ class SymmTransport(HostTransport):
 
     # -- one-sided operations -------------------------------------------------------------------------
     def plan(self, buf: SymmetricBuffer, kind: str, pieces: Sequence[Piece]) -> TransferPlan:
-        return TransferPlan(self, buf, kind, pieces, self.stream_key())
-
-    def fast_path_ok(self) -> bool:
-        return False  # no HostPlan: every plan runs through fetch / push
+        return SymmPlan(self, buf, kind, pieces, self.stream_key())
 
     def _rows(self, buf: SymmetricBuffer, peers_offsets_tensors: list[tuple[int, int, torch.Tensor]]) -> tuple:
         """The descriptor tensor of ``(peer, byte offset in the peer's heap, local address, numel)`` rows."""
