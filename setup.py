@@ -224,7 +224,8 @@ class CMakeBuildExt(build_ext):
         if reason:
             if plan.explicit:
                 raise RuntimeError(f"odc_runtime: cannot build the CUDA extension odc_runtime._C: {reason}")
-            _say(f"skipping the CUDA/NVSHMEM extension odc_runtime._C ({reason}); the host backend still works")
+            _say(f"skipping the CUDA/NVSHMEM extension odc_runtime._C ({reason}); the host and symm (Triton) "
+                 "backends still work")
             self._drop_stale_output()
             return
         try:

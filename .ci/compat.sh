@@ -41,6 +41,9 @@ for v in $versions; do
   # FSDP2 in ODC mode (incl. the per-version check of the FSDP2 internals odc_runtime.fsdp._compat reads) and
   # both examples (examples/sft.py: same losses in collective and ODC mode).
   "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_fsdp.py tests/test_hsdp.py tests/test_examples.py
+  # The SymmetricMemory wrapper's detection against this torch's private module (seconds; the multi-rank tests of
+  # that file run in the main CI run).
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_symm_torch.py -k "not create"
   # The collective rows use all_gather_into_tensor / reduce_scatter_tensor (present in every supported torch).
   "$venv/bin/python" bench/comm.py --sizes 1M --nproc 2 --repeats 3 --warmup 1 --plot none \
     --json "$cache/comm-$v.json"

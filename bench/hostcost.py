@@ -5,6 +5,9 @@ a bare ``out.copy_(src)`` of the same 4 KiB, measured side by side in one proces
   for CUDA streams/events), so the figure is the Python and binding-free cost of the GPU fast path: what every
   training step pays per tensor before the GPU sees a launch (the real ``Plan.run`` adds the C++ launch itself).
 * ``host``: the shared-memory transport at world size 1 (real data movement, CPU).
+* ``symm``: the one-node Triton transport at world size 1 (its ``symm-cpu`` form: same host code as on GPUs) with
+  the kernel launches stubbed out, so the figure is what the host does per call before a launch. Shown where the
+  transport is installed (``odc_runtime.transport.symm.transport``).
 
 Results are verified before timing (the fetch returns the shard, the push accumulates, the fake plan is called
 with the caller's buffer). Each figure is the median over ``--runs`` runs of ``--calls`` calls, the three
@@ -191,6 +194,49 @@ def _nvshmem_fake(runs_: int, calls: int) -> dict[str, float]:
             setattr(m, n, v)
 
 
+def _symm_stubbed(runs_: int, calls: int) -> dict[str, float] | None:
+    """The symm transport's host cost per call, its kernels replaced by recorders (None: not installed)."""
+    import importlib.util
+
+    if importlib.util.find_spec("odc_runtime.transport.symm.transport") is None:
+        return None
+    import torch
+
+    import odc_runtime as odc
+    from odc_runtime import testing
+
+    launched: list[tuple[str, list[list[int]]]] = []
+
+    def recorder(kind: str) -> Callable[..., None]:
+        def launch(table: torch.Tensor, desc: torch.Tensor, *rest: object) -> None:  # the launch: a no-op
+            if len(launched) < 4:
+                launched.append((kind, desc.tolist()))
+
+        return launch
+
+    odc.init("symm-cpu", heap_size="16M")
+    try:
+        transport = testing.transport()
+        real = transport.kernels  # type: ignore[attr-defined]
+        transport.kernels = types.SimpleNamespace(  # type: ignore[attr-defined]
+            fetch=recorder("fetch"), push=recorder("push"), put_signal=real.put_signal, wait=real.wait,
+            barrier=real.barrier,
+        )
+        st = odc.shard(torch.zeros(NUMEL), name="hostcost")
+        out, grad, src = torch.empty(NUMEL), torch.ones(NUMEL), torch.randn(NUMEL)
+        odc.fetch(st, out=out)
+        odc.push(st, grad)
+        # Each stub saw one descriptor row (peer 0, the shard's symmetric byte offset, the caller's buffer, NUMEL).
+        rows = [(kind, d[0][0], d[0][2], d[0][3]) for kind, d in launched[:2]]
+        if rows != [("fetch", 0, out.data_ptr(), NUMEL), ("push", 0, grad.data_ptr(), NUMEL)]:
+            raise RuntimeError(f"the stubbed symm kernels did not see the expected launches: {launched}")
+        result = _measure(_ops(odc, st, out, grad, src), runs_, calls)
+        transport.kernels = real  # type: ignore[attr-defined]
+        return result
+    finally:
+        odc.finalize()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=7, help="runs per figure (the median is reported)")
@@ -229,6 +275,11 @@ def main() -> None:
             "nvshmem (fake ext)": _nvshmem_fake(args.runs, args.calls),
             "host (world 1)": _host(args.runs, args.calls),
         }
+        symm = _symm_stubbed(args.runs, args.calls)
+        if symm is not None:
+            results["symm (stubbed launches)"] = symm
+        else:
+            print("hostcost: no symm row: odc_runtime.transport.symm.transport is not installed")
     finally:
         dist.destroy_process_group()
         if os.path.exists(store):
@@ -244,7 +295,8 @@ def main() -> None:
             "push us": "host microseconds per odc.push(st, grad), 4 KiB gradient, steady state",
             "fetch/copy_": "ratio, measured side by side in the same runs",
             "push/copy_": "ratio, measured side by side in the same runs",
-            "transport": "nvshmem: fake extension (Plan.run a no-op, CPU tensors); host: shared memory, world 1",
+            "transport": "nvshmem: fake extension (Plan.run a no-op, CPU tensors); host: shared memory, world 1; "
+                         "symm: symm-cpu, world 1, kernel launches stubbed",
         },
         title=f"host cost per call ({args.runs} runs x {args.calls} calls, medians)",
     )

@@ -203,6 +203,9 @@ def check_backend(args: argparse.Namespace, local_world: int) -> str | None:
         return (f"--backend {args.backend} runs the job on CUDA GPUs, and none is visible here; run it on a GPU "
                 "machine, or drop --backend (the host transport on the CPU)")
     if not spec.is_available():
+        if args.backend != "nvshmem":
+            return (f"--backend {args.backend} is not available here: it needs a CUDA torch with SymmetricMemory "
+                    '(torch >= 2.9) and triton (pip install -e ".[triton]"), on the GPUs of one node')
         return (f"--backend {args.backend}: the odc_runtime._C extension does not load here; build it for this "
                 'GPU: pip install -e ".[cu13]" (or ".[cu12]"), or .ci/build_ext.sh')
     try:

@@ -96,3 +96,20 @@ def accumulate_slots_(
     )
     sumsq_out += part.reshape(sumsq_out.shape)
     return dst
+
+
+# Ordered memory operations each kernel's PTX must have, checked by ``odc_runtime.kernels.ptx`` (tests/test_ptx.py)
+# on sm_80/90/100: the accumulations touch only this rank's memory, so they have none; the gradient-norm partial
+# sum is one atomic add into a local scratch word (Triton's default acq_rel, gpu scope).
+ORDERING: dict[str, list[tuple[str, str, str]]] = {
+    "_accumulate_kernel": [],
+    "_accumulate_slots_kernel": [],
+    "_accumulate_slots_kernel:sumsq": [("atom.add", "acq_rel", "gpu")],
+}
+_SLOTS = {"dst_ptr": "*fp32", "slots_ptr": "*bf16", "sumsq_ptr": "*fp32", "n": "i32", "k": "i32", "slot_stride": "i32",
+          "scale": "fp32"}
+PTX_ARGS: dict[str, tuple[dict[str, str], dict[str, object]]] = {
+    "_accumulate_kernel": ({"dst_ptr": "*fp32", "src_ptr": "*bf16", "n": "i32", "scale": "fp32"}, {"BLOCK": 1024}),
+    "_accumulate_slots_kernel": (_SLOTS, {"WITH_SUMSQ": False, "BLOCK": 1024}),
+    "_accumulate_slots_kernel:sumsq": (_SLOTS, {"WITH_SUMSQ": True, "BLOCK": 1024}),
+}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -95,11 +96,13 @@ def _require_runtime(what: str, *, read_only: bool = False) -> _Runtime:
     return _runtime
 
 
-def _select_backend(backend: str | None) -> str:
+def _backend_facts(backend: str | None) -> tuple[str | None, tuple[str, ...], str]:
+    """This rank's input to :func:`odc_runtime.transport.choose`: the requested transport (checked against the
+    registry) or None, the transports it could choose, its host name."""
     choice = config.backend_name(backend)
-    if choice is None:
-        return registry.auto_select().name
-    return registry.get(choice).name
+    if choice is not None:
+        return registry.get(choice).name, (), socket.gethostname()
+    return None, registry.auto_candidates(), socket.gethostname()
 
 
 def init(
@@ -115,9 +118,10 @@ def init(
 
     Args:
         backend: a name from the transport registry (``odc_runtime.transport.names()``): ``"host"`` (CPU shared
-            memory, ranks on one machine), ``"nvshmem"`` (GPUs); or ``None`` to take ``ODC_BACKEND``, else the
-            preferred transport that is available here (``nvshmem`` with CUDA and the compiled extension, else
-            ``host``).
+            memory, ranks on one machine), ``"symm"`` (GPUs of one node, Triton over PyTorch SymmetricMemory),
+            ``"nvshmem"`` (GPUs, across nodes), ``"symm-cpu"`` (the symm kernels on CPU ranks); or ``None`` to take
+            ``ODC_BACKEND``, else the rule of :func:`odc_runtime.transport.choose`: on one node ``symm`` where
+            available on every rank, else ``nvshmem``, else ``host``; across nodes ``nvshmem``.
         timeout: seconds any blocking wait may take before raising OdcTimeoutError (default ``ODC_TIMEOUT`` or
             300); it also bounds every collective step of ``init`` itself.
         heap_size: symmetric memory per rank in bytes or as ``"4G"``; host default ``ODC_HEAP_SIZE`` or 1 GiB;
@@ -155,17 +159,19 @@ def init(
         if heap_size is not None:
             config.parse_size(heap_size, what="heap_size")
         nodes = config.node_size(node_size, dist.get_world_size())
-        return (_select_backend(backend), config.resolve_timeout(timeout), nodes, config.node_slots(node_slots),
+        return (_backend_facts(backend), config.resolve_timeout(timeout), nodes, config.node_slots(node_slots),
                 config.deterministic(deterministic))
 
     results = gather_checked("init", local_checks, exchange=StoreExchange(exchange_timeout))
-    # The backend and the node settings must match here; the transports compare the resolved heap sizes themselves.
-    require_same("init", [r[0] for r in results])
+    # The backend (chosen from every rank's facts, the same on all) and the node settings must match here; the
+    # transports compare the resolved heap sizes themselves.
+    facts = [r[0] for r in results]
+    name = registry.choose([f[0] for f in facts], [f[1] for f in facts], [f[2] for f in facts])
     for i, what in ((2, "node size (init(node_size=...) / ODC_NODE_SIZE)"),
                     (3, "inbox slots (init(node_slots=...) / ODC_NODE_SLOTS)"),
                     (4, "accumulation mode (init(deterministic=...) / ODC_DETERMINISTIC)")):
         require_same("init", [r[i] for r in results], rule=f"needs the same {what} on every rank")
-    name, resolved_timeout, requested_nodes, slots, exact = results[dist.get_rank()]
+    _, resolved_timeout, requested_nodes, slots, exact = results[dist.get_rank()]
     transport = registry.get(name).create(timeout=resolved_timeout, heap_size=heap_size)
     try:
         nodes = requested_nodes or transport.node_size()

@@ -4,7 +4,7 @@ but empty is an error too (it is never taken as "unset", nor as the current dire
 
 | env var | meaning | default |
 |---|---|---|
-| ``ODC_BACKEND`` | transport for ``init(backend=None)`` (a registry name) | first available (nvshmem, host) |
+| ``ODC_BACKEND`` | transport for ``init(backend=None)`` (a registry name) | symm, nvshmem, host (see ``choose``) |
 | ``ODC_TIMEOUT`` | seconds any blocking wait of the runtime may take before it fails (at most a year) | ``300`` |
 | ``ODC_HEAP_SIZE`` | host transport: symmetric heap bytes per rank (``512M``, ``4G``, ...) | ``1G`` |
 | ``ODC_SHM_DIR`` | host transport: directory of the shared-memory segments | ``/dev/shm`` |
@@ -156,7 +156,7 @@ def host_heap_bytes(arg: str | int | None) -> int:
 
 
 def backend_name(arg: str | None) -> str | None:
-    """The requested transport: ``arg``, else ``ODC_BACKEND``, else ``None`` (pick the first available).
+    """The requested transport: ``arg``, else ``ODC_BACKEND``, else ``None`` (``odc_runtime.transport.choose``).
 
     Only the type is checked here; the name is checked against the transport registry by ``init``.
     """

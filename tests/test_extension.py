@@ -338,6 +338,16 @@ def test_setup_plan(setup_ns, monkeypatch, tmp_path):
     assert not plan().build and not plan().explicit
 
 
+def test_setup_triton_extra_beside_a_cuda_torch_needs_no_nvcc(setup_ns, monkeypatch, tmp_path):
+    """``pip install "odc_runtime[triton]"`` next to a CUDA torch (whose NVSHMEM wheel is installed) on a machine
+    without nvcc: the extension is skipped, never an error, so the symm transport (Triton, no build) installs."""
+    _pip(setup_ns, "pip", "install", "odc_runtime[triton]")
+    _fake_nvshmem_home(setup_ns["_site"] / "nvidia" / "nvshmem", (3, 4, 5))
+    monkeypatch.setenv("CUDACXX", str(tmp_path / "missing-nvcc"))
+    p = setup_ns["make_plan"]()
+    assert not p.build and not p.explicit and "nvcc not found" in p.reason
+
+
 # -- GIL (issue 22, finding 2) ----------------------------------------------------------------------------------
 # Bindings that only read host-mapped words or constants: they cannot wait, so they may keep the GIL.
 _NON_BLOCKING = {

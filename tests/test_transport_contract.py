@@ -184,7 +184,7 @@ def test_transport_contract(name: str) -> None:
 
 def test_registry_lists_every_transport_and_refuses_unknown_names() -> None:
     assert set(registry.names()) >= {"host", "nvshmem"}
-    assert registry.names()[0] == "nvshmem"  # preferred when available
+    assert registry.names()[:2] == ("symm", "nvshmem")  # preferred when available (symm: one node only)
     assert "host" in registry.available()
     assert registry.auto_select().name in registry.available()
     with pytest.raises(odc.OdcUsageError, match=r"unknown ODC backend 'tcp'; choose one of .*host"):
@@ -214,6 +214,7 @@ def test_a_new_transport_is_one_registry_line() -> None:
     registry.register(spec)
     try:
         assert "host-alias" in registry.names() and registry.get("host-alias").is_available()
-        assert registry.names()[-1] == "host-alias"
+        order = registry.names()
+        assert order.index("host") < order.index("host-alias") < order.index("symm-cpu")  # by priority
     finally:
         registry._REGISTRY.pop("host-alias")

@@ -4,16 +4,27 @@ registry that ``odc.init``, the FSDP integration and the benchmarks pick them fr
 A new transport is one module with ``create(*, timeout, heap_size) -> Transport`` and ``is_available() -> bool``,
 plus one :func:`register` line below. Modules are imported only when a transport is created or asked whether it is
 available, so importing the package never loads CUDA or the compiled extension.
+
+Which transport ``odc.init()`` uses (:func:`choose`, the one place this is decided):
+
+1. ``init(backend=...)``, else ``ODC_BACKEND``: that transport, the same on every rank (else OdcMismatchError).
+2. Otherwise the transport with the highest ``priority`` among those with ``auto`` set that are available on every
+   rank and, when the ranks run on more than one host, that span hosts (``multi_node``). With the registrations
+   below: ``symm`` on the GPUs of one node (a CUDA torch with SymmetricMemory and triton), else ``nvshmem`` (the
+   compiled extension; the only one across nodes), else ``host`` (CPU ranks of one machine). ``symm-cpu`` is never
+   chosen automatically (the host transport is faster on CPU; it exists to execute the GPU kernels in CI).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
-from odc_runtime.errors import OdcUsageError
+from odc_runtime.errors import OdcMismatchError, OdcUsageError
 from odc_runtime.transport.base import (
     Capabilities,
     FetchRequest,
@@ -37,8 +48,10 @@ __all__ = [
     "Transport",
     "TransportSpec",
     "Work",
+    "auto_candidates",
     "auto_select",
     "available",
+    "choose",
     "get",
     "names",
     "nvshmem_available",
@@ -56,13 +69,17 @@ class TransportSpec:
         name: what users pass to ``odc.init(backend=...)`` / ``ODC_BACKEND``.
         module: import path of the module that implements ``create`` and ``is_available``.
         device_type: ``torch.device`` type of the tensors it works on (``"cpu"``, ``"cuda"``).
-        priority: ``init(backend=None)`` picks the available transport with the highest priority.
+        priority: ``init(backend=None)`` picks the available transport with the highest priority (:func:`choose`).
+        multi_node: whether it runs ranks on several hosts (only such transports are chosen for a multi-host job).
+        auto: whether ``init(backend=None)`` may choose it at all.
     """
 
     name: str
     module: str
     device_type: str
     priority: int
+    multi_node: bool = False
+    auto: bool = True
 
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
@@ -106,12 +123,43 @@ def available() -> tuple[str, ...]:
     return tuple(n for n in names() if _REGISTRY[n].is_available())
 
 
-def auto_select() -> TransportSpec:
-    """The preferred available transport (what ``init(backend=None)`` uses without ``ODC_BACKEND``)."""
+def auto_candidates() -> tuple[str, ...]:
+    """This rank's part of the automatic choice: the transports that ``init(backend=None)`` may choose and that are
+    available here, preferred first."""
+    return tuple(n for n in names() if _REGISTRY[n].auto and _REGISTRY[n].is_available())
+
+
+def choose(requested: Sequence[str | None], candidates: Sequence[Sequence[str]], hosts: Sequence[str]) -> str:
+    """The transport of a job (the rule in this module's docstring), from every rank's facts, indexed by rank.
+
+    ``requested[r]``: rank r's ``init(backend=...)`` / ``ODC_BACKEND`` (None: choose); ``candidates[r]``: its
+    :func:`auto_candidates`; ``hosts[r]``: its host name. Deterministic, so every rank that calls it with the same
+    (exchanged) facts gets the same answer or the same error: OdcMismatchError when ranks request different
+    backends, OdcUsageError when no transport fits.
+    """
+    if any(r != requested[0] for r in requested):
+        listing = "; ".join(f"rank {i}: {r or 'automatic'}" for i, r in enumerate(requested))
+        raise OdcMismatchError(
+            f"odc init needs the same backend (init(backend=...) / ODC_BACKEND) on every rank; {listing}"
+        )
+    if requested[0] is not None:
+        return get(requested[0]).name
+    spans = len(set(hosts)) > 1
     for name in names():
-        if _REGISTRY[name].is_available():
-            return _REGISTRY[name]
-    raise OdcUsageError(f"no ODC transport is available here (registered: {', '.join(names())})")
+        spec = _REGISTRY[name]
+        if spec.auto and all(name in c for c in candidates) and (spec.multi_node or not spans):
+            return name
+    where = f"ranks on {len(set(hosts))} hosts" if spans else "one host"
+    per_rank = "; ".join(f"rank {i}: {', '.join(c) or 'none'}" for i, c in enumerate(candidates))
+    multi = [n for n in names() if _REGISTRY[n].multi_node]
+    hint = f" (across hosts only {', '.join(multi)}: is it built and available on every rank?)" if spans else ""
+    raise OdcUsageError(f"no ODC transport is available on every rank for {where}{hint}; available: {per_rank}")
+
+
+def auto_select() -> TransportSpec:
+    """The transport :func:`choose` picks for ranks on this host alone (what a single-machine launcher such as
+    ``bench/comm.py`` starts)."""
+    return get(choose([None], [auto_candidates()], [socket.gethostname()]))
 
 
 def nvshmem_available() -> bool:
@@ -120,4 +168,9 @@ def nvshmem_available() -> bool:
 
 
 register(TransportSpec("host", "odc_runtime.transport.host", device_type="cpu", priority=0))
-register(TransportSpec("nvshmem", "odc_runtime.transport.nvshmem", device_type="cuda", priority=10))
+register(TransportSpec("nvshmem", "odc_runtime.transport.nvshmem", device_type="cuda", priority=10, multi_node=True))
+# The one-node Triton transport: on the GPUs of one node over PyTorch's SymmetricMemory (preferred there: no
+# compiled extension), and on CPU ranks under the Triton interpreter (never automatic: it executes the GPU data
+# plane in CI).
+register(TransportSpec("symm", "odc_runtime.transport.symm.cuda", device_type="cuda", priority=20))
+register(TransportSpec("symm-cpu", "odc_runtime.transport.symm.cpu", device_type="cpu", priority=-10, auto=False))

@@ -16,7 +16,9 @@ from odc_runtime.transport.host.transport import HostTransport
 log = logging.getLogger("odc_runtime.transport.host")
 
 
-def create(*, timeout: float, heap_size: int | str | None = None) -> HostTransport:
+def create(
+    *, timeout: float, heap_size: int | str | None = None, transport_class: type[HostTransport] = HostTransport
+) -> HostTransport:
     """Collective: build the host transport over the default ``torch.distributed`` group.
 
     Every step is one bounded agreement round (:func:`~odc_runtime.agree.gather_checked` over the store, with
@@ -24,7 +26,8 @@ def create(*, timeout: float, heap_size: int | str | None = None) -> HostTranspo
     error) makes every rank raise together instead of some waiting for the others, and every rank removes the
     segment it created. Once all ranks have mapped all segments each rank unlinks its own file: the memory lives
     exactly as long as the mappings, so a crash cannot leave segments behind except during ``create`` itself;
-    those stale files (their process is gone) are removed by the next ``create``.
+    those stale files (their process is gone) are removed by the next ``create``. ``transport_class`` builds
+    a transport on the same segments and control plane (the one-node Triton transport's CPU variant).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     exchange = StoreExchange(timeout)
@@ -39,7 +42,7 @@ def create(*, timeout: float, heap_size: int | str | None = None) -> HostTranspo
     def create_own_segment() -> tuple[int, int, str]:
         nonlocal transport
         remove_stale_segments(directory)
-        transport = HostTransport(
+        transport = transport_class(
             rank, world, job, timeout=timeout, heap_size=heap, directory=directory, chunk_bytes=chunk
         )
         return (*transport.create_segment(), pid_namespace())

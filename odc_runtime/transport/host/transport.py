@@ -125,13 +125,12 @@ class HostTransport(Transport):
     def alloc(self, numel: int, dtype: torch.dtype, tag: str = "") -> SymmetricBuffer:
         nbytes = numel * dtype.itemsize
         offset: int | None = None
+        local: torch.Tensor | None = None
 
         def reserve_and_zero() -> int:
-            nonlocal offset
-            seg = self.segments.get(self.rank)
+            nonlocal offset, local
             offset = self._allocator.alloc(nbytes, what=f"'{tag or 'buffer'}'")
-            self.segments.reserve(seg.fd, CONTROL_BYTES + offset, max(nbytes, 1), f"'{tag or 'buffer'}'")
-            seg.view(offset, numel, dtype).zero_()
+            local = self.place(offset, numel, dtype, f"'{tag or 'buffer'}'")
             return offset
 
         # One agreement round: nobody pushes into the region before its owner reserved and zeroed it, and a
@@ -146,9 +145,17 @@ class HostTransport(Transport):
             if offset is not None:
                 self._allocator.free(offset)
             raise
-        assert offset is not None
-        local = self.segments.get(self.rank).view(offset, numel, dtype)
+        assert offset is not None and local is not None
         return SymmetricBuffer(numel=numel, dtype=dtype, local=local, handle=offset, tag=tag)
+
+    def place(self, offset: int, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+        """Back ``numel`` ``dtype`` elements at heap byte ``offset`` with memory, zero them, and return this rank's
+        view (a subclass with its heap elsewhere overrides this; :meth:`alloc` agrees on the result)."""
+        seg = self.segments.get(self.rank)
+        self.segments.reserve(seg.fd, CONTROL_BYTES + offset, max(numel * dtype.itemsize, 1), what)
+        view = seg.view(offset, numel, dtype)
+        view.zero_()
+        return view
 
     def free(self, buf: SymmetricBuffer) -> None:
         if buf.freed:

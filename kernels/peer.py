@@ -1,0 +1,249 @@
+"""The one-node Triton transport's data plane over peer pointers (installed as ``odc_runtime.kernels.peer``).
+
+Every kernel reaches a peer's symmetric heap through a per-process table of peer base addresses (``int64[world]``,
+each peer's heap base *in this process*) loaded in the kernel and cast to a pointer; everything two ranks agree on
+is a symmetric *byte offset* into the heap, never an address. The same kernels compile for CUDA and run on CPU
+ranks under the Triton interpreter (``TRITON_INTERPRET=1`` set before this module is imported), where the heaps
+are shared-memory segments mapped at different addresses in each process.
+
+Requests are described by rows of an ``int64`` descriptor tensor (one launch per operation, whatever the number of
+peers); program ``(b, r)`` handles block ``b`` of request ``r``. Accumulators are fp32 (the interpreter's fp16
+atomics lose updates across processes and bf16 atomics do not exist there), so sources of any float dtype are
+cast in the kernel. ``ACC`` is a constexpr so that an ``int64`` fixed-point push can reuse the kernel.
+
+The kernels use only builtins of ``triton.language``, none of its ``@triton.jit`` library functions (``tl.zeros``,
+``tl.sum``, ...): those are defined when ``triton.language`` is first imported, and a process that imported it
+before ``symm-cpu`` set the interpreter up (torch does, e.g. for SDPA) holds compiled ones the interpreter cannot
+call.
+
+:data:`ORDERING` declares, per kernel, the atomics its protocol needs as ``(op, sem, scope)``: the PTX check
+compiles each kernel and asserts them; docs/design.md ("One-node Triton transport") gives the arguments.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = bool(getattr(getattr(triton, "knobs", None), "runtime", None) and triton.knobs.runtime.interpret)
+
+# Push and copy rows: (peer, symmetric byte offset in the peer's heap, local address, numel).
+DESC_COLUMNS = 4
+BLOCK = 4096 if INTERPRET else 1024  # the interpreter pays per program: fewer, larger blocks
+
+# The memory operations each kernel's protocol needs, as ``(op, sem, scope)`` with ``op`` the PTX instruction and
+# its operation (``atom.add``, ``red.max``, ``ld``; state space and type left out): what Triton 3.9 emits for sm_90
+# (an atomic whose result is unused becomes ``red``; an acquire atomic add of 0 becomes an acquire load).
+ORDERING: dict[str, list[tuple[str, str, str]]] = {
+    # lost-update freedom across GPUs: every add one hardware atomic at system scope; no ordering needed (the
+    # barrier's release/acquire publishes the sums)
+    "push_kernel": [("red.add", "relaxed", "sys")],
+    # plain loads: the barrier before the fetch orders them
+    "fetch_kernel": [],
+    # data stores, then each block counts itself in (acq_rel); the last block's release add on the peer's signal
+    # word makes every block's data visible to an acquire of that word
+    "put_signal_kernel": [("atom.add", "acq_rel", "sys"), ("red.add", "release", "sys")],
+    # a spin on volatile loads, then one acquire read of the word that ended it
+    "wait_kernel": [("ld", "acquire", "sys")],
+    # announce with a release max (orders this stream's earlier work), acquire read of every member's word
+    "barrier_kernel": [("red.max", "release", "sys"), ("ld", "acquire", "sys")],
+}
+
+# How the PTX check (``odc_runtime.kernels.ptx``, tests/test_ptx.py) compiles each kernel of ORDERING: the
+# signature and constexprs the launchers below use (one representative source dtype where a kernel takes several).
+PTX_ARGS: dict[str, tuple[dict[str, str], dict[str, object]]] = {
+    "push_kernel": ({"table_ptr": "*i64", "desc_ptr": "*i64", "scale": "fp32"},
+                    {"SRC": tl.bfloat16, "ACC": tl.float32, "BLOCK": 1024}),
+    "fetch_kernel": ({"table_ptr": "*i64", "desc_ptr": "*i64"}, {"DT": tl.int16, "BLOCK": 1024}),
+    "put_signal_kernel": ({"table_ptr": "*i64", "desc_ptr": "*i64", "sig_ptr": "*i64", "count_ptr": "*i64"},
+                          {"DT": tl.int32, "BLOCK": 1024}),
+    "wait_kernel": ({"word_ptr": "*i64", "target": "i64", "abort_ptr": "*i64", "status_ptr": "*i64"}, {}),
+    "barrier_kernel": ({"table_ptr": "*i64", "members_ptr": "*i32", "nmembers": "i32", "rank": "i32",
+                        "row_offset": "i64", "epoch": "i64", "abort_ptr": "*i64", "status_ptr": "*i64"}, {}),
+}
+PTX_HELPERS = ("_peer_ptr",)  # a device function, checked inside the kernels that call it
+
+# The interpreter must not run launches of two threads of one process at once (the async worker and the caller).
+_LAUNCH = threading.Lock() if INTERPRET else None
+
+
+@triton.jit
+def _peer_ptr(table_ptr, peer, offset, dtype: tl.constexpr):
+    """Pointer of type ``dtype`` to byte ``offset`` of ``peer``'s heap, through this process's peer table."""
+    base = tl.load(table_ptr + peer)
+    return (base + offset).to(tl.pointer_type(dtype))
+
+
+@triton.jit
+def push_kernel(table_ptr, desc_ptr, scale, SRC: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
+    """``peer_heap[offset:][:n] += ACC(src[:n]) * scale`` for each descriptor row, with system-scope atomics."""
+    b = tl.program_id(0).to(tl.int64)
+    row = desc_ptr + tl.program_id(1).to(tl.int64) * 4
+    n = tl.load(row + 3)
+    if b * BLOCK < n:
+        dst = _peer_ptr(table_ptr, tl.load(row), tl.load(row + 1), ACC)
+        src = tl.load(row + 2).to(tl.pointer_type(SRC))
+        offs = b * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        val = tl.load(src + offs, mask=mask, other=0).to(tl.float32) * scale
+        tl.atomic_add(dst + offs, val.to(ACC), mask=mask, sem="relaxed", scope="sys")
+
+
+@triton.jit
+def fetch_kernel(table_ptr, desc_ptr, DT: tl.constexpr, BLOCK: tl.constexpr):
+    """``local[:n] = peer_heap[offset:][:n]`` for each descriptor row (plain loads: the barrier orders them)."""
+    b = tl.program_id(0).to(tl.int64)
+    row = desc_ptr + tl.program_id(1).to(tl.int64) * 4
+    n = tl.load(row + 3)
+    if b * BLOCK < n:
+        src = _peer_ptr(table_ptr, tl.load(row), tl.load(row + 1), DT)
+        dst = tl.load(row + 2).to(tl.pointer_type(DT))
+        offs = b * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def put_signal_kernel(table_ptr, desc_ptr, sig_ptr, count_ptr, DT: tl.constexpr, BLOCK: tl.constexpr):
+    """For each row: ``peer_heap[offset:][:n] = local[:n]``, then ``+1`` on the peer's signal word (byte offset
+    ``sig_ptr[r]`` of its heap) once every block of the row has stored its data.
+
+    No block waits for another: each counts itself in ``count_ptr[r]`` (zeroed by the caller) with an acq_rel
+    add after its stores; the block that counts last signals with a release add, so an acquire of the signal word
+    sees all of the row's data (release sequence + causality through the counter)."""
+    b = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1).to(tl.int64)
+    row = desc_ptr + r * 4
+    peer = tl.load(row)
+    n = tl.load(row + 3)
+    if b * BLOCK < n:
+        dst = _peer_ptr(table_ptr, peer, tl.load(row + 1), DT)
+        src = tl.load(row + 2).to(tl.pointer_type(DT))
+        offs = b * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+    done = tl.atomic_add(count_ptr + r, 1, sem="acq_rel", scope="sys")
+    if done == tl.num_programs(0) - 1:
+        word = _peer_ptr(table_ptr, peer, tl.load(sig_ptr + r), tl.int64)
+        tl.atomic_add(word, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def wait_kernel(word_ptr, target, abort_ptr, status_ptr):
+    """Spin until the local signal word reaches ``target`` or the abort word is raised; one program.
+
+    ``status_ptr[0]`` = 1 if the word was reached (then acquired), 2 if aborted; ``status_ptr[1]`` = last value."""
+    seen = tl.load(word_ptr, volatile=True)
+    abort = tl.load(abort_ptr, volatile=True)
+    while (seen < target) & (abort == 0):
+        seen = tl.load(word_ptr, volatile=True)
+        abort = tl.load(abort_ptr, volatile=True)
+    if seen >= target:
+        seen = tl.atomic_add(word_ptr, 0, sem="acquire", scope="sys")
+        tl.store(status_ptr, 1)
+    else:
+        tl.store(status_ptr, 2)
+    tl.store(status_ptr + 1, seen)
+
+
+@triton.jit
+def barrier_kernel(table_ptr, members_ptr, nmembers, rank, row_offset, epoch, abort_ptr, status_ptr):
+    """Barrier ``epoch`` among ``members`` on the words of one row (byte ``row_offset`` of every heap; word ``q``
+    is the last epoch member ``q`` announced there). One program.
+
+    Announce (release max into word ``rank`` of every member's row), then spin until every member's word in this
+    rank's row reached ``epoch`` or the abort word is raised, then acquire each. ``status_ptr[0]`` = 1 done, 2
+    aborted; on abort ``status_ptr[1 + i]`` is member ``i``'s word."""
+    i = 0
+    while i < nmembers:
+        q = tl.load(members_ptr + i).to(tl.int64)
+        tl.atomic_max(_peer_ptr(table_ptr, q, row_offset + rank * 8, tl.int64), epoch, sem="release", scope="sys")
+        i += 1
+    own = _peer_ptr(table_ptr, rank, row_offset, tl.int64)
+    aborted = tl.load(abort_ptr, volatile=True)  # an int64 scalar (loop-carried), already raised or not
+    i = 0
+    while (i < nmembers) & (aborted == 0):
+        q = tl.load(members_ptr + i).to(tl.int64)
+        seen = tl.load(own + q, volatile=True)
+        if seen >= epoch:
+            tl.atomic_add(own + q, 0, sem="acquire", scope="sys")
+            i += 1
+        else:
+            aborted = tl.load(abort_ptr, volatile=True)
+    if aborted == 0:
+        tl.store(status_ptr, 1)
+    else:
+        tl.store(status_ptr, 2)
+        j = 0
+        while j < nmembers:
+            q = tl.load(members_ptr + j).to(tl.int64)
+            tl.store(status_ptr + 1 + j, tl.load(own + q, volatile=True))
+            j += 1
+
+
+# -- launchers ------------------------------------------------------------------------------------------------
+_FLOATS = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+           torch.int64: tl.int64}
+_WORDS = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}  # copies move bits: any dtype by its item size
+
+
+def tl_dtype(dtype: torch.dtype):
+    """The Triton type a push reads or accumulates for a torch dtype (TypeError for one it does not)."""
+    try:
+        return _FLOATS[dtype]
+    except KeyError:
+        raise TypeError(f"odc push kernels do not read or accumulate {dtype}") from None
+
+
+def word_dtype(dtype: torch.dtype):
+    """The Triton integer type of a torch dtype's item size (copies move bits, so any dtype of 1-8 bytes)."""
+    try:
+        return _WORDS[dtype.itemsize]
+    except KeyError:
+        raise TypeError(f"odc copy kernels do not move {dtype}") from None
+
+
+def _launch(kernel, grid, *args, **kwargs) -> None:
+    if _LAUNCH is None:
+        kernel[grid](*args, **kwargs)
+        return
+    with _LAUNCH:
+        kernel[grid](*args, **kwargs)
+
+
+def _grid(desc: torch.Tensor, longest: int) -> tuple[int, int]:
+    return (max(1, triton.cdiv(longest, BLOCK)), desc.shape[0])
+
+
+def push(table: torch.Tensor, desc: torch.Tensor, longest: int, scale: float, src_dtype: torch.dtype,
+         acc_dtype: torch.dtype = torch.float32) -> None:
+    """Launch :func:`push_kernel` over the rows of ``desc`` (``longest`` = the largest ``numel`` of a row)."""
+    _launch(push_kernel, _grid(desc, longest), table, desc, float(scale), SRC=tl_dtype(src_dtype),
+            ACC=tl_dtype(acc_dtype), BLOCK=BLOCK)
+
+
+def fetch(table: torch.Tensor, desc: torch.Tensor, longest: int, dtype: torch.dtype) -> None:
+    """Launch :func:`fetch_kernel` over the rows of ``desc``."""
+    _launch(fetch_kernel, _grid(desc, longest), table, desc, DT=word_dtype(dtype), BLOCK=BLOCK)
+
+
+def put_signal(table: torch.Tensor, desc: torch.Tensor, longest: int, dtype: torch.dtype,
+               signal_offsets: torch.Tensor, counters: torch.Tensor) -> None:
+    """Launch :func:`put_signal_kernel`; ``counters`` is a zeroed ``int64[rows]`` scratch on the same device."""
+    _launch(put_signal_kernel, _grid(desc, longest), table, desc, signal_offsets, counters, DT=word_dtype(dtype),
+            BLOCK=BLOCK)
+
+
+def wait(word: torch.Tensor, target: int, abort: torch.Tensor, status: torch.Tensor) -> None:
+    """Launch :func:`wait_kernel` on a local ``int64`` signal word (a 1-element view)."""
+    _launch(wait_kernel, (1,), word, int(target), abort, status)
+
+
+def barrier(table: torch.Tensor, members: torch.Tensor, rank: int, row_offset: int, epoch: int,
+            abort: torch.Tensor, status: torch.Tensor) -> None:
+    """Launch :func:`barrier_kernel`; ``status`` has ``1 + len(members)`` int64 words."""
+    _launch(barrier_kernel, (1,), table, members, members.numel(), int(rank), int(row_offset), int(epoch), abort,
+            status)

@@ -1,0 +1,349 @@
+"""Memory ordering checked in the generated code: compile Triton kernels to PTX for real GPU targets, with no GPU,
+and compare each kernel's ordered memory operations with the table its module declares.
+
+Why: the Triton interpreter runs the transport's kernels on CPU ranks in CI, but x86 ordering hides a missing
+``sem=`` or a too-narrow ``scope=``. What a GPU does is decided by the PTX qualifiers Triton emits, and those can be
+read without a GPU: ``triton.compile`` with an explicit ``GPUTarget`` runs the whole pipeline (ptxas included, as
+shipped in the triton wheel) for sm_80, sm_90 and sm_100.
+
+The declaration, in the kernel module (``kernels/peer.py``, ``kernels/_triton.py``, or a test module)::
+
+    ORDERING = {                        # case -> every ordered global memory operation the case's PTX must have
+        "push": [("atom.add", "relaxed", "sys")],
+        "signal": [("atom.add", "release", "sys")],
+        "wait": [("ld", "acquire", "sys")],
+    }
+    PTX_ARGS = {                        # case -> (signature, constexprs) to compile it with
+        "push": ({"dst_ptr": "*fp32", ...}, {"BLOCK": 1024}),
+        ...
+    }
+
+A case is a ``@triton.jit`` function of the module named by the case, optionally ``name:label`` to compile one
+kernel several ways (e.g. ``_accumulate_slots_kernel:sumsq``). Every ``@triton.jit`` function of the module must
+have a case, unless the module lists it in ``PTX_HELPERS`` (a device function only called by kernels).
+
+The check is *exact*: the set of distinct ordered operations in the PTX must equal the declared set, so a weaker
+operation (``relaxed`` for ``release``, ``gpu`` for ``sys``) and an unexpected one both fail, naming the PTX line.
+Two allowances keep tables readable and stable across Triton versions: ``.volatile`` loads and stores (a spin's
+reads: relaxed, never a ``sem=``) are checked when declared but need not be; and ``("atom.add", "acquire", s)``
+and ``("ld", "acquire", s)`` are one entry, because Triton lowers an acquire add of zero to ``ld.acquire``.
+
+What counts as an ordered operation, and how it is named (PTX ISA, "Memory Consistency Model"):
+
+* ``atom`` and ``red`` on global or generic memory: ``("atom.<op>", sem, scope)``; ``red`` is ``atom`` without a
+  result (Triton picks it when the result is unused), so both are ``atom.*``. No ``.sem`` means ``relaxed``; no
+  ``.scope`` means ``gpu``.
+* ``ld`` / ``st`` with ``.relaxed``/``.acquire``/``.release`` (and their scope), or ``.volatile``, which the model
+  treats as relaxed at system scope: ``("ld", "volatile", "sys")``. Plain (weak) loads and stores, shared-memory
+  traffic and ``ld.param`` are not ordered and are not listed. Triton turns an atomic that adds 0 with
+  ``sem="acquire"`` into ``ld.acquire``.
+* ``fence.<sem>.<scope>`` and ``membar.<level>`` (``membar.gl`` = ``fence.sc.gpu``): ``("fence", sem, scope)``.
+
+Mutation check (:func:`mutation_survivors`): every ``sem="..."`` / ``scope="..."`` literal in a kernel's source is
+changed, one at a time, the kernel is recompiled from the changed source, and its cases must then fail the check.
+A literal whose change no case notices is reported: the table would not catch a mistake there.
+
+Run it: ``python -m odc_runtime.kernels.ptx [module ...]`` (default: the project's kernel modules; ``--json`` for
+a machine-readable report). ``tests/test_ptx.py`` runs it in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import importlib.util
+import inspect
+import json
+import linecache
+import re
+import sys
+import textwrap
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+__all__ = [
+    "ARCHS",
+    "DEFAULT_MODULES",
+    "Access",
+    "Case",
+    "accesses",
+    "cases",
+    "check_case",
+    "compile_ptx",
+    "main",
+    "mutation_survivors",
+    "supported_archs",
+]
+
+ARCHS = (80, 90, 100)  # Ampere, Hopper, Blackwell: where the transport runs
+DEFAULT_MODULES = ("odc_runtime.kernels._triton", "odc_runtime.kernels.peer")
+
+_SEMS = {"relaxed", "acquire", "release", "acq_rel", "sc", "volatile", "weak", "mmio"}
+_SCOPES = {"cta", "cluster", "gpu", "sys"}
+_ATOM_OPS = {"add", "inc", "dec", "min", "max", "and", "or", "xor", "exch", "cas"}
+_UNORDERED_SPACES = {"shared", "shared::cta", "shared::cluster", "local", "param", "const", "tex"}
+_MEMBAR = {"cta": "cta", "gl": "gpu", "sys": "sys"}
+# An instruction: optional predicate, then the dotted opcode.
+_INSTR = re.compile(r"^\s*(?:@!?%\w+\s+)?((?:atom|red|ld|st|fence|membar)(?:\.[\w:]+)+)\b")
+
+
+@dataclass(frozen=True, order=True)
+class Access:
+    """One kind of ordered memory operation: ``op`` (``atom.add``, ``ld``, ``fence``, ...), ``sem``, ``scope``."""
+
+    op: str
+    sem: str
+    scope: str
+
+    @classmethod
+    def of(cls, entry: Iterable[str]) -> Access:
+        """From a table entry ``(op, sem, scope)``; ``red.<op>`` is taken as ``atom.<op>``."""
+        op, sem, scope = entry
+        if op.startswith("red."):
+            op = "atom." + op[4:]
+        if sem not in _SEMS or scope not in _SCOPES:
+            raise ValueError(
+                f"bad ordering entry {tuple(entry)!r}: sem one of {sorted(_SEMS)}, scope one of {sorted(_SCOPES)}"
+            )
+        return _canonical(cls(op, sem, scope))
+
+    def __str__(self) -> str:
+        return f"{self.op}.{self.sem}.{self.scope}"
+
+
+def _classify(opcode: str) -> Access | None:
+    """The ordered operation a PTX opcode (``red.global.sys.release.add.u32``) performs, or None if unordered."""
+    base, *quals = opcode.split(".")
+    q = set(quals)
+    if q & _UNORDERED_SPACES:
+        return None
+    sem = next((s for s in quals if s in _SEMS), None)
+    scope = next((s for s in quals if s in _SCOPES), None)
+    if base in ("atom", "red"):
+        op = next((o for o in quals if o in _ATOM_OPS), "?")
+        return Access(f"atom.{op}", sem or "relaxed", scope or "gpu")
+    if base in ("ld", "st"):
+        if sem == "volatile":
+            return Access(base, "volatile", "sys")
+        if sem in (None, "weak") or "nc" in q:
+            return None
+        return Access(base, sem, scope or "gpu")
+    if base == "fence":
+        if any(x.startswith("proxy") for x in quals):
+            return None
+        return Access("fence", sem or "sc", scope or "gpu")
+    if base == "membar":
+        return Access("fence", "sc", _MEMBAR.get(quals[0] if quals else "", "gpu"))
+    return None
+
+
+def _canonical(acc: Access) -> Access:
+    # Triton lowers an acquire atomic add (of zero: the usual "acquire read of a counter") to ld.acquire; for
+    # ordering the two are the same, so a table may name either and either lowering satisfies it.
+    if acc.op == "atom.add" and acc.sem == "acquire":
+        return Access("ld", "acquire", acc.scope)
+    return acc
+
+
+def accesses(ptx: str) -> dict[Access, str]:
+    """Every distinct ordered operation in ``ptx`` (canonical names), with the first PTX line that performs it."""
+    found: dict[Access, str] = {}
+    for line in ptx.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            acc = _classify(m.group(1))
+            if acc is not None:
+                found.setdefault(_canonical(acc), line.strip())
+    return found
+
+
+@dataclass(frozen=True)
+class Case:
+    """One kernel compiled one way, and the ordered operations its PTX must have."""
+
+    name: str  # "kernel" or "kernel:label"
+    fn: Any  # the triton JITFunction
+    signature: Mapping[str, str]
+    constexprs: Mapping[str, Any]
+    requires: frozenset[Access]
+
+
+def cases(module: ModuleType) -> list[Case]:
+    """The cases ``module`` declares (``ORDERING`` + ``PTX_ARGS``); ValueError if the two tables disagree."""
+    ordering: Mapping[str, Iterable[Iterable[str]]] = getattr(module, "ORDERING", {})
+    args: Mapping[str, tuple[Mapping[str, str], Mapping[str, Any]]] = getattr(module, "PTX_ARGS", {})
+    if set(ordering) != set(args):
+        raise ValueError(
+            f"{module.__name__}: ORDERING and PTX_ARGS name different cases: only in ORDERING "
+            f"{sorted(set(ordering) - set(args))}, only in PTX_ARGS {sorted(set(args) - set(ordering))}"
+        )
+    import triton
+
+    kernels = {n for n, v in vars(module).items() if isinstance(v, triton.runtime.JITFunction)}
+    unchecked = kernels - {name.split(":")[0] for name in ordering} - set(getattr(module, "PTX_HELPERS", ()))
+    if unchecked:
+        raise ValueError(
+            f"{module.__name__}: kernels without a declared ordering: {sorted(unchecked)}; add them to ORDERING and "
+            "PTX_ARGS (a @triton.jit helper that is never launched on its own: to PTX_HELPERS)"
+        )
+    out = []
+    for name, table in ordering.items():
+        fn = getattr(module, name.split(":")[0])
+        signature, constexprs = args[name]
+        out.append(Case(name, fn, dict(signature), dict(constexprs), frozenset(Access.of(e) for e in table)))
+    return out
+
+
+def compile_ptx(fn: Any, signature: Mapping[str, str], constexprs: Mapping[str, Any], arch: int) -> str:
+    """PTX of ``fn`` compiled for ``sm_<arch>`` (no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if not isinstance(fn, triton.runtime.JITFunction):
+        raise TypeError(
+            f"{fn!r} is not a compilable triton.jit function (TRITON_INTERPRET=1 was set when it was defined?)"
+        )
+    src = ASTSource(fn=fn, signature=dict(signature), constexprs=dict(constexprs))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+
+
+def supported_archs(archs: Iterable[int] = ARCHS) -> tuple[int, ...]:
+    """The architectures of ``archs`` this triton can compile for (a trivial kernel is compiled for each)."""
+    ok = []
+    for arch in archs:
+        try:
+            compile_ptx(_probe_kernel(), {"p": "*i32"}, {}, arch)
+        except Exception:
+            continue
+        ok.append(arch)
+    return tuple(ok)
+
+
+def check_case(case: Case, arch: int, fn: Any = None) -> list[str]:
+    """Problems of ``case`` on ``sm_<arch>`` (empty: its PTX has exactly the declared ordered operations).
+
+    ``fn`` replaces the case's kernel (a mutant) when given.
+    """
+    found = accesses(compile_ptx(fn if fn is not None else case.fn, case.signature, case.constexprs, arch))
+    problems = [f"{case.name} sm_{arch}: missing {a}" for a in sorted(case.requires - found.keys())]
+    extra = sorted(a for a in found.keys() - case.requires if a.sem != "volatile")
+    problems += [f"{case.name} sm_{arch}: unexpected {a}: {found[a]}" for a in extra]
+    return problems
+
+
+_LITERAL = re.compile(r"""\b(sem|scope)\s*=\s*(["'])(\w+)\2""")
+_CHANGE = {
+    "sem": {"release": "relaxed", "acquire": "relaxed", "acq_rel": "relaxed", "relaxed": "acq_rel"},
+    "scope": {"sys": "gpu", "gpu": "cta", "cta": "gpu"},
+}
+
+
+def _mutants(fn: Any) -> Iterator[tuple[str, Any]]:
+    """``(description, kernel)`` for each ``sem=`` / ``scope=`` literal of ``fn``'s source changed in turn."""
+    import triton
+
+    py = fn.fn
+    src = textwrap.dedent(inspect.getsource(py))
+    src = src[re.search(r"^def\s", src, re.MULTILINE).start():]  # the decorator is re-applied below  # type: ignore[union-attr]
+    for i, m in enumerate(_LITERAL.finditer(src)):
+        key, quote, value = m.group(1), m.group(2), m.group(3)
+        new = _CHANGE[key].get(value)
+        if new is None:
+            continue
+        changed = src[: m.start()] + f"{key}={quote}{new}{quote}" + src[m.end():]
+        filename = f"<odc-ptx mutant {py.__name__} {i}>"
+        # triton.jit reads the source through inspect, which finds code compiled from a string in linecache.
+        linecache.cache[filename] = (len(changed), None, changed.splitlines(True), filename)
+        namespace = dict(py.__globals__)
+        exec(compile(changed, filename, "exec"), namespace)
+        line = src.count("\n", 0, m.start()) + 1
+        yield f"{py.__name__} line {line}: {key}={value!r} -> {new!r}", triton.jit(namespace[py.__name__])
+
+
+def mutation_survivors(module_cases: list[Case], arch: int = 90) -> tuple[list[str], int]:
+    """Changed ``sem=`` / ``scope=`` literals that no case of their kernel notices, and how many were tried."""
+    by_kernel: dict[str, list[Case]] = {}
+    for c in module_cases:
+        by_kernel.setdefault(c.name.split(":")[0], []).append(c)
+    survivors, tried = [], 0
+    for kernel_cases in by_kernel.values():
+        for what, mutant in _mutants(kernel_cases[0].fn):
+            tried += 1
+            if not any(check_case(c, arch, fn=mutant) for c in kernel_cases):
+                survivors.append(what)
+    return survivors, tried
+
+
+@functools.cache
+def _probe_kernel() -> Any:
+    """A trivial kernel, built on first use (importing this module needs no triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _probe(p):
+        tl.store(p, 1)
+
+    return _probe
+
+
+def _load(names: Iterable[str], explicit: bool) -> list[ModuleType]:
+    mods = []
+    for name in names:
+        if not explicit and importlib.util.find_spec(name) is None:
+            continue  # a default module not written yet
+        mods.append(importlib.import_module(name))
+    return mods
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: check every case of the given kernel modules on every supported architecture; exit 1 on a problem."""
+    ap = argparse.ArgumentParser(prog="python -m odc_runtime.kernels.ptx", description=__doc__.split("\n\n")[0])
+    ap.add_argument("modules", nargs="*", help=f"kernel modules (default: {', '.join(DEFAULT_MODULES)})")
+    ap.add_argument("--arch", type=int, action="append", help="sm_XY as XY (repeatable; default 80, 90, 100)")
+    ap.add_argument("--mutants", action="store_true", help="also change each sem=/scope= literal (on sm_90)")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = ap.parse_args(argv)
+    requested = tuple(args.arch or ARCHS)
+    archs = supported_archs(requested)
+    report: dict[str, Any] = {"archs": list(archs), "unsupported_archs": sorted(set(requested) - set(archs)),
+                              "modules": {}}
+    failed = not archs
+    for mod in _load(args.modules or DEFAULT_MODULES, explicit=bool(args.modules)):
+        entry: dict[str, Any] = {"cases": {}}
+        mod_cases = cases(mod)
+        for case in mod_cases:
+            problems = [p for arch in archs for p in check_case(case, arch)]
+            entry["cases"][case.name] = {"requires": sorted(map(str, case.requires)), "problems": problems}
+            failed |= bool(problems)
+        if args.mutants and 90 in archs:  # on the kernels that pass: a failing one needs no mutant to fail
+            failing = {c.split(":")[0] for c, r in entry["cases"].items() if r["problems"]}
+            survivors, tried = mutation_survivors([c for c in mod_cases if c.name.split(":")[0] not in failing])
+            entry["mutants"] = {"tried": tried, "survivors": survivors}
+            failed |= bool(survivors)
+        report["modules"][mod.__name__] = entry
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        missing = report["unsupported_archs"]
+        print(f"PTX ordering check on sm_{', sm_'.join(map(str, archs))}"
+              + (f" (this triton cannot target {missing})" if missing else ""))
+        for name, entry in report["modules"].items():
+            for case, r in entry["cases"].items():
+                print(f"  {name}.{case}: {'ok' if not r['problems'] else 'FAIL'} [{', '.join(r['requires']) or '-'}]")
+                for p in r["problems"]:
+                    print(f"    {p}")
+            if "mutants" in entry:
+                m = entry["mutants"]
+                print(f"  {name}: {m['tried'] - len(m['survivors'])}/{m['tried']} changed sem/scope literals caught")
+                for s in m["survivors"]:
+                    print(f"    not caught: {s}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""``symm``: the one-node Triton transport on the GPUs of one node, its heap from PyTorch's symmetric memory.
+
+Everything but memory and streams is :class:`~.transport.SymmTransport` (the kernels, rounds, watchdog and
+fail-stop that ``symm-cpu`` executes in CI). What differs on a GPU, and only that, is here:
+
+* the heap is a :class:`~.torch_heap.CudaPeerHeap` (:func:`~.torch_heap.open_heap`, collective, returns zeroed);
+  the host segments keep only the control pages (they are sparse: the heap part is never reserved);
+* buffers are views of that heap, zeroed on the device before the allocation's agreement round;
+* kernels launch on the caller's current CUDA stream; ``async_op=True`` launches there too and returns a
+  :class:`StreamWork` (an event: ``wait`` orders the caller's current stream after it, the host does not block).
+  Waits (``barrier``, group fences, ``wait_signal``) still block the host on an event under the watchdog
+  (docs/design.md, "One-node Triton transport": known limit).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+
+import torch
+
+from odc_runtime.errors import OdcBackendError
+from odc_runtime.transport import host
+from odc_runtime.transport.base import FetchRequest, PushRequest, SymmetricBuffer, Work
+from odc_runtime.transport.host.transport import HostTransport
+from odc_runtime.transport.symm import _torch_symm, torch_heap
+from odc_runtime.transport.symm.transport import SymmTransport
+
+
+def is_available() -> bool:
+    """A CUDA device, PyTorch symmetric memory and Triton (compiled, not the interpreter) are here."""
+    return importlib.util.find_spec("triton") is not None and host.is_available() and torch_heap.is_available()
+
+
+def create(*, timeout: float, heap_size: int | str | None = None) -> HostTransport:
+    """Collective: the host control plane over the default ``torch.distributed`` group, the heap on this rank's
+    current CUDA device."""
+    return host.create(timeout=timeout, heap_size=heap_size, transport_class=CudaSymmTransport)
+
+
+class StreamWork(Work):
+    """An operation launched on the caller's stream with ``async_op=True``; ``wait`` is stream-ordered."""
+
+    def __init__(self, transport: CudaSymmTransport, event: torch.cuda.Event) -> None:
+        self._transport = transport
+        self._event = event
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._transport.check_usable("wait")
+        torch.cuda.current_stream(self._transport.device).wait_event(self._event)
+
+    def is_completed(self) -> bool:
+        return self._event.query()
+
+
+class CudaSymmTransport(SymmTransport):
+    """:class:`SymmTransport` over a :class:`~.torch_heap.CudaPeerHeap` on this rank's GPU."""
+
+    name = "symm"
+    device_type = "cuda"
+
+    def __init__(self, rank: int, world_size: int, job: str, **kwargs: object) -> None:
+        # Runs inside bootstrap's "host segments" round: a rank that cannot run symm fails every rank together.
+        reason = _torch_symm.unavailable_reason()
+        if reason is not None:
+            raise OdcBackendError(
+                f"odc symm: {reason}; symm runs on the GPUs of one node (use backend='host' or 'symm-cpu' on CPU "
+                "ranks, 'nvshmem' across nodes)"
+            )
+        super().__init__(rank, world_size, job, **kwargs)
+        if self.kernels.INTERPRET:
+            raise OdcBackendError(
+                "odc symm: the peer kernels were defined under TRITON_INTERPRET=1 in this process, which runs them "
+                "on the CPU; start GPU ranks without TRITON_INTERPRET (or use backend='symm-cpu' on CPU ranks)"
+            )
+        self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def open_heap(self) -> torch_heap.CudaPeerHeap:
+        """Collective (called by every rank inside bootstrap's "map peers" round): the SymmetricMemory heap.
+
+        ``open_heap`` zeroes the heap and agrees before it returns; the words at offset 0 are zeroed again here on
+        purpose (they are what every protocol starts from), and the "map peers" round that encloses this call is
+        the host round after which peers may touch them."""
+        heap = torch_heap.open_heap(
+            self.rank, self.world_size, self._allocator.capacity, self.device, timeout=self.timeout
+        )
+        heap.local[self._words : self._words + self._words_bytes].zero_()
+        torch.cuda.synchronize(self.device)
+        return heap
+
+    def place(self, offset: int, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+        """A view of the GPU heap, zeroed and synchronised before alloc's agreement round (no peer pushes into
+        it before the zeros landed)."""
+        assert self.heap is not None
+        view = self.heap.local[offset : offset + numel * dtype.itemsize].view(dtype)
+        view.zero_()
+        torch.cuda.current_stream(self.device).synchronize()
+        return view
+
+    def stream_key(self) -> object:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    # -- asynchronous operations: launched on the caller's stream, not the host worker thread ------------------
+    def fetch(self, buf: SymmetricBuffer, requests: Sequence[FetchRequest], *, async_op: bool = False) -> Work | None:
+        return self._on_stream("fetch", lambda: self._fetch_now(buf, requests), async_op)
+
+    def push(
+        self, buf: SymmetricBuffer, requests: Sequence[PushRequest], scale: float, *, async_op: bool = False
+    ) -> Work | None:
+        return self._on_stream("push", lambda: self._push_now(buf, requests, scale), async_op)
+
+    def _on_stream(self, op: str, launch: Callable[[], None], async_op: bool) -> Work | None:
+        self.check_usable(op)
+        launch()
+        if not async_op:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return StreamWork(self, event)

@@ -1,0 +1,69 @@
+"""The one-node Triton transport's transfer plan: the launch descriptor of a fetch or push, built once per caller
+tensor instead of once per call.
+
+A descriptor row is ``(peer, byte offset in the peer's heap, local address, numel)``: everything but the local
+address is fixed by the plan, and the local address is the caller tensor's ``data_ptr`` plus the piece's start, so
+a descriptor is exact for every tensor at that address (the numel and dtype are the plan's). A plan keeps the
+descriptors of the last few addresses (a training loop passes the same few buffers, or the caching allocator
+hands back the same address). Errors and fail-stop are those of the generic path: the same launch, the same
+checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from odc_runtime.transport.base import Piece, SymmetricBuffer, TransferPlan, Work, as_failure
+
+if TYPE_CHECKING:
+    from odc_runtime.transport.symm.transport import SymmTransport
+
+_KEEP = 4  # descriptors per plan (one per caller address), the oldest dropped first
+
+
+class SymmPlan(TransferPlan):
+    """A :class:`TransferPlan` that launches the kernel with a cached descriptor (see the module docstring)."""
+
+    __slots__ = ("_descs", "_fast", "_longest", "_rows")
+
+    def __init__(
+        self, transport: SymmTransport, buf: SymmetricBuffer, kind: str, pieces: Sequence[Piece], stream_key: object
+    ) -> None:
+        super().__init__(transport, buf, kind, pieces, stream_key)
+        live = [p for p in self.pieces if p.numel]
+        # (peer, byte offset at the peer, element offset in the caller's flat tensor, numel)
+        self._rows = [(p.peer, buf.handle + p.offset * buf.dtype.itemsize, p.start, p.numel) for p in live]  # type: ignore[operator]
+        self._longest = max((p.numel for p in live), default=0)
+        # The caller's tensors have one dtype, shape and device per plan (the plan cache's key); a push into a
+        # non-fp32 buffer takes the generic path, which refuses it.
+        self._fast = bool(live) and (kind == "fetch" or buf.dtype == torch.float32)
+        self._descs: dict[int, torch.Tensor] = {}  # caller's data_ptr -> descriptor
+
+    def _desc(self, tensor: torch.Tensor) -> torch.Tensor:
+        base, size = tensor.data_ptr(), tensor.dtype.itemsize
+        rows = [(peer, off, base + start * size, n) for peer, off, start, n in self._rows]
+        desc = torch.tensor(rows, dtype=torch.int64, device=self.transport.device).reshape(-1, 4)
+        if len(self._descs) >= _KEEP:
+            del self._descs[next(iter(self._descs))]
+        self._descs[base] = desc
+        return desc
+
+    def run(self, tensor: torch.Tensor, scale: float = 1.0, *, async_op: bool = False) -> Work | None:
+        transport: SymmTransport = self.transport  # type: ignore[assignment]
+        if async_op or not self._fast or not transport.fast_path_ok():
+            return super().run(tensor, scale, async_op=async_op)  # the generic path raises what it must
+        desc = self._descs.get(tensor.data_ptr())
+        if desc is None:
+            desc = self._desc(tensor)
+        if self.kind == "fetch":
+            transport.kernels.fetch(transport._table, desc, self._longest, self.buf.dtype)
+            return None
+        try:  # fail-stop as the generic push (Transport.fail_stop, inlined: this is the per-call path)
+            transport.kernels.push(transport._table, desc, self._longest, scale, tensor.dtype)
+        except BaseException as e:
+            transport.fail(as_failure("push", e, "part of the push may have landed"))
+            raise
+        return None

@@ -1,0 +1,317 @@
+"""The one-node Triton transport: the data plane and fences are Triton kernels over a :class:`~.heap.PeerHeap`.
+
+Protocol, ordering arguments and deadlock freedom: docs/design.md, "One-node Triton transport (symm, symm-cpu)".
+In short:
+
+* **push** is one launch of :func:`~odc_runtime.kernels.peer.push_kernel`: fused cast, scale and fp32 atomic add
+  into each owner's region through its peer pointer. **fetch** is one launch of the copy kernel.
+* **put_signal** is one launch: the data, then (last block of each row) a release add on the peer's signal word.
+  **wait_signal** is an acquire spin on the local word that also watches this rank's abort word.
+* **barrier** / **group_barrier**: one kernel announces the round number into every member's word (release max)
+  and spins until every member's word in its own row reached it (acquire), watching the abort word.
+* The host side is the host transport's control plane, inherited: the control pages carry rounds (epoch, op
+  digest), liveness (pid, start time) and status; :meth:`HostTransport.exchange` is the payload round of
+  ``shard`` / ``alloc``; allocation is the host transport's (same offsets on every rank). Every kernel wait runs
+  under a host **watchdog** (the host transport's own bounded wait, :meth:`HostTransport._wait_for_peers`, on a
+  thread): it names a dead or failed peer within a liveness period, a crossed collective, or the missing ranks at
+  ``ODC_TIMEOUT``, and then raises the abort word that ends the kernel's spin.
+
+Symmetric control words at heap offset 0 (allocated first, so at the same offset on every rank): the abort word,
+then one row of ``world`` int64 barrier words for the world and one per group index.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from odc_runtime.agree import op_digest, shorten
+from odc_runtime.errors import OdcBackendError, OdcMismatchError, OdcUsageError
+from odc_runtime.transport.base import (
+    Capabilities,
+    FetchRequest,
+    Group,
+    Piece,
+    PushRequest,
+    PutRequest,
+    SymmetricBuffer,
+    TransferPlan,
+)
+from odc_runtime.transport.heap import ALIGNMENT
+from odc_runtime.transport.host.control import NAME_BYTES
+from odc_runtime.transport.host.fences import MAX_GROUPS
+from odc_runtime.transport.host.segments import CONTROL_BYTES
+from odc_runtime.transport.host.transport import HostTransport
+from odc_runtime.transport.symm.heap import PeerHeap, SegmentHeap
+from odc_runtime.transport.symm.plan import SymmPlan
+
+log = logging.getLogger("odc_runtime.transport.symm")
+
+_DONE = 1  # kernel status word: the wait completed (else it was aborted)
+_BARRIER_MARK = b"\0odc-kernel-barrier"  # control-page payload of a world round that is a kernel barrier
+_ABORT_BYTES = 64  # the abort word, alone in its line
+
+
+class RoundMismatch(OdcMismatchError):
+    """Ranks met in a kernel barrier from different collectives: each raises, and every rank completed the round,
+    so the rounds stay aligned and the transport stays usable."""
+
+
+class SymmTransport(HostTransport):
+    """Triton kernels over peer pointers for the data plane; the host control plane for rounds and liveness."""
+
+    name = "symm-cpu"
+    device_type = "cpu"
+    capabilities = Capabilities(signals=True, group_fences=True, nodes=False)
+
+    def __init__(self, rank: int, world_size: int, job: str, **kwargs: object) -> None:
+        super().__init__(rank, world_size, job, **kwargs)
+        from odc_runtime.kernels import peer as kernels  # after the caller set the interpreter up (cpu.py)
+
+        self.kernels = kernels
+        # First allocation of the same sequence on every rank: offset 0 everywhere.
+        self._row_bytes = -(-world_size * 8 // ALIGNMENT) * ALIGNMENT
+        self._words_bytes = _ABORT_BYTES + (1 + MAX_GROUPS) * self._row_bytes
+        self._words = self._allocator.alloc(self._words_bytes, "the transport's signal and abort words")
+        self.heap: PeerHeap | None = None
+        self._abort_lock = threading.Lock()
+
+    # -- setup ----------------------------------------------------------------------------------------
+    def create_segment(self) -> tuple[int, int]:
+        identity = super().create_segment()
+        seg = self.segments.get(self.rank)
+        self.segments.reserve(seg.fd, CONTROL_BYTES + self._words, self._words_bytes, "the signal and abort words")
+        return identity
+
+    def map_peers(self, identities: Sequence[tuple[int, int, str]]) -> None:
+        super().map_peers(identities)
+        self.heap = self.open_heap()
+        self._table = self.heap.peer_bases
+        self._members = torch.arange(self.world_size, dtype=torch.int32, device=self.heap.device)
+        self._abort = self._int64(self._words, 1)
+
+    def open_heap(self) -> PeerHeap:
+        """The symmetric heap the kernels work on (called once every rank mapped every segment): here the
+        segments' heaps; a transport over another provider overrides this (and ``alloc``, which views and
+        reserves segment memory)."""
+        return SegmentHeap(self.segments, self.rank, self.world_size, self._allocator.capacity)
+
+    def _int64(self, offset: int, numel: int) -> torch.Tensor:
+        """``numel`` int64 words at byte ``offset`` of this rank's heap."""
+        assert self.heap is not None
+        return self.heap.local[offset : offset + 8 * numel].view(torch.int64)
+
+    def _row_offset(self, row: int) -> int:
+        return self._words + _ABORT_BYTES + row * self._row_bytes
+
+    # -- one-sided operations -------------------------------------------------------------------------
+    def plan(self, buf: SymmetricBuffer, kind: str, pieces: Sequence[Piece]) -> TransferPlan:
+        return SymmPlan(self, buf, kind, pieces, self.stream_key())
+
+    def _rows(self, buf: SymmetricBuffer, peers_offsets_tensors: list[tuple[int, int, torch.Tensor]]) -> tuple:
+        """The descriptor tensor of ``(peer, byte offset in the peer's heap, local address, numel)`` rows."""
+        itemsize = buf.dtype.itemsize
+        if any(t.device != self.device for _, _, t in peers_offsets_tensors):
+            raise OdcUsageError(f"symm: local tensors must be on {self.device} (the kernels read them there)")
+        rows = [(p, buf.handle + off * itemsize, t.data_ptr(), t.numel()) for p, off, t in peers_offsets_tensors]  # type: ignore[operator]
+        desc = torch.tensor(rows, dtype=torch.int64, device=self.device).reshape(-1, 4)
+        return desc, max((r[3] for r in rows), default=0)
+
+    def _fetch_now(self, buf: SymmetricBuffer, requests: Sequence[FetchRequest]) -> None:
+        self.check_usable("fetch")
+        work = [(r.peer, r.offset, r.dst) for r in requests if r.dst.numel()]
+        if not work:
+            return
+        if any(not t.is_contiguous() or t.dtype != buf.dtype for _, _, t in work):
+            raise OdcUsageError(f"symm fetch: destinations must be contiguous {buf.dtype} tensors")
+        desc, longest = self._rows(buf, work)
+        self.kernels.fetch(self._table, desc, longest, buf.dtype)
+
+    def _push_now(self, buf: SymmetricBuffer, requests: Sequence[PushRequest], scale: float) -> None:
+        self.check_usable("push")
+        if buf.dtype != torch.float32:
+            raise OdcUsageError(f"symm push: accumulators are float32, buffer {buf.tag!r} is {buf.dtype}")
+        by_dtype: dict[torch.dtype, list[tuple[int, int, torch.Tensor]]] = {}
+        for r in requests:
+            if r.src.numel():
+                src = r.src.detach().reshape(-1).contiguous()
+                by_dtype.setdefault(src.dtype, []).append((r.peer, r.offset, src))
+        launches = [(dtype, *self._rows(buf, work)) for dtype, work in by_dtype.items()]
+
+        def launch_all() -> None:
+            for dtype, desc, longest in launches:
+                self.kernels.push(self._table, desc, longest, scale, dtype)
+
+        self.fail_stop("push", "part of the push may have landed", launch_all)
+
+    # -- signalled puts -------------------------------------------------------------------------------
+    def _signal_offset(self, signal: SymmetricBuffer, index: int) -> int:
+        if signal.dtype != torch.int64 or not 0 <= index < signal.numel:
+            raise OdcUsageError(
+                f"symm signal: word {index} of a {signal.dtype} buffer of {signal.numel}; signals are int64 words"
+            )
+        return signal.handle + index * 8  # type: ignore[operator]
+
+    def put_signal(self, buf: SymmetricBuffer, requests: Sequence[PutRequest], signal: SymmetricBuffer) -> None:
+        self.check_usable("put_signal")
+        self.quiet()  # asynchronous operations issued before come first, as on a stream
+        work, words = [], []
+        for req in requests:  # validate everything before writing anything
+            if req.src.dtype != buf.dtype or req.offset < 0 or req.offset + req.src.numel() > buf.numel:
+                raise OdcUsageError(
+                    f"symm put_signal: {req.src.numel()} {req.src.dtype} elements at offset {req.offset} do not fit "
+                    f"buffer {buf.tag!r} ({buf.numel} {buf.dtype})"
+                )
+            words.append(self._signal_offset(signal, req.signal_index))
+            work.append((req.peer, req.offset, req.src.detach().reshape(-1).contiguous()))
+        if not work:
+            return
+        desc, longest = self._rows(buf, work)
+        offsets = torch.tensor(words, dtype=torch.int64, device=self.device)
+        counters = torch.zeros(len(words), dtype=torch.int64, device=self.device)
+        self.fail_stop(
+            "put_signal", "some of its puts were delivered",
+            lambda: self.kernels.put_signal(self._table, desc, longest, buf.dtype, offsets, counters),
+        )
+
+    def wait_signal(self, signal: SymmetricBuffer, index: int, value: int, op: str, peers: Sequence[int]) -> None:
+        self.check_usable(shorten(op))
+        self.quiet()  # as on a stream: this rank's earlier asynchronous operations come first
+        word = self._int64(self._signal_offset(signal, index), 1)
+        status = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self._watched(
+            op, list(peers) or [self.rank], lambda _: int(word.item()) >= value, lambda _: None,
+            f" (their puts did not arrive: signal word {index} stayed below {value})",
+            lambda: self.kernels.wait(word, value, self._abort, status), status,
+        )
+
+    # -- barriers -------------------------------------------------------------------------------------
+    def barrier(self, op: str = "barrier") -> None:
+        self.check_usable(shorten(op))
+        self._quiet_then_meet(lambda: self.fail_stop(shorten(op), "this rank announced its arrival",
+                                                     lambda: self._world_round(op), aligned=(RoundMismatch,)))
+
+    def _world_round(self, op: str) -> None:
+        digest = op_digest(op)
+        # Rounds stay aligned with exchange(): the same epochs, and the marker payload tells a peer's watchdog that
+        # this round is a kernel barrier (which will meet it) rather than an exchange (which never will).
+        self.control.announce(digest, op.encode()[:NAME_BYTES], _BARRIER_MARK)
+        epoch = self.control.epoch
+        peers = [p for p in range(self.world_size) if p != self.rank]
+        self._kernel_barrier(op, 0, self._members, peers, epoch, lambda p: self._watch_world(op, digest, p))
+        for p in peers:  # the kernel met every peer in this round: it must have been the same collective
+            other = self._other_op(digest, p)
+            if other is not None:  # every rank completed the round, so the rounds stay aligned: an ordinary error
+                raise RoundMismatch(self._mismatch(op, p, other))
+
+    def _other_op(self, digest: bytes, peer: int) -> tuple[str, bytes] | None:
+        """``(name, payload)`` of the collective ``peer`` announced at this round if it is not ours, else ``None``
+        (also while it has not reached the round). A peer is at most one round ahead, so its op at our round is
+        its current or its previous one."""
+        state = self.control.read(peer)
+        epoch = self.control.epoch
+        if state.epoch < epoch:
+            return None
+        at_ours = state.epoch == epoch
+        theirs, name = (state.digest, state.name) if at_ours else (state.prev_digest, state.prev_name)
+        if theirs == digest:
+            return None
+        return name.decode(errors="replace"), self.control.payload(state, epoch)
+
+    def _mismatch(self, op: str, peer: int, other: tuple[str, bytes]) -> str:
+        return (
+            f"odc collective mismatch at barrier #{self.control.epoch}: rank {self.rank} is in {shorten(op)!r} but "
+            f"rank {peer} is in {other[0]!r}; every rank must call the same collectives (shard, free, sync, "
+            "finalize) in the same order"
+        )
+
+    def _watch_world(self, op: str, digest: bytes, peer: int) -> None:
+        """While waiting for ``peer`` in a world barrier: it is in an exchange (not a barrier, so it never meets
+        this one) at this round, or it waits in a group fence for this rank."""
+        other = self._other_op(digest, peer)
+        if other is not None and other[1] != _BARRIER_MARK:
+            raise OdcMismatchError(self._mismatch(op, peer, other))
+        self.fences.check_not_waiting_for_us(op, peer)
+
+    def _fence(self, op: str, group: Group) -> None:
+        """One group fence (the host transport's ``group_barrier`` validates and wraps it): the kernel barrier on
+        the group's row, its fence number published on the control page for crossed-collective detection."""
+        epoch = self.fences.enter(group)
+        members = torch.tensor(group.ranks, dtype=torch.int32, device=self.device)
+        peers = [p for p in group.ranks if p != self.rank]
+        self._kernel_barrier(op, 1 + group.index, members, peers, epoch, lambda p: self._check_not_crossed(op, p),
+                             what=f" (group fence #{epoch} of ranks {list(group.ranks)})")
+        self.fences.leave(group, epoch)
+
+    def _kernel_barrier(self, op: str, row: int, members: torch.Tensor, peers: list[int], epoch: int,
+                        watch: Callable[[int], None], what: str = "") -> None:
+        offset = self._row_offset(row)
+        words = self._int64(offset, self.world_size)
+        status = torch.zeros(1 + members.numel(), dtype=torch.int64, device=self.device)
+        self._watched(
+            op, peers, lambda p: int(words[p]) >= epoch, watch, what,
+            lambda: self.kernels.barrier(self._table, members, self.rank, offset, epoch, self._abort, status),
+            status,
+        )
+
+    # -- the watchdog -----------------------------------------------------------------------------------
+    def _watched(self, op: str, peers: list[int], arrived: Callable[[int], bool], watch: Callable[[int], None],
+                 what: str, launch: Callable[[], None], status: torch.Tensor) -> None:
+        """Run a waiting kernel (``launch``) under the host's bounded wait on a watchdog thread.
+
+        The watchdog polls what the kernel waits for (``arrived``; on a GPU only the kernel's completion, since a
+        read of device memory would queue behind the spinning kernel), checks liveness, peer status and ``watch``
+        every liveness period, and at the first error (dead or failed peer, crossed collective, ``ODC_TIMEOUT``)
+        records it and raises the abort word, which ends the kernel's spin; the error is raised here."""
+        done = threading.Event()
+        errors: list[BaseException] = []
+        on_host = self.device.type == "cpu"
+
+        def guard() -> None:
+            try:
+                self._wait_for_peers(op, peers, lambda p: done.is_set() or (on_host and arrived(p)), watch, what)
+            except BaseException as e:  # typed OdcError (recorded as the failure) or anything unexpected
+                errors.append(e)
+                self._raise_abort()
+
+        thread = threading.Thread(target=guard, name="odc-symm-watchdog", daemon=True)
+        thread.start()
+        try:
+            launch()
+            if not on_host:  # the kernel leaves its spin when the watchdog raises the abort word
+                event = torch.cuda.Event()
+                event.record()
+                event.synchronize()
+        finally:
+            done.set()
+            thread.join()
+        if int(status[0]) != _DONE:
+            if errors:
+                raise errors[0]
+            raise self.fail(OdcBackendError(f"odc {shorten(op)}: the wait was aborted (the abort word is raised)"))
+        if errors:  # the kernel finished just as the deadline passed: the transport is failed anyway
+            raise errors[0]
+
+    def _raise_abort(self) -> None:
+        """Raise this rank's abort word: every waiting kernel of this rank leaves its spin. Never lowered. On a GPU
+        the store goes through a side stream (a pool stream does not wait for the stream of the spinning kernel)."""
+        with self._abort_lock:
+            if self.device.type == "cpu":
+                self._abort.fill_(1)
+                return
+            side = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(side):
+                self._abort.fill_(1)
+            side.synchronize()
+
+    # -- teardown -------------------------------------------------------------------------------------
+    def finalize(self) -> None:
+        heap, self.heap = self.heap, None
+        try:
+            super().finalize()
+        finally:
+            if heap is not None:
+                heap.close()

@@ -1,0 +1,146 @@
+"""The PTX ordering check (``odc_runtime.kernels.ptx``): kernels compiled for sm_80/90/100 with no GPU, their
+ordered memory operations compared with each module's declared table.
+
+The compiling runs in one child process without ``TRITON_INTERPRET`` (other tests of this pytest process may have
+defined the kernels under the interpreter, which cannot be compiled). It checks the project's kernel modules (the
+transport's ``kernels/peer.py``), the protocol-shaped kernels of ``tests/_ptx_kernels.py``, two of
+them written wrong on purpose, and every ``sem=`` / ``scope=`` literal of the right ones changed in turn.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from odc_runtime.kernels import ptx
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = ["tests._ptx_kernels", *(m for m in ptx.DEFAULT_MODULES if importlib.util.find_spec(m) is not None)]
+
+
+# The CLI (kernels/peer.py declares its own ORDERING / PTX_ARGS / PTX_HELPERS next to its kernels).
+_CHILD = """
+import sys
+from odc_runtime.kernels import ptx
+sys.exit(ptx.main(sys.argv[1:]))
+"""
+
+@functools.cache
+def _report() -> tuple[int, dict, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, "--json", "--mutants", *MODULES],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+    )
+    try:
+        return proc.returncode, json.loads(proc.stdout), proc.stderr
+    except json.JSONDecodeError:
+        pytest.fail(f"no ptx report (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (pip install '.[triton]')")
+
+
+@needs_triton
+@pytest.mark.timeout(300)
+def test_targets() -> None:
+    _, report, _ = _report()
+    assert 90 in report["archs"], report  # Hopper is the transport's main target: it must be checked
+    assert set(report["archs"]) | set(report["unsupported_archs"]) == set(ptx.ARCHS)
+
+
+@needs_triton
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("module", MODULES)
+def test_right_kernels_have_exactly_their_declared_ordering(module: str) -> None:
+    _, report, _ = _report()
+    entry = report["modules"][module]
+    for case, r in entry["cases"].items():
+        if "wrong" not in case:
+            assert r["problems"] == [], (case, r)
+    assert entry["mutants"]["survivors"] == [], entry["mutants"]
+
+
+@needs_triton
+@pytest.mark.timeout(300)
+def test_a_wrong_sem_or_scope_fails_the_check() -> None:
+    rc, report, _ = _report()
+    assert rc == 1  # the CLI fails on them
+    cases = report["modules"]["tests._ptx_kernels"]["cases"]
+    archs = report["archs"]
+    sem = [p.split(": ")[1] for p in cases["_signal_wrong_sem_kernel"]["problems"]]
+    assert sem == ["missing atom.add.release.sys", "unexpected atom.add.relaxed.sys"] * len(archs)
+    scope = [p.split(": ")[1] for p in cases["_push_wrong_scope_kernel"]["problems"]]
+    assert scope == ["missing atom.add.relaxed.sys", "unexpected atom.add.relaxed.gpu"] * len(archs)
+    # Each literal of the three right kernels changed in turn (8 literals), every change caught.
+    assert report["modules"]["tests._ptx_kernels"]["mutants"]["tried"] == 8
+
+
+# -- the PTX reading, on hand-written lines (no triton needed) ----------------------------------------------------
+PTX = """
+    ld.param.b64 	%rd4, [k_param_0];
+    @%p1 red.global.sys.relaxed.add.f32 [ %rd1 + 0 ], %r1;
+    @%p2 red.global.sys.relaxed.add.v4.f32 [ %rd1 + 0 ], {%r1, %r2, %r3, %r4};
+    @%p3 atom.global.acquire.gpu.cas.b32 %r4, [ %rd3 + 0 ], %r5, %r2;
+    @!%p3 atom.global.exch.b32 %r6, [ %rd3 + 0 ], %r5;
+    ld.volatile.global.b32 { %r3 }, [ %rd3 + 0 ];
+    @%p3 ld.global.sys.acquire.b32 %r10, [ %rd3 + 0 ];
+    st.release.sys.global.u32 [%rd5], %r1;
+    ld.global.b32 %r1, [%rd2];
+    ld.global.nc.v4.b32 {%r1, %r2, %r3, %r4}, [%rd2];
+    st.shared::cta.b32 [ %r11 + 0 ], %r10;
+    atom.shared.add.u32 %r1, [%r2], 1;
+    ld.shared.b32 	%r12, [global_smem];
+    fence.acq_rel.sys;
+    fence.proxy.async.shared::cta;
+    membar.gl;
+"""
+
+
+def test_accesses_reads_scope_and_semantics() -> None:
+    found = ptx.accesses(PTX)
+    assert sorted(map(str, found)) == [
+        "atom.add.relaxed.sys",  # red = atom without a result; the vector form is the same operation
+        "atom.cas.acquire.gpu",
+        "atom.exch.relaxed.gpu",  # no .sem / .scope: PTX's defaults
+        "fence.acq_rel.sys",
+        "fence.sc.gpu",  # membar.gl
+        "ld.acquire.sys",
+        "ld.volatile.sys",
+        "st.release.sys",
+    ]  # weak, non-coherent, shared-memory, param and proxy-fence operations are not ordering
+    assert found[ptx.Access("atom.add", "relaxed", "sys")].startswith("@%p1 red.global.sys.relaxed.add.f32")
+
+
+def test_table_entries() -> None:
+    assert ptx.Access.of(("red.add", "release", "sys")) == ptx.Access("atom.add", "release", "sys")
+    with pytest.raises(ValueError, match="bad ordering entry"):
+        ptx.Access.of(("atom.add", "release", "system"))
+
+
+@needs_triton
+def test_every_kernel_of_a_module_needs_a_case() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set in this process: triton.jit makes interpreted functions")
+    import triton
+
+    mod = types.ModuleType("fake_kernels")
+    mod.k = triton.jit(ptx._probe_kernel().fn)
+    mod.ORDERING = {}
+    mod.PTX_ARGS = {}
+    with pytest.raises(ValueError, match=r"without a declared ordering: \['k'\]"):
+        ptx.cases(mod)
+    mod.PTX_HELPERS = ("k",)
+    assert ptx.cases(mod) == []
+    mod.ORDERING = {"k": []}
+    with pytest.raises(ValueError, match="only in ORDERING"):
+        ptx.cases(mod)

@@ -1,0 +1,225 @@
+"""The one-node Triton transport on CPU ranks (``symm-cpu``): its kernels executed by the Triton interpreter across
+processes, under the scenarios the host transport passes (the transport contract runs on it from
+``tests/test_transport_contract.py``, which covers every registered transport).
+
+Each test reuses a rank function of another test module unchanged: :func:`_on` runs it with ``odc.init("host")``
+(or ``odc.init()``) answered by the backend under test, so the same assertions hold the same exact values. Small
+tensors only: an interpreted launch costs tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from _dist import run_ranks
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+BACKEND = "symm-cpu"
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+def _on(rank: int, world: int, backend: str, fn: Callable, *args: Any) -> Any:
+    """Run ``fn(rank, world, *args)`` with every ``odc.init("host")`` / ``odc.init()`` initialising ``backend``."""
+    import odc_runtime as odc
+
+    real = odc.init
+
+    def init(name: str | None = None, **kwargs: Any) -> None:
+        real(backend if name in (None, "host") else name, **kwargs)
+        assert odc.backend() == backend
+
+    odc.init = init
+    return fn(rank, world, *args)
+
+
+def run_on_symm(fn: Callable, world: int, *args: Any, **kwargs: Any) -> list[Any]:
+    return run_ranks(_on, world, BACKEND, fn, *args, **kwargs)
+
+
+# -- core API (tests/test_core.py) ----------------------------------------------------------------------------
+def test_fetch_push_sync_all_dtypes_uneven() -> None:
+    from test_core import _rank_roundtrip
+
+    run_on_symm(_rank_roundtrip, 3, (7, 11), timeout=180)
+
+
+def test_concurrent_pushes_are_exact() -> None:
+    from test_core import _rank_concurrent
+
+    run_on_symm(_rank_concurrent, 4, 4, timeout=180)
+
+
+def test_misuse_raises_typed_errors_and_changes_nothing() -> None:
+    from test_core import _rank_misuse
+
+    run_on_symm(_rank_misuse, 2, timeout=120)
+
+
+def test_dead_peer_is_reported_at_once_and_once(tmp_path) -> None:
+    from test_core import _rank_dies
+
+    run_on_symm(_rank_dies, 3, env={"ODC_TIMEOUT": "600", "ODC_SHM_DIR": str(tmp_path)}, expect_exit={1}, timeout=120)
+    assert os.listdir(tmp_path) == [], "segments left behind after a crashed job"
+
+
+def _rank_absent(rank: int, world: int) -> tuple[str, str, float]:
+    """Rank 1 stays alive but never enters the sync: the others' barrier kernels must give up at ODC_TIMEOUT."""
+    import torch
+    import torch.distributed as dist
+
+    import odc_runtime as odc
+
+    odc.init()
+    st = odc.shard(torch.zeros(10))
+    odc.push(st, torch.ones(10))
+    kind, message, waited = "no error", "", 0.0
+    if rank != 1:
+        start = time.monotonic()
+        try:
+            odc.sync()
+        except odc.OdcTimeoutError as e:
+            kind, message = type(e).__name__, str(e)
+        waited = time.monotonic() - start
+    dist.barrier()  # rank 1 leaves only after the others gave up
+    if rank == 1:
+        from odc_runtime import testing
+
+        testing.abandon()
+    return kind, message, waited
+
+
+def test_absent_peer_times_out_naming_it() -> None:
+    results = run_on_symm(_rank_absent, 3, env={"ODC_TIMEOUT": "3"}, timeout=90)
+    for rank in (0, 2):
+        kind, message, waited = results[rank]
+        assert kind == "OdcTimeoutError", results[rank]
+        assert "rank 1 (pid" in message and "timed out after 3 s" in message, message
+        assert 3 <= waited < 20, waited
+
+
+# -- FSDP2 ODC mode (tests/test_fsdp.py) ----------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_fsdp_odc_mode_equal_unequal_and_zero_microbatches() -> None:
+    import _fsdp_harness as h
+
+    plan = [
+        ("unequal", "scenario_vs_reference", (2, [1, 2, 3], {})),
+        ("zero_clip", "scenario_vs_reference", (2, [0, 2, 1], {"clip": 0.5})),
+        ("equal_vs_fsdp", "scenario_vs_fsdp", (2, 2, {})),
+    ]
+    suite = run_on_symm(h._with_odc, 3, h.run_suite, plan, timeout=280)
+    for key in ("unequal", "zero_clip"):
+        h.check_vs_reference(h.results(suite, key), 1e-5)
+    for res in h.results(suite, "equal_vs_fsdp"):
+        assert max(res["diff"]) < 1e-5, res
+
+
+# -- the gang exchange of split samples (tests/test_gang.py) --------------------------------------------------
+@pytest.mark.timeout(240)
+def test_split_sample_equals_unsplit() -> None:
+    from test_gang import _check_against_reference, _gangs_rank
+
+    gangs = [(17, 3, (0, 1, 2))]
+    _check_against_reference(run_on_symm(_gangs_rank, 3, gangs, 1, timeout=220), gangs)
+
+
+def test_gang_member_that_leaves_is_a_timeout() -> None:
+    from test_gang import _faulty_rank
+
+    results = run_on_symm(_faulty_rank, 2, "leave", timeout=90, env={"ODC_TIMEOUT": "3"}, expect_exit={1})
+    kind, message = results[0]
+    assert kind == "OdcTimeoutError", results[0]
+    assert "odc gang 0 (sample 0) layer 0: forward K/V: join (it started the gang) from rank 1" in message
+
+
+# -- the hierarchy on virtual nodes (tests/test_hierarchy.py) -------------------------------------------------
+@pytest.mark.timeout(300)
+def test_hierarchy_push_and_fetch_are_exact_with_virtual_nodes() -> None:
+    from test_hierarchy import WORLD, _rank_exact
+
+    run_on_symm(_rank_exact, WORLD, 2, timeout=280)
+
+
+# -- group fences (tests/test_groups.py) ----------------------------------------------------------------------
+def test_groups_shard_fetch_push_sync_exact() -> None:
+    from test_groups import _rank_groups
+
+    run_on_symm(_rank_groups, 4, [2, 2], {0: 2, 1: 3}, timeout=180)
+
+
+def test_crossed_group_and_world_sync_is_a_mismatch_not_a_hang() -> None:
+    from test_groups import _rank_crossed
+
+    run_on_symm(_rank_crossed, 4, env={"ODC_TIMEOUT": "6"}, timeout=110)
+
+
+# -- the signalled put's ordering, where the interpreter can show it -------------------------------------------
+def _rank_put_many_blocks(rank: int, world: int, numel: int) -> None:
+    """Rank 0 puts rows of several kernel blocks into rank 1; rank 1 reads the data as soon as the signal counts
+    it. The interpreter runs a launch's blocks one after another, so a signal issued before the last block stored
+    its data is seen with data missing."""
+    import torch
+
+    import odc_runtime as odc
+    from odc_runtime import testing
+    from odc_runtime.transport.base import PutRequest
+
+    odc.init()
+    t = testing.transport()
+    buf = t.alloc(numel, torch.float32, tag="rows")
+    signal = t.alloc(1, torch.int64, tag="signal")
+    for rnd in (1, 2, 3):
+        row = torch.arange(numel, dtype=torch.float32) + 1000 * rnd
+        if rank == 0:
+            t.put_signal(buf, [PutRequest(1, row, 0, 0)], signal)
+        else:
+            t.wait_signal(signal, 0, rnd, "rows", [0])
+            assert torch.equal(buf.local, row), f"round {rnd}: data missing after its signal"
+        t.barrier(f"round {rnd}")  # the row is overwritten only after it was read
+    t.free(signal)
+    t.free(buf)
+
+
+def test_put_signal_delivers_every_block_before_the_signal() -> None:
+    run_on_symm(_rank_put_many_blocks, 2, 4 * 4096 + 1, timeout=110)  # 5 blocks of the interpreter's 4096
+
+
+# -- the cached launch descriptors of a plan (odc_runtime/transport/symm/plan.py) ------------------------------------
+def _rank_plan_addresses(rank: int, world: int, numel: int) -> None:
+    """One plan (same shape, dtype, device) used with more caller tensors than it keeps descriptors for, in turn:
+    every fetch lands in the tensor passed and every push adds the tensor passed, exactly."""
+    import torch
+
+    import odc_runtime as odc
+
+    odc.init()
+    full = torch.arange(numel, dtype=torch.float32) * 3 + 1
+    st = odc.shard(full.clone(), name="plan")
+    outs = [torch.full((numel,), -1.0) for _ in range(6)]  # more than a plan keeps (4)
+    for rnd in range(2):
+        for i, out in enumerate(outs):
+            for o in outs:
+                o.fill_(-1.0)
+            odc.fetch(st, out=out)
+            assert torch.equal(out, full), f"round {rnd}: fetch into tensor {i} landed elsewhere"
+            assert all(bool((o == -1.0).all()) for o in outs if o is not out), "a fetch wrote into another tensor"
+    grads = [torch.full((numel,), float(k + 1)) for k in range(6)]
+    for _ in range(2):
+        for g in grads:
+            odc.push(st, g)
+    odc.sync()
+    expected = 2 * world * sum(range(1, 7))  # every rank pushed 1..6 twice
+    assert torch.equal(st.grad, torch.full_like(st.grad, float(expected))), st.grad
+    odc.finalize()
+
+
+def test_plan_descriptors_follow_the_caller_tensor() -> None:
+    run_on_symm(_rank_plan_addresses, 2, 37, timeout=120)
