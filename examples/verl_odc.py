@@ -11,14 +11,14 @@ nothing in veRL is edited. Run it as veRL's own entry point, with the same hydra
         actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True \\
         actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768 \\
         actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 \\
-        actor_rollout_ref.actor.fsdp_config.full_determinism=False \\
         ...   # model, data, rollout, trainer: as for ``python -m verl.trainer.main_ppo``
 
 Config lines that matter: ``strategy=fsdp2`` (ODC mode is for FSDP2 actors), ``use_dynamic_bsz=True`` on the actor
 and the log-prob pass (that is where counts may differ; fixed ``ppo_micro_batch_size_per_gpu`` gives every rank the
-same count anyway), Ulysses size 1, and no ``full_determinism`` (ODC's one-sided accumulation order is not
-reproducible bitwise). ``PYTHONPATH`` must reach this file on every node: veRL's Ray workers import the worker class
-by module name.
+same count anyway), Ulysses size 1; with ``fsdp_config.full_determinism=True`` also ``ODC_DETERMINISTIC=1`` in
+the workers' environment (``+ray_kwargs.ray_init.runtime_env.env_vars.ODC_DETERMINISTIC='1'``), else ODC's
+arrival-order sums are not reproducible bitwise. ``PYTHONPATH`` must reach this file on every node: veRL's Ray
+workers import the worker class by module name.
 
 What runs where. ``tests/test_verl_real.py`` runs this worker class on the CPU (2 gloo ranks, a tiny random Qwen2):
 ``init_model`` (actor role), ``compute_log_prob``, ``update_actor`` and a checkpoint round trip, against stock veRL.

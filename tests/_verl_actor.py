@@ -5,7 +5,8 @@ a tiny random Qwen2 saved to a local directory (no hub download), then for each 
 log-probs) and ``update_actor`` on this rank's share of a synthetic batch, called as veRL's trainer calls them
 (padded DataProto → no-padding TensorDict, the same meta keys), then a checkpoint round trip. In ODC mode the
 worker is the recipe's subclass from ``examples/verl_odc.py``. :class:`RunSpec` says what to run; a mode is a field
-there that maps to config lines (``full_determinism`` is one; the test does not set it yet).
+there that maps to config lines (``full_determinism`` is one) or to the workers' environment (``ODC_DETERMINISTIC``,
+as a veRL user sets it through Ray's ``runtime_env``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class RunSpec:
     mini_batches: int = 2
     samples: int = 16  # per step, all ranks together
     full_determinism: bool = False  # veRL's fsdp_config.full_determinism (deterministic kernels, fixed seeds)
+    odc_deterministic: bool = False  # ODC_DETERMINISTIC=1 in the worker's environment (odc.init reads it)
+    pushes_last: int = -1  # test only: this rank's pushes wait until the other ranks' landed (see _order_pushes)
+    order_dir: str = ""  # with pushes_last: a directory shared by the ranks
 
 
 def build_model(path: str, seed: int = 0) -> None:
@@ -170,6 +174,47 @@ def _step(worker, rank: int, world: int, spec: RunSpec, step: int) -> tuple[Any,
     return logp.numpy(), (dict(tu.get(out, "metrics")) if out is not None else None)
 
 
+def _order_pushes(spec: RunSpec, rank: int):
+    """Force the arrival order of every PPO mini-batch's pushes: rank ``spec.pushes_last``'s wait until every other
+    rank entered the mini-batch's closing ``odc.sync`` (its pushes are synchronous, so they have all landed). Each
+    rank counts its ``odc.sync`` calls (collective: the same sequence on every rank); the others mark each entry
+    with a file in ``spec.order_dir``. Returns the function that restores ``odc.push`` and ``odc.sync``."""
+    import time
+
+    import odc_runtime as odc
+
+    push, sync, synced = odc.push, odc.sync, [0]
+
+    def marking_sync(*args, **kwargs):
+        synced[0] += 1
+        open(os.path.join(spec.order_dir, f"{rank}.{synced[0]}"), "w").close()
+        return sync(*args, **kwargs)
+
+    def counting_sync(*args, **kwargs):
+        sync(*args, **kwargs)
+        synced[0] += 1
+
+    def waiting_push(*args, **kwargs):
+        world = int(os.environ["WORLD_SIZE"])
+        marks = [os.path.join(spec.order_dir, f"{r}.{synced[0] + 1}") for r in range(world) if r != rank]
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(m) for m in marks):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank}: the other ranks never reached sync {synced[0] + 1}")
+            time.sleep(0.005)
+        return push(*args, **kwargs)
+
+    if rank == spec.pushes_last:  # the FSDP hooks call odc.push and odc.sync through the module
+        odc.push, odc.sync = waiting_push, counting_sync
+    else:
+        odc.sync = marking_sync
+
+    def restore():
+        odc.push, odc.sync = push, sync
+
+    return restore
+
+
 def run(rank: int, world: int, specs: list[RunSpec]) -> list[dict]:
     """Every spec in turn on this rank (one process: veRL imports once); per spec the micro-batch counts per pass,
     update_actor's metrics, the final parameters and, if ``spec.ckpt_dir``, the checkpoint round trip's results."""
@@ -179,8 +224,13 @@ def run(rank: int, world: int, specs: list[RunSpec]) -> list[dict]:
     import numpy as np
     import verl.workers.engine.utils as eu
 
+    import odc_runtime as odc
+
     results = []
     for spec in specs:
+        # Each ODC run initialises its own runtime in its mode (attach_engine's odc.init reads ODC_DETERMINISTIC).
+        os.environ["ODC_DETERMINISTIC"] = "1" if spec.odc_deterministic else "0"
+        restore = _order_pushes(spec, rank) if spec.pushes_last >= 0 else lambda: None
         worker = worker_class(spec.odc)(config=load_config(spec).actor_rollout_ref, role="actor")
         worker.init_model()
         # Micro-batches per pass, planned at the site veRL's engine calls (ODC's router included when installed).
@@ -207,6 +257,8 @@ def run(rank: int, world: int, specs: list[RunSpec]) -> list[dict]:
                 result["ckpt_logp_equal"] = bool(np.array_equal(logp_saved, logp_loaded))
         finally:
             eu.rearrange_micro_batches = planner
+            restore()
         results.append(result)
         del worker
+        odc.finalize()  # collective, a no-op in stock runs; the next ODC run may use another mode
     return results

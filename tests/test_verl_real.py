@@ -13,7 +13,12 @@ one pair of processes (veRL imports once). Checked:
   different token budget, i.e. other micro-batches); per-mini-batch ``grad_norm`` and ``loss`` likewise (Adam hides
   a gradient scale error from the parameters, not from these);
 - one micro-batch per pass on both (a budget above each rank's share): bitwise equal parameters and metrics;
-- ODC checkpoint round trip: save, train a step, load: parameters and log-probs back bitwise.
+- ODC checkpoint round trip: save, train a step, load: parameters and log-probs back bitwise;
+- veRL's ``full_determinism`` on and ``ODC_DETERMINISTIC=1`` in the workers' environment: two runs whose pushes are
+  forced into opposite arrival orders (each PPO mini-batch: all of rank 1's pushes land before rank 0's, then the
+  reverse) give bitwise equal parameters and metrics, within stock's noise floor. This pair does not show teeth:
+  the same pair in ODC's default mode also came out bitwise equal here (2 ranks, each owner adds 3 pushes per
+  mini-batch); ``tests/test_deterministic.py`` shows the default mode differing under forced orders.
 
 veRL is heavy (ray, transformers, hydra, ...), so it lives in a cached venv (``.ci/verl.sh``); elsewhere this file
 skips, unless ``ODC_REQUIRE_VERL=1`` (set by ``.ci/verl.sh``) makes that a failure.
@@ -66,12 +71,22 @@ def test_verl_actor_in_odc_mode_matches_stock(tmp_path):
 
     model = str(tmp_path / "qwen2")
     build_model(model)
+    for r in (0, 1):
+        (tmp_path / f"order{r}").mkdir()
     runs = {
         "stock": RunSpec(odc=False, model_dir=model),
         "stock_other_micro_batches": RunSpec(odc=False, model_dir=model, max_tokens=32),
         "odc": RunSpec(odc=True, model_dir=model, ckpt_dir=str(tmp_path / "ckpt")),
         "stock_one_micro_batch": RunSpec(odc=False, model_dir=model, max_tokens=1000),
         "odc_one_micro_batch": RunSpec(odc=True, model_dir=model, max_tokens=1000),
+        # last: full_determinism turns on torch.use_deterministic_algorithms for the rest of the process
+        **{
+            f"det_rank{r}_pushes_last": RunSpec(
+                odc=True, model_dir=model, full_determinism=True, odc_deterministic=True, pushes_last=r,
+                order_dir=str(tmp_path / f"order{r}"),
+            )
+            for r in (0, 1)
+        },
     }
     per_rank = run_ranks(_verl_actor.run, 2, list(runs.values()), timeout=560, env=ENV)
     res = {name: [rank[i] for rank in per_rank] for i, name in enumerate(runs)}  # name -> per-rank results
@@ -105,3 +120,13 @@ def test_verl_actor_in_odc_mode_matches_stock(tmp_path):
 
     for r in res["odc"]:
         assert r["ckpt_params_equal"] and r["ckpt_logp_equal"], r
+
+    # full_determinism + ODC's deterministic mode: the same bits whatever the arrival order
+    det0, det1 = res["det_rank0_pushes_last"][0], res["det_rank1_pushes_last"][0]
+    assert det0["counts"] == odc["counts"][: len(det0["counts"])]  # the unequal micro-batches of the ODC run
+    assert _max_diff(det0["params"], det1["params"]) == 0.0
+    for key in ("grad_norm", "loss", "actor/pg_loss", "actor/ppo_kl"):
+        assert np.array_equal(_series(det0, key), _series(det1, key)), key
+    # deterministic mode's exact sums rounded once stay within the noise floor of stock's fp32 sums
+    det_err = _max_diff(stock["params"], det0["params"])
+    assert det_err <= 1.5 * floor, (floor, det_err)
