@@ -6,10 +6,12 @@ reference on realistic gradients, their memory, and the host cost of the chosen 
   each candidate and compared with the fp64 sum: fp32 in arrival order (the default mode; several random orders),
   int64 fixed point with a per-tensor bound adapted at the minibatch boundary (the chosen design), the same in a
   tensor's first minibatch (initial bound), one bound for the whole model, and a bound-free binned accumulator.
-* ``cost``: the host transport at world 1, ``odc.push`` of 4 KiB and 4 MiB fp32 gradients and ``odc.sync``,
-  deterministic vs default, host microseconds per call and push throughput; memory per rank.
+* ``cost``: each of ``--backends`` (host; symm-cpu: the Triton transport's kernels under the interpreter, for
+  correctness only, its figures are the interpreter's) at world 1, ``odc.push`` of 4 KiB and 4 MiB fp32 gradients
+  and ``odc.sync``, deterministic vs default, host microseconds per call and push throughput; memory per rank.
 
-    python bench/determinism.py [--ranks 8] [--micro 4] [--runs 5] [--json PATH] [--plot none]
+    python bench/determinism.py [--ranks 8] [--micro 4] [--runs 5] [--backends host,symm-cpu] [--json PATH]
+                                 [--plot none]
 """
 
 from __future__ import annotations
@@ -141,14 +143,15 @@ def _per_call_us(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter_ns() - start) / calls / 1e3
 
 
-def cost_table(runs: int) -> dict[str, dict[str, float]]:
+def cost_table(runs: int, backend: str = "host") -> dict[str, dict[str, float]]:
     import torch
 
     import odc_runtime as odc
 
+    slow = 100 if backend == "symm-cpu" else 1  # an interpreted launch costs milliseconds: fewer calls
     out: dict[str, dict[str, float]] = {}
     for mode in (False, True):
-        odc.init("host", deterministic=mode)
+        odc.init(backend, deterministic=mode)
         try:
             sts = {k: odc.shard(torch.zeros(n), name=k) for k, n in SIZES.items()}
             grads = {k: torch.randn(n) * 1e-3 for k, n in SIZES.items()}
@@ -160,7 +163,7 @@ def cost_table(runs: int) -> dict[str, dict[str, float]]:
                 st.zero_grad()
             row: dict[str, float] = {}
             for k, st in sts.items():
-                calls = 2000 if SIZES[k] <= 1024 else 20
+                calls = max(2, (2000 if SIZES[k] <= 1024 else 20) // slow)
                 samples = []
                 for _ in range(runs):
                     samples.append(_per_call_us(lambda st=st, g=grads[k]: odc.push(st, g), calls))
@@ -173,12 +176,13 @@ def cost_table(runs: int) -> dict[str, dict[str, float]]:
                 odc.push(st, grads[k])
             small, g = sts["4 KiB"], grads["4 KiB"]
             row["sync us"] = statistics.median(
-                _per_call_us(lambda small=small, g=g: (odc.push(small, g), odc.sync()), 50) for _ in range(runs)
+                _per_call_us(lambda small=small, g=g: (odc.push(small, g), odc.sync()), max(5, 50 // slow))
+                for _ in range(runs)
             )
             fixed = odc.api._runtime.fixed
             row["extra bytes/elem"] = 0.0 if fixed is None else fixed.bytes_per_rank() / sum(
                 st._grad.numel for st in sts.values())
-            out["deterministic" if mode else "default"] = row
+            out[f"{backend} {'deterministic' if mode else 'default'}"] = row
         finally:
             odc.finalize()
     return out
@@ -190,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro", type=int, default=4, help="micro-batches per rank (precision)")
     parser.add_argument("--orders", type=int, default=2, help="random arrival orders of the fp32 sum")
     parser.add_argument("--runs", type=int, default=5, help="runs per cost figure (median)")
+    parser.add_argument("--backends", type=lambda v: [b for b in v.split(",") if b], default=["host"],
+                        help="comma-separated transports of the cost table (host, symm-cpu)")
     _common.add_output_args(parser, "determinism")
     return parser
 
@@ -220,7 +226,7 @@ def main() -> None:
     store = tempfile.mktemp(prefix="odc-determinism-")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
-        cost = cost_table(args.runs)
+        cost = {k: v for b in args.backends for k, v in cost_table(args.runs, b).items()}
     finally:
         dist.destroy_process_group()
         if os.path.exists(store):
@@ -229,11 +235,11 @@ def main() -> None:
     _common.print_table(
         ["mode", *ccols], [[k, *(v[c] for c in ccols)] for k, v in cost.items()],
         {
-            "mode": "accumulation mode (host transport, world 1)",
+            "mode": "transport and accumulation mode (world 1; symm-cpu: interpreted kernels, correctness only)",
             **{c: "host microseconds per odc.push of a gradient of that size (median)" for c in ccols if "us" in c
                and "push" in c},
             **{c: "push throughput: gradient bytes per second" for c in ccols if "GB/s" in c},
-            "sync us": "host microseconds per push(4 KiB) + sync() (deterministic: two rounds and the conversion)",
+            "sync us": "host microseconds per push(4 KiB) + sync() (deterministic: three rounds and the conversion)",
             "extra bytes/elem": "symmetric memory the mode adds per shard element (the int64 accumulator)",
         },
         title=f"host cost per call ({args.runs} runs, medians)",

@@ -9,7 +9,8 @@ are shared-memory segments mapped at different addresses in each process.
 Requests are described by rows of an ``int64`` descriptor tensor (one launch per operation, whatever the number of
 peers); program ``(b, r)`` handles block ``b`` of request ``r``. Accumulators are fp32 (the interpreter's fp16
 atomics lose updates across processes and bf16 atomics do not exist there), so sources of any float dtype are
-cast in the kernel. ``ACC`` is a constexpr so that an ``int64`` fixed-point push can reuse the kernel.
+cast in the kernel. ``ACC`` is a constexpr so that deterministic mode's ``int64`` fixed-point push (``int64``
+sources, already quantised: ``odc_runtime.deterministic``) reuses the kernel as an exact integer atomic add.
 
 The kernels use only builtins of ``triton.language``, none of its ``@triton.jit`` library functions (``tl.zeros``,
 ``tl.sum``, ...): those are defined when ``triton.language`` is first imported, and a process that imported it
@@ -41,6 +42,8 @@ ORDERING: dict[str, list[tuple[str, str, str]]] = {
     # lost-update freedom across GPUs: every add one hardware atomic at system scope; no ordering needed (the
     # barrier's release/acquire publishes the sums)
     "push_kernel": [("red.add", "relaxed", "sys")],
+    # the same for deterministic mode's int64 fixed-point push (an integer red.add: exact in any order)
+    "push_kernel:int64": [("red.add", "relaxed", "sys")],
     # plain loads: the barrier before the fetch orders them
     "fetch_kernel": [],
     # data stores, then each block counts itself in (acq_rel); the last block's release add on the peer's signal
@@ -57,6 +60,8 @@ ORDERING: dict[str, list[tuple[str, str, str]]] = {
 PTX_ARGS: dict[str, tuple[dict[str, str], dict[str, object]]] = {
     "push_kernel": ({"table_ptr": "*i64", "desc_ptr": "*i64", "scale": "fp32"},
                     {"SRC": tl.bfloat16, "ACC": tl.float32, "BLOCK": 1024}),
+    "push_kernel:int64": ({"table_ptr": "*i64", "desc_ptr": "*i64", "scale": "fp32"},
+                          {"SRC": tl.int64, "ACC": tl.int64, "BLOCK": 1024}),
     "fetch_kernel": ({"table_ptr": "*i64", "desc_ptr": "*i64"}, {"DT": tl.int16, "BLOCK": 1024}),
     "put_signal_kernel": ({"table_ptr": "*i64", "desc_ptr": "*i64", "sig_ptr": "*i64", "count_ptr": "*i64"},
                           {"DT": tl.int32, "BLOCK": 1024}),
@@ -79,7 +84,8 @@ def _peer_ptr(table_ptr, peer, offset, dtype: tl.constexpr):
 
 @triton.jit
 def push_kernel(table_ptr, desc_ptr, scale, SRC: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
-    """``peer_heap[offset:][:n] += ACC(src[:n]) * scale`` for each descriptor row, with system-scope atomics."""
+    """``peer_heap[offset:][:n] += ACC(src[:n]) * scale`` for each descriptor row, with system-scope atomics;
+    with ``ACC`` int64 (``SRC`` int64 too, ``scale`` ignored) ``peer_heap[offset:][:n] += src[:n]`` exactly."""
     b = tl.program_id(0).to(tl.int64)
     row = desc_ptr + tl.program_id(1).to(tl.int64) * 4
     n = tl.load(row + 3)
@@ -88,8 +94,12 @@ def push_kernel(table_ptr, desc_ptr, scale, SRC: tl.constexpr, ACC: tl.constexpr
         src = tl.load(row + 2).to(tl.pointer_type(SRC))
         offs = b * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        val = tl.load(src + offs, mask=mask, other=0).to(tl.float32) * scale
-        tl.atomic_add(dst + offs, val.to(ACC), mask=mask, sem="relaxed", scope="sys")
+        if ACC == tl.int64:  # noqa: SIM300 (a constexpr parameter, not a constant)
+            # deterministic mode: the source is already quantised; an exact integer add, no cast or scale
+            tl.atomic_add(dst + offs, tl.load(src + offs, mask=mask, other=0), mask=mask, sem="relaxed", scope="sys")
+        else:
+            val = tl.load(src + offs, mask=mask, other=0).to(tl.float32) * scale
+            tl.atomic_add(dst + offs, val.to(ACC), mask=mask, sem="relaxed", scope="sys")
 
 
 @triton.jit

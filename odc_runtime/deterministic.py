@@ -13,9 +13,10 @@ contribution every rank saw in the window before, with headroom. Per element and
   anywhere (checked before any remote effect); the next ``sync`` raises :class:`OdcOverflowError` on every rank,
   discards the window's pushes on every rank (``st.grad`` keeps what it had) and raises the bound to what was
   seen, so the same minibatch retried succeeds;
-* ``sync`` (two world rounds): round 1 fences the pushes and exchanges each rank's largest exponent per unit and
-  its overflow flags; every rank then adds ``acc * 2**-F`` (fp64, then fp32) into ``st.grad`` and zeroes ``acc``;
-  round 2 keeps peers' next pushes out until the conversion is done. A window without pushes anywhere skips it.
+* ``sync`` (three world rounds, through the transport contract only): round 1 exchanges each rank's largest
+  exponent per unit and its overflow flags; round 2, a ``barrier``, fences the pushes; every rank then adds ``acc
+  * 2**-F`` (fp64, then fp32) into ``st.grad`` and zeroes ``acc``; round 3 keeps peers' next pushes out until the
+  conversion is done. A window without pushes anywhere skips the conversion and round 3.
 
 The choice, the measured alternatives, the precision and the cost are in docs/design.md ("Deterministic
 accumulation"). The transport sees only ``int64`` pushes with scale 1 (any transport whose push adds exactly into
@@ -163,9 +164,14 @@ class FixedPointAccumulators:
 
     # -- sync (world-collective) -----------------------------------------------------------------------
     def sync(self, op: str) -> None:
-        """Fence every push, agree on the next window's bounds and on overflow, convert into ``st.grad``."""
+        """Agree on the next window's bounds and on overflow, fence every push, convert into ``st.grad``.
+
+        Only the transport contract: ``exchange`` carries host-side state (what each rank quantised), and
+        ``barrier`` is the round after which every rank's pushes are visible in their owners' accumulators (on a
+        GPU, in stream order: the conversion below is stream-ordered after it). An exchange alone is no such
+        fence on a transport whose pushes complete on a device stream (``symm``)."""
         transport = self.transport
-        transport.quiet()
+        transport.quiet()  # a failed asynchronous push is raised here, before any round
         units = [self.units[s] for s in sorted(self.units)]
         payloads = self._exchange(op, units)
         seen = [NONE] * len(units)
@@ -176,6 +182,7 @@ class FixedPointAccumulators:
                 if flags:
                     flagged.setdefault(i, []).append(r)
         busy = any(e != NONE for e in seen) or bool(flagged)
+        transport.barrier(f"{op} (deterministic pushes)")  # round 2: the pushes (and parameter writes) are visible
 
         def convert() -> None:
             for i, unit in enumerate(units):
@@ -185,11 +192,11 @@ class FixedPointAccumulators:
                     self._convert(unit)
                 else:  # the window is discarded on every rank: nothing partial reaches st.grad
                     unit.acc.local.zero_()
-            # Round 2: no peer pushes its next window into an accumulator before its owner converted it.
+            # Round 3: no peer pushes its next window into an accumulator before its owner converted it.
             transport.barrier(f"{op} (deterministic conversion)")
 
         if busy:  # the same on every rank (agreed data); a window without pushes anywhere has nothing to convert
-            # Peers passed round 1 with us: an error here leaves them waiting in round 2 (fail-stop).
+            # Peers passed round 2 with us: an error here leaves them waiting in round 3 (fail-stop).
             transport.fail_stop(op, "the deterministic bounds were agreed", convert)
         for i, unit in enumerate(units):
             if seen[i] != NONE:  # a discarded window only raises the bound (its retry must fit)
@@ -243,8 +250,8 @@ def check_supported(transport: Transport, node_size: int) -> None:
     if not transport.capabilities.deterministic:
         raise OdcUsageError(
             f"odc_runtime.init(deterministic=True): the {transport.name} transport cannot accumulate "
-            "deterministically (it has no exact int64 push); use backend='host', or init without "
-            "deterministic=True / ODC_DETERMINISTIC"
+            "deterministically (it has no exact int64 push); use backend='host', 'symm-cpu' or 'symm', or init "
+            "without deterministic=True / ODC_DETERMINISTIC"
         )
     if node_size < transport.world_size:
         raise OdcUsageError(

@@ -159,15 +159,19 @@ def _rank_overflow(rank: int, world: int) -> dict:
     return out
 
 
-def test_overflow_is_refused_on_every_rank_and_nothing_is_written() -> None:
-    world = 3
-    for r in run_ranks(_rank_overflow, world):
+def check_overflow(results: list[dict], world: int) -> None:
+    """What :func:`_rank_overflow` must see on every rank (shared with the other transports' tests)."""
+    for r in results:
         assert "exceeded" in r["bound"] and "'w'" in r["bound"] and "[1]" in r["bound"]
         assert "exceeded" in r["nonfinite"]
         assert r["bound_unchanged"] and r["nonfinite_unchanged"]
         assert r["bound_acc_zero"] and r["nonfinite_acc_zero"]
         assert r["retry"] == [world + world + 1e6] * len(r["retry"])
         assert "[0]" in r["too_many"] and r["too_many_unchanged"]
+
+
+def test_overflow_is_refused_on_every_rank_and_nothing_is_written() -> None:
+    check_overflow(run_ranks(_rank_overflow, 3), 3)
 
 
 def _rank_misuse(rank: int, world: int, case: str) -> str:

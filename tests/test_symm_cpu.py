@@ -148,6 +148,35 @@ def test_hierarchy_push_and_fetch_are_exact_with_virtual_nodes() -> None:
     run_on_symm(_rank_exact, WORLD, 2, timeout=280)
 
 
+# -- deterministic mode (tests/test_deterministic.py): int64 pushes through the kernel's exact integer add ----------
+def test_deterministic_same_bits_whatever_the_arrival_order() -> None:
+    from test_deterministic import _rank_train
+
+    runs = [run_on_symm(_rank_train, 3, True, order, 2, timeout=180) for order in ("up", "down", "async")]
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_default_mode_depends_on_the_arrival_order() -> None:
+    """The teeth of the test above on this transport: fp32 atomics in the two forced orders give different bits."""
+    from test_deterministic import _rank_train
+
+    assert run_on_symm(_rank_train, 3, False, "up", 2, timeout=180) != run_on_symm(
+        _rank_train, 3, False, "down", 2, timeout=180
+    )
+
+
+def test_deterministic_precision_against_fp64_reference() -> None:
+    from test_deterministic import _rank_precision
+
+    run_on_symm(_rank_precision, 3, timeout=180)
+
+
+def test_deterministic_overflow_is_refused_on_every_rank_and_nothing_is_written() -> None:
+    from test_deterministic import _rank_overflow, check_overflow
+
+    check_overflow(run_on_symm(_rank_overflow, 3, timeout=180), 3)
+
+
 # -- group fences (tests/test_groups.py) ----------------------------------------------------------------------
 def test_groups_shard_fetch_push_sync_exact() -> None:
     from test_groups import _rank_groups

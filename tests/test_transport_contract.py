@@ -136,6 +136,24 @@ def _rank_contract(rank: int, world: int, name: str) -> dict[str, object]:
         buf.local.zero_()
         t.barrier("contract.signals_done")
 
+    # deterministic mode's push: int64 sources added exactly into an int64 buffer (values of more than 24 and 53
+    # bits, both signs: no float path may carry them), from every rank into every peer, sync and async
+    if t.capabilities.deterministic:
+        fixed = t.alloc(n, torch.int64, tag="contract.fixed")
+
+        def value(src_rank: int, r: int) -> torch.Tensor:
+            base = torch.arange(n, dtype=torch.int64, device=device) * 7 + (1 << 40) + (1 << 20) * src_rank + r
+            return base * (-1 if (src_rank + r) % 2 else 1) + (1 << 55) * (r == 0)
+
+        handles = [t.push(fixed, [PushRequest(peer, value(rank, r)) for peer in range(world)], 1.0,
+                          async_op=r % 2 == 1) for r in range(3)]
+        for h in handles:
+            if h is not None:
+                h.wait()
+        t.barrier("contract.fixed_accumulated")
+        assert torch.equal(fixed.local, sum(value(s, r) for s in range(world) for r in range(3))), "inexact int64"
+        t.free(fixed)
+
     # heap exhaustion: OdcMemoryError on every rank, nothing allocated
     used = t.heap_used()
     with pytest.raises(odc.OdcMemoryError):

@@ -65,7 +65,7 @@ class SymmTransport(HostTransport):
 
     name = "symm-cpu"
     device_type = "cpu"
-    capabilities = Capabilities(signals=True, group_fences=True, nodes=False)
+    capabilities = Capabilities(signals=True, group_fences=True, nodes=False, deterministic=True)
 
     def __init__(self, rank: int, world_size: int, job: str, **kwargs: object) -> None:
         super().__init__(rank, world_size, job, **kwargs)
@@ -132,18 +132,26 @@ class SymmTransport(HostTransport):
 
     def _push_now(self, buf: SymmetricBuffer, requests: Sequence[PushRequest], scale: float) -> None:
         self.check_usable("push")
-        if buf.dtype != torch.float32:
-            raise OdcUsageError(f"symm push: accumulators are float32, buffer {buf.tag!r} is {buf.dtype}")
+        exact = buf.dtype == torch.int64  # deterministic mode: int64 sources added exactly (Capabilities)
+        if buf.dtype != torch.float32 and not exact:
+            raise OdcUsageError(
+                f"symm push: accumulators are float32 (or int64 fixed point), buffer {buf.tag!r} is {buf.dtype}"
+            )
         by_dtype: dict[torch.dtype, list[tuple[int, int, torch.Tensor]]] = {}
         for r in requests:
             if r.src.numel():
                 src = r.src.detach().reshape(-1).contiguous()
+                if exact and (src.dtype != torch.int64 or scale != 1.0):
+                    raise OdcUsageError(
+                        f"symm push into the int64 buffer {buf.tag!r}: sources must be int64 and the scale 1 (an "
+                        f"exact integer add), got {src.dtype} with scale {scale}"
+                    )
                 by_dtype.setdefault(src.dtype, []).append((r.peer, r.offset, src))
         launches = [(dtype, *self._rows(buf, work)) for dtype, work in by_dtype.items()]
 
         def launch_all() -> None:
             for dtype, desc, longest in launches:
-                self.kernels.push(self._table, desc, longest, scale, dtype)
+                self.kernels.push(self._table, desc, longest, scale, dtype, buf.dtype)
 
         self.fail_stop("push", "part of the push may have landed", launch_all)
 
