@@ -175,7 +175,7 @@ def cost_table(runs: int) -> dict[str, dict[str, float]]:
             row["sync us"] = statistics.median(
                 _per_call_us(lambda small=small, g=g: (odc.push(small, g), odc.sync()), 50) for _ in range(runs)
             )
-            fixed = odc.api._runtime.fixed
+            fixed = odc.state.current.fixed
             row["extra bytes/elem"] = 0.0 if fixed is None else fixed.bytes_per_rank() / sum(
                 st._grad.numel for st in sts.values())
             out["deterministic" if mode else "default"] = row
