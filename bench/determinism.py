@@ -179,7 +179,7 @@ def cost_table(runs: int, backend: str = "host") -> dict[str, dict[str, float]]:
                 _per_call_us(lambda small=small, g=g: (odc.push(small, g), odc.sync()), max(5, 50 // slow))
                 for _ in range(runs)
             )
-            fixed = odc.api._runtime.fixed
+            fixed = odc.state.current.fixed
             row["extra bytes/elem"] = 0.0 if fixed is None else fixed.bytes_per_rank() / sum(
                 st._grad.numel for st in sts.values())
             out[f"{backend} {'deterministic' if mode else 'default'}"] = row

@@ -92,9 +92,9 @@ def __getattr__(name: str) -> Any:
 def device_type() -> str:
     """``torch.device`` type of the tensors the active transport works on (``"cpu"`` for ``host``, ``"cuda"`` for
     ``nvshmem``: :attr:`odc_runtime.transport.Transport.device_type`); OdcNotInitializedError before ``init``."""
-    from odc_runtime import api
+    from odc_runtime import state
 
-    return api._require_runtime("device_type", read_only=True).transport.device_type
+    return state.require("device_type", read_only=True).transport.device_type
 
 
 if TYPE_CHECKING:

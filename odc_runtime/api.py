@@ -18,34 +18,30 @@ together. A forked child of a rank (e.g. a DataLoader worker) may not use the ru
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from odc_runtime import checks, config, layout
+from odc_runtime import checks, config, layout, state
 from odc_runtime import transport as registry
 from odc_runtime.agree import StoreExchange, gather_checked, op_digest, require_same, shorten
 from odc_runtime.deterministic import FixedPointAccumulators, check_supported
 from odc_runtime.errors import (
     OdcError,
-    OdcNotInitializedError,
     OdcTimeoutError,
     OdcUsageError,
 )
 from odc_runtime.hierarchy import Hierarchy
 from odc_runtime.plans import CONTIGUOUS, output_key, tensor_key
 from odc_runtime.sharded import Handle, ShardedTensor
+from odc_runtime.state import Runtime
 from odc_runtime.transport.base import (
     Group,
     SymmetricBuffer,
     TransferPlan,
-    Transport,
     as_failure,
 )
 
@@ -53,49 +49,6 @@ log = logging.getLogger("odc_runtime")
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ACCUM_DTYPES = (torch.float32,)
-@dataclass
-class _Runtime:
-    transport: Transport
-    generation: int
-    shards: itertools.count  # sequence number of the next shard() call (the same on every rank)
-    live_names: set[str] = field(default_factory=set)  # names of the ShardedTensors not freed yet
-    # Proper subgroups seen by shard(): global ranks (group-rank order) -> agreed index (the same on every rank)
-    groups: dict[tuple[int, ...], int] = field(default_factory=dict)
-    hierarchy: Hierarchy | None = None  # nodes smaller than the world: routes world-sharded tensors' transfers
-    fixed: FixedPointAccumulators | None = None  # deterministic mode: int64 accumulators and the sync
-
-
-_runtime: _Runtime | None = None
-_generations = itertools.count(1)
-_in_forked_child = False  # set in a child forked while this process had a runtime (by the at-fork hook below)
-
-
-def _mark_forked_child() -> None:
-    # Only a fork of an initialised rank is refused: a process forked before init (e.g. ranks started by a
-    # fork-based launcher from a parent that imported odc_runtime) is a rank in its own right.
-    global _in_forked_child
-    if _runtime is not None:
-        _in_forked_child = True
-
-
-os.register_at_fork(after_in_child=_mark_forked_child)
-
-
-def _require_runtime(what: str, *, read_only: bool = False) -> _Runtime:
-    if _runtime is None:
-        raise OdcNotInitializedError(
-            f"odc_runtime.{what}() called before odc_runtime.init() or after odc_runtime.finalize(); call "
-            "odc_runtime.init() after torch.distributed.init_process_group()"
-        )
-    if _in_forked_child and not read_only:
-        raise OdcUsageError(
-            f"odc_runtime.{what}() in process {os.getpid()}, a forked child of a rank (e.g. a DataLoader worker): "
-            "the child shares the rank's symmetric memory but is not a rank, so it may neither change it nor "
-            "take part in collectives; call odc only in the process that called odc_runtime.init()"
-        )
-    return _runtime
-
-
 def _backend_facts(backend: str | None) -> tuple[str | None, tuple[str, ...], str]:
     """This rank's input to :func:`odc_runtime.transport.choose`: the requested transport (checked against the
     registry) or None, the transports it could choose, its host name."""
@@ -143,10 +96,9 @@ def init(
     when another rank rejected its arguments or ranks chose different backends, OdcTimeoutError /
     OdcPeerLostError when a rank does not arrive within the timeout, OdcBackendError when the transport fails.
     """
-    global _runtime
-    if _in_forked_child:
-        _require_runtime("init")  # raises in a fork (a child of an initialised rank) ...
-    if _runtime is not None:
+    if state.in_forked_child:
+        state.require("init")  # raises in a fork (a child of an initialised rank) ...
+    if state.current is not None:
         raise OdcUsageError("odc_runtime.init() called twice; call odc_runtime.finalize() first")
     if not (dist.is_available() and dist.is_initialized()):
         raise OdcUsageError("odc_runtime.init() needs torch.distributed.init_process_group() to have been called")
@@ -190,10 +142,7 @@ def init(
     except BaseException:
         transport.finalize()  # deterministic on every rank (agreed inputs), so every rank gets here together
         raise
-    _runtime = _Runtime(
-        transport=transport, generation=next(_generations), shards=itertools.count(), hierarchy=hierarchy,
-        fixed=FixedPointAccumulators(transport) if exact else None,
-    )
+    state.start(transport, hierarchy=hierarchy, fixed=FixedPointAccumulators(transport) if exact else None)
     log.info(
         "odc_runtime initialised: backend=%s rank=%d world=%d node_size=%d deterministic=%s", name, transport.rank,
         transport.world_size, nodes, exact,
@@ -202,7 +151,7 @@ def init(
 
 def is_initialized() -> bool:
     """Whether :func:`init` has been called and :func:`finalize` has not."""
-    return _runtime is not None
+    return state.current is not None
 
 
 def finalize() -> None:
@@ -213,12 +162,10 @@ def finalize() -> None:
     collective already reported a lost or stuck peer, ``finalize`` does not wait again: it releases the local
     resources and returns. Raises OdcUsageError in a forked child of a rank.
     """
-    global _runtime
-    if _runtime is None:
+    if state.current is None:
         return
-    _require_runtime("finalize")
-    runtime, _runtime = _runtime, None
-    transport = runtime.transport
+    transport = state.require("finalize").transport
+    state.take()
     try:
         # A transport that saw a peer die or a collective time out records it (``failure``): the error was
         # raised once already, and waiting for the peers again would only add another ODC_TIMEOUT.
@@ -233,24 +180,24 @@ def finalize() -> None:
 
 def backend() -> str:
     """Name of the active transport (``"host"`` or ``"nvshmem"``)."""
-    return _require_runtime("backend", read_only=True).transport.name
+    return state.require("backend", read_only=True).transport.name
 
 
 def node_size() -> int:
     """Ranks per node of the runtime (ranks ``r`` and ``q`` share a node iff ``r // n == q // n``)."""
-    runtime = _require_runtime("node_size", read_only=True)
+    runtime = state.require("node_size", read_only=True)
     hierarchy = runtime.hierarchy
     return runtime.transport.world_size if hierarchy is None else hierarchy.node_size
 
 
 def world_size() -> int:
     """Number of ranks in the runtime."""
-    return _require_runtime("world_size", read_only=True).transport.world_size
+    return state.require("world_size", read_only=True).transport.world_size
 
 
 def rank() -> int:
     """This process's rank in the runtime."""
-    return _require_runtime("rank", read_only=True).transport.rank
+    return state.require("rank", read_only=True).transport.rank
 
 
 def shard(
@@ -286,7 +233,7 @@ def shard(
     Not detected: with default names, two ``shard()`` calls of the same shape and dtypes issued in swapped order
     on different ranks (pass ``name=`` to have names compared); values are never compared across ranks.
     """
-    runtime = _require_runtime("shard")
+    runtime = state.require("shard")
     seq = next(runtime.shards)
     if name is None:
         name = f"shard{seq}"
@@ -330,7 +277,7 @@ def shard(
 
 
 def _shard_steps(
-    runtime: _Runtime, op: str, local_checks: Callable[[], tuple], tensor: torch.Tensor, name: str, seq: int,
+    runtime: Runtime, op: str, local_checks: Callable[[], tuple], tensor: torch.Tensor, name: str, seq: int,
     accum_dtype: torch.dtype, requires_grad: bool, group: dist.ProcessGroup | None, allocated: list[SymmetricBuffer],
 ) -> ShardedTensor:
     """The collective steps of :func:`shard` (agreement, allocations, initial values, mirrors); every buffer is
@@ -373,7 +320,7 @@ def _shard_steps(
     return st
 
 
-def _undo_shard(runtime: _Runtime, op: str, error: BaseException, seq: int, allocated: list[SymmetricBuffer]) -> None:
+def _undo_shard(runtime: Runtime, op: str, error: BaseException, seq: int, allocated: list[SymmetricBuffer]) -> None:
     """Release what a failed :func:`shard` allocated, under the fail-stop rule (docs/design.md, "Fail-stop").
 
     An error every rank raised at the same step (an agreed rejection, a mismatched round, a full heap: any
@@ -393,7 +340,7 @@ def _undo_shard(runtime: _Runtime, op: str, error: BaseException, seq: int, allo
         transport.free(buf)  # collective unless the transport failed (then local, without waiting); skips freed
 
 
-def _check_st(st: object, what: str) -> _Runtime:
+def _check_st(st: object, what: str) -> Runtime:
     """``st`` is a live ShardedTensor of the current runtime, used from the process that owns it."""
     if not isinstance(st, ShardedTensor):
         raise OdcUsageError(
@@ -403,7 +350,7 @@ def _check_st(st: object, what: str) -> _Runtime:
 
 
 # -- per-call fast path (odc_runtime.plans) ---------------------------------------------------------------
-def _make_plan(runtime: _Runtime, st: ShardedTensor, kind: str) -> TransferPlan:
+def _make_plan(runtime: Runtime, st: ShardedTensor, kind: str) -> TransferPlan:
     """The transfer plan of ``st`` for ``kind``: routed through the node hierarchy for its tensors."""
     pieces = layout.transfer_pieces(st.numel, st.group_ranks, st.rank)
     if kind == "push" and runtime.fixed is not None:
@@ -436,9 +383,9 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
     ``out`` (optional) must have ``st``'s shape and dtype, live on the transport's device and be contiguous.
     Returns the tensor, or a :class:`Handle` whose ``wait()`` returns it when ``async_op=True``.
     """
-    runtime = _runtime
+    runtime = state.current
     if (
-        runtime is not None and type(st) is ShardedTensor and not _in_forked_child
+        runtime is not None and type(st) is ShardedTensor and not state.in_forked_child
         and st._generation == runtime.generation
     ):
         transport = runtime.transport
@@ -481,9 +428,9 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     is visible in the owners' ``st.grad`` after the next :func:`sync`. With ``async_op=True`` do not modify
     ``grad`` until the returned handle's ``wait()`` returned.
     """
-    runtime = _runtime
+    runtime = state.current
     if (
-        runtime is not None and type(st) is ShardedTensor and not _in_forked_child
+        runtime is not None and type(st) is ShardedTensor and not state.in_forked_child
         and st._generation == runtime.generation and isinstance(grad, torch.Tensor)
     ):  # fast path, see fetch
         key = tensor_key("push", grad, runtime.transport.stream_key())
@@ -537,7 +484,7 @@ def sync(group: dist.ProcessGroup | None = None, *, gradients: bool = True, para
     tensor was written since the last ``sync`` with ``parameters=True`` (else fetches from other nodes keep
     returning the older values). Both flags must be the same on every rank; without nodes they change nothing.
     """
-    runtime = _require_runtime("sync")
+    runtime = state.require("sync")
     transport = runtime.transport
     if not isinstance(gradients, bool) or not isinstance(parameters, bool):
         raise OdcUsageError(

@@ -60,6 +60,7 @@ from typing import TypeVar
 
 import torch
 
+from odc_runtime import state
 from odc_runtime.errors import OdcBackendError, OdcError, OdcMismatchError, OdcUsageError
 from odc_runtime.split import Chunk
 from odc_runtime.transport.base import PutRequest, SymmetricBuffer, Transport, as_failure
@@ -95,11 +96,9 @@ def _in_backward() -> bool:
 
 
 def _runtime_transport() -> Transport:
-    import odc_runtime.api as api
-
-    if api._runtime is None:
+    if state.current is None:
         raise OdcUsageError("odc gang: call odc_runtime.init() first (or pass transport=)")
-    return api._runtime.transport
+    return state.current.transport
 
 
 class GangExchange:

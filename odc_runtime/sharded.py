@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from odc_runtime import checks, layout
+from odc_runtime import checks, layout, state
 from odc_runtime.errors import OdcNotInitializedError, OdcUsageError
 from odc_runtime.plans import PlanCache
 from odc_runtime.transport.base import SymmetricBuffer, Work
 
 if TYPE_CHECKING:
-    from odc_runtime.api import _Runtime
+    from odc_runtime.state import Runtime
 
 
 class Handle:
@@ -66,7 +66,7 @@ class ShardedTensor:
         accum_dtype: torch.dtype,
         param: SymmetricBuffer,
         grad: SymmetricBuffer | None,
-        runtime: _Runtime,
+        runtime: Runtime,
         seq: int = 0,
         group: object | None = None,
         group_ranks: tuple[int, ...] | None = None,
@@ -153,10 +153,8 @@ class ShardedTensor:
         runtime.transport.free(self._param)
         runtime.live_names.discard(self.name)
 
-    def _check_alive(self, what: str) -> _Runtime:
-        from odc_runtime import api  # the runtime lives there; api imports this module
-
-        runtime = api._require_runtime(what)
+    def _check_alive(self, what: str) -> Runtime:
+        runtime = state.require(what)
         if self._generation != runtime.generation:
             raise OdcNotInitializedError(
                 f"odc_runtime.{what}(): ShardedTensor {self.name!r} belongs to a runtime that was finalized"

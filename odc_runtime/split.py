@@ -29,8 +29,9 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from odc_runtime.balance import CostModel, _by_cost_desc, _Job, _pack, _plan_lb_mini
+from odc_runtime.cost import CostModel
 from odc_runtime.errors import OdcUsageError
+from odc_runtime.packing import Job, by_cost_desc, pack, plan_lb_mini
 
 __all__ = ["KV_RATIO", "Chunk", "SplitPlanEntry", "check_split_plan", "chunk_cost", "chunk_ranges"]
 
@@ -89,7 +90,7 @@ def chunk_cost(chunk: Chunk, cost: CostModel, kv_ratio: float = KV_RATIO) -> flo
     return cost.a * attention + cost.b * (tokens + kv_ratio * (chunk.length - tokens))
 
 
-def _parts_needed(i: int, length: int, sample_cost: float, job: _Job, share: float, cost: CostModel) -> int:
+def _parts_needed(i: int, length: int, sample_cost: float, job: Job, share: float, cost: CostModel) -> int:
     """Fewest chunks that bring sample ``i`` within the token cap and (where the world and ``max_gang_size``
     allow) the fair share."""
     w = job.world_size
@@ -118,7 +119,7 @@ def _parts_needed(i: int, length: int, sample_cost: float, job: _Job, share: flo
     return fitting
 
 
-def _plan_lb_mini_split(job: _Job, cost: CostModel) -> list[list[list[SplitPlanEntry]]]:
+def plan_lb_mini_split(job: Job, cost: CostModel) -> list[list[list[SplitPlanEntry]]]:
     """Split the outliers (module docstring), place gangs and whole samples by LPT over rank loads, pack.
 
     With nothing to split the plan is exactly ``lb_mini``'s."""
@@ -127,7 +128,7 @@ def _plan_lb_mini_split(job: _Job, cost: CostModel) -> list[list[list[SplitPlanE
     parts = {i: _parts_needed(i, s, job.costs[i], job, share, cost) for i, s in enumerate(lengths)}
     split = sorted(i for i, k in parts.items() if k > 1)
     if not split:
-        return _plan_lb_mini(job)
+        return plan_lb_mini(job)
     gang_of = {i: g for g, i in enumerate(split)}
     # Items dearest first: a gang is priced by its dearest chunk, a whole sample by its cost.
     items = []
@@ -155,17 +156,17 @@ def _plan_lb_mini_split(job: _Job, cost: CostModel) -> list[list[list[SplitPlanE
             gangs[r].append(Chunk(i, p, k, lengths[i], gang_of[i], members))
             heapq.heappush(loads, (load + chunk_costs[p], r))
     result = [
-        [[c] for c in sorted(gangs[r], key=lambda c: c.gang)] + _by_cost_desc(job, _pack(job, whole[r]))
+        [[c] for c in sorted(gangs[r], key=lambda c: c.gang)] + by_cost_desc(job, pack(job, whole[r]))
         for r in range(w)
     ]
     if max(lengths) > job.max_tokens:
         return result
     # lb_mini can run this minibatch too: never plan worse than it.
-    fallback = _plan_lb_mini(job)
+    fallback = plan_lb_mini(job)
     return result if _max_load(result, job, cost) < _max_load(fallback, job, cost) else fallback
 
 
-def _max_load(plan: list[list[list[SplitPlanEntry]]], job: _Job, cost: CostModel) -> float:
+def _max_load(plan: list[list[list[SplitPlanEntry]]], job: Job, cost: CostModel) -> float:
     return max(
         math.fsum(chunk_cost(e, cost) if isinstance(e, Chunk) else job.costs[e] for mb in rank for e in mb)
         for rank in plan

@@ -9,8 +9,7 @@ The transport returned by :func:`transport` follows the contract of :mod:`odc_ru
 
 from __future__ import annotations
 
-import itertools
-
+from odc_runtime import state
 from odc_runtime.errors import OdcError, OdcUsageError
 from odc_runtime.sharded import ShardedTensor
 from odc_runtime.transport.base import SymmetricBuffer, TransferPlan, Transport
@@ -18,16 +17,12 @@ from odc_runtime.transport.base import SymmetricBuffer, TransferPlan, Transport
 
 def transport() -> Transport:
     """The live runtime's transport; OdcNotInitializedError before ``init`` / after ``finalize``."""
-    from odc_runtime import api
-
-    return api._require_runtime("testing.transport", read_only=True).transport
+    return state.require("testing.transport", read_only=True).transport
 
 
 def failure() -> OdcError | None:
     """The live runtime's recorded failure (``None`` while healthy or when no runtime is live)."""
-    from odc_runtime import api
-
-    runtime = api._runtime
+    runtime = state.current
     return None if runtime is None else runtime.transport.failure
 
 
@@ -35,19 +30,15 @@ def install(transport: Transport) -> None:
     """Make ``transport``, built outside ``odc.init`` (a transport over a fake extension, a cost model), the live
     runtime's transport (one node: no hierarchy), so that the public API runs on it. The caller owns it: undo
     with :func:`uninstall`. OdcUsageError while a runtime is live."""
-    from odc_runtime import api
-
-    if api._runtime is not None:
+    if state.current is not None:
         raise OdcUsageError("odc_runtime.testing.install(): a runtime is live; finalize or uninstall it first")
-    api._runtime = api._Runtime(transport=transport, generation=next(api._generations), shards=itertools.count())
+    state.start(transport)
 
 
 def uninstall() -> Transport | None:
     """Drop the live runtime *locally* without finalizing its transport (the caller owns it, as after
     :func:`install`); returns that transport, or ``None`` when no runtime was live."""
-    from odc_runtime import api
-
-    runtime, api._runtime = api._runtime, None
+    runtime = state.take()
     return None if runtime is None else runtime.transport
 
 
@@ -72,6 +63,4 @@ def plans(st: ShardedTensor) -> list[TransferPlan]:
 
 def in_forked_child() -> bool:
     """Whether this process is a fork of an initialised rank (where the runtime refuses every mutating call)."""
-    from odc_runtime import api
-
-    return api._in_forked_child
+    return state.in_forked_child

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from odc_runtime import balance, split, workloads
+from odc_runtime import balance, cost, packing, split, workloads
 from odc_runtime.balance import DEFAULT_COST_MODEL, POLICIES, POLICY_REGISTRY, CostModel, get_policy, imbalance, plan
 from odc_runtime.errors import OdcUsageError
 from odc_runtime.workloads import MAX_LENGTHS, PRESETS, TARGET_MEANS, load_lengths, sample_lengths
@@ -255,8 +255,12 @@ def test_policy_registry() -> None:
         POLICY_REGISTRY["x"] = POLICY_REGISTRY["lb_mini"]  # read-only: register by editing the registry
 
 
-@pytest.mark.parametrize(("module", "allowed"), [(balance, {"odc_runtime.errors", "odc_runtime.split"}),
-                                                  (split, {"odc_runtime.errors", "odc_runtime.balance"})])
+@pytest.mark.parametrize(("module", "allowed"), [
+    (balance, {"odc_runtime.errors", "odc_runtime.cost", "odc_runtime.packing", "odc_runtime.split"}),
+    (split, {"odc_runtime.errors", "odc_runtime.cost", "odc_runtime.packing"}),
+    (packing, {"odc_runtime.cost"}),
+    (cost, {"odc_runtime.errors"}),
+])
 def test_balance_needs_no_torch(module: object, allowed: set) -> None:
     tree = ast.parse(Path(module.__file__).read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

@@ -88,7 +88,7 @@ def _rank_precision(rank: int, world: int) -> dict:
     sts = [odc.shard(torch.zeros(s), name=f"w{i}") for i, s in enumerate(SHAPES)]
     worst = 0.0
     for step in range(3):
-        exponents = [odc.api._runtime.fixed.units[st.seq].exponent for st in sts]
+        exponents = [odc.state.current.fixed.units[st.seq].exponent for st in sts]
         for m in range(4):
             for st, g in zip(sts, _grads(rank, step, m), strict=True):
                 odc.push(st, g)
@@ -136,7 +136,7 @@ def _rank_overflow(rank: int, world: int) -> dict:
         except odc.OdcOverflowError as e:
             out[what] = str(e)
         out[f"{what}_unchanged"] = torch.equal(st.grad, before)
-        out[f"{what}_acc_zero"] = bool((odc.api._runtime.fixed.units[st.seq].acc.local == 0).all())
+        out[f"{what}_acc_zero"] = bool((odc.state.current.fixed.units[st.seq].acc.local == 0).all())
         dist.barrier()  # read before any peer pushes the next window
     # The bound was raised to what was seen: the same minibatch retried fits, and the result is exact.
     odc.push(st, torch.ones(10))

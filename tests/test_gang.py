@@ -313,7 +313,7 @@ def _member_order_rank(rank: int, world: int, orders: list[tuple[int, ...]]):
     try:
         _run_chunk(ex, Chunk(0, ranks.index(rank), len(ranks), 12, 0, ranks))
     except OdcMismatchError as e:
-        return "OdcMismatchError", str(e), odc.api._runtime.transport.failure is not None
+        return "OdcMismatchError", str(e), odc.state.current.transport.failure is not None
     finally:
         torch.distributed.barrier()  # both ranks reach finalize together
     ex.free()

@@ -48,7 +48,7 @@ def _interrupted_rank(rank: int, world: int, fault: str) -> dict:
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     odc.init("host")
-    transport = odc.api._runtime.transport
+    transport = odc.state.current.transport
     pids = [None] * world
     torch.distributed.all_gather_object(pids, os.getpid())
     ex = GangExchange(num_layers=LAYERS, max_chunk_tokens=16, kv_features=KV_HEADS * HEAD_DIM, dtype=torch.float64)
