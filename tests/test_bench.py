@@ -240,10 +240,12 @@ def test_imbalance_runs_split_plans_with_a_real_kv_exchange(tmp_path, world, len
     assert split["kv_exchange_bytes"] == layers * 2 * (parts - 1) * 2 * length * 4
     assert "K/V exchange through odc_runtime.gang" in proc.stdout
     # the memory the exchange held: ((world - 1) rings of depth 2 + the stage) slots of a chunk's K and V, fp32,
-    # plus its small int64 buffers (tags, acks, stage words, signal words)
+    # plus its small int64 buffers (tags, acks, stage words, signal words); a tag is 6 words plus the members, padded
+    # to the largest gang (the world here)
     config = json.loads(out.read_text())["config"]
     slot = 2 * config["max_tokens"] * 1 * 4
-    words = 8 * ((world - 1) * 2 * 5 + 2 * world + 6 + 3 * world)
+    tag = 6 + world
+    words = 8 * ((world - 1) * 2 * tag + 2 * world + tag + 1 + 3 * world)
     assert config["gang_symmetric_bytes"] == ((world - 1) * 2 + 1) * slot + words
     assert f"{config['gang_symmetric_bytes'] / 2**20:.2f} MiB of symmetric memory per rank" in proc.stdout
 
