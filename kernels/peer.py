@@ -69,7 +69,7 @@ PTX_ARGS: dict[str, tuple[dict[str, str], dict[str, object]]] = {
     "barrier_kernel": ({"table_ptr": "*i64", "members_ptr": "*i32", "nmembers": "i32", "rank": "i32",
                         "row_offset": "i64", "epoch": "i64", "abort_ptr": "*i64", "status_ptr": "*i64"}, {}),
 }
-PTX_HELPERS = ("_peer_ptr",)  # a device function, checked inside the kernels that call it
+PTX_HELPERS = ("_peer_ptr", "_span")  # device functions, checked inside the kernels that call it
 
 # The interpreter must not run launches of two threads of one process at once (the async worker and the caller).
 _LAUNCH = threading.Lock() if INTERPRET else None
@@ -83,6 +83,15 @@ def _peer_ptr(table_ptr, peer, offset, dtype: tl.constexpr):
 
 
 @triton.jit
+def _span(table_ptr, row, n, b, PEER: tl.constexpr, LOCAL: tl.constexpr, BLOCK: tl.constexpr):
+    """Block ``b`` of descriptor ``row`` (``n`` elements): the pointer into the peer's heap (type ``PEER``), the
+    local pointer (type ``LOCAL``), the block's element offsets and their mask."""
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    peer = _peer_ptr(table_ptr, tl.load(row), tl.load(row + 1), PEER)
+    return peer, tl.load(row + 2).to(tl.pointer_type(LOCAL)), offs, offs < n
+
+
+@triton.jit
 def push_kernel(table_ptr, desc_ptr, scale, SRC: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
     """``peer_heap[offset:][:n] += ACC(src[:n]) * scale`` for each descriptor row, with system-scope atomics;
     with ``ACC`` int64 (``SRC`` int64 too, ``scale`` ignored) ``peer_heap[offset:][:n] += src[:n]`` exactly."""
@@ -90,10 +99,7 @@ def push_kernel(table_ptr, desc_ptr, scale, SRC: tl.constexpr, ACC: tl.constexpr
     row = desc_ptr + tl.program_id(1).to(tl.int64) * 4
     n = tl.load(row + 3)
     if b * BLOCK < n:
-        dst = _peer_ptr(table_ptr, tl.load(row), tl.load(row + 1), ACC)
-        src = tl.load(row + 2).to(tl.pointer_type(SRC))
-        offs = b * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
+        dst, src, offs, mask = _span(table_ptr, row, n, b, ACC, SRC, BLOCK)
         if ACC == tl.int64:  # noqa: SIM300 (a constexpr parameter, not a constant)
             # deterministic mode: the source is already quantised; an exact integer add, no cast or scale
             tl.atomic_add(dst + offs, tl.load(src + offs, mask=mask, other=0), mask=mask, sem="relaxed", scope="sys")
@@ -109,10 +115,7 @@ def fetch_kernel(table_ptr, desc_ptr, DT: tl.constexpr, BLOCK: tl.constexpr):
     row = desc_ptr + tl.program_id(1).to(tl.int64) * 4
     n = tl.load(row + 3)
     if b * BLOCK < n:
-        src = _peer_ptr(table_ptr, tl.load(row), tl.load(row + 1), DT)
-        dst = tl.load(row + 2).to(tl.pointer_type(DT))
-        offs = b * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
+        src, dst, offs, mask = _span(table_ptr, row, n, b, DT, DT, BLOCK)
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
@@ -130,10 +133,7 @@ def put_signal_kernel(table_ptr, desc_ptr, sig_ptr, count_ptr, DT: tl.constexpr,
     peer = tl.load(row)
     n = tl.load(row + 3)
     if b * BLOCK < n:
-        dst = _peer_ptr(table_ptr, peer, tl.load(row + 1), DT)
-        src = tl.load(row + 2).to(tl.pointer_type(DT))
-        offs = b * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
+        dst, src, offs, mask = _span(table_ptr, row, n, b, DT, DT, BLOCK)
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
     done = tl.atomic_add(count_ptr + r, 1, sem="acq_rel", scope="sys")
     if done == tl.num_programs(0) - 1:
