@@ -2,18 +2,9 @@
 defaults. A bad value is an :class:`~odc_runtime.errors.OdcUsageError` naming the variable; a variable that is set
 but empty is an error too (it is never taken as "unset", nor as the current directory).
 
-| env var | meaning | default |
-|---|---|---|
-| ``ODC_BACKEND`` | transport for ``init(backend=None)`` (a registry name) | symm, nvshmem, host (see ``choose``) |
-| ``ODC_TIMEOUT`` | seconds any blocking wait of the runtime may take before it fails (at most a year) | ``300`` |
-| ``ODC_HEAP_SIZE`` | host transport: symmetric heap bytes per rank (``512M``, ``4G``, ...) | ``1G`` |
-| ``ODC_SHM_DIR`` | host transport: directory of the shared-memory segments | ``/dev/shm`` |
-| ``ODC_HOST_CHUNK_BYTES`` | host transport: bytes of an accumulate held under one lock | ``4M`` |
-| ``ODC_NODE_SIZE`` | ranks per node (consecutive; divides the world) for the hierarchical protocol | transport's node |
-| ``ODC_NODE_SLOTS`` | inbox slots per tensor for pushes from other nodes (fewer: less memory, more rounds) | M-1 |
-| ``ODC_DETERMINISTIC`` | ``1``: bitwise-deterministic gradient accumulation (int64 fixed point) | ``0`` |
-| ``ODC_REQUIRE_EXTENSION`` | tests: ``1`` turns "extension not built" skips into failures | ``0`` |
-| ``ODC_REQUIRE_VERL`` | tests: ``1`` turns "veRL not installed" skips into failures (``.ci/verl.sh``) | ``0`` |
+Every setting (variable, meaning, default, accepted values) is listed once, in the configuration table of
+docs/configuration.md; tests/test_config.py checks that every ``ODC_*`` name that the package, setup.py, the tests
+and .ci read is in it.
 
 The nvshmem transport's ``ODC_NVSHMEM_*`` settings are parsed below as well (their own block); the build settings
 (``ODC_BUILD_EXT``, ``ODC_CUDA_ARCHS``, ``ODC_BUILD_JOBS``) are read by ``setup.py``, which cannot import the package.
