@@ -9,10 +9,12 @@ contribution every rank saw in the window before, with headroom. Per element and
 * a contribution ``v`` (``src * scale`` in fp32) with ``|v| < 2**E`` becomes ``q = round(v * 2**F)``, ``F =
   P - E``, so ``|q| <= 2**P``; at most ``2**PUSH_BITS`` pushes per unit, rank and window, and ``P = 62 -
   PUSH_BITS - ceil(log2(world))``, so no sum of a window can exceed ``2**62`` in magnitude (no wrap, by bound);
-* a contribution the bound does not cover (``|v| >= 2**E``, not finite, or one push too many) is not written
-  anywhere (checked before any remote effect); the next ``sync`` raises :class:`OdcOverflowError` on every rank,
-  discards the window's pushes on every rank (``st.grad`` keeps what it had) and raises the bound to what was
-  seen, so the same minibatch retried succeeds;
+* a contribution the bound does not cover (``|v| >= 2**E`` or not finite) is found at the next ``sync`` from the
+  window's range, which each push folds into two device scalars per unit (no host synchronisation per push); one
+  push too many is refused before it is issued. The next ``sync`` raises :class:`OdcOverflowError` on every rank,
+  discards the window's int64 sums on every rank before any of them reaches ``st.grad`` (which keeps what it had;
+  an uncovered contribution's integers are meaningless, and are zeroed with the rest) and raises the bound to what
+  was seen, so the same minibatch retried succeeds;
 * ``sync`` (three world rounds, through the transport contract only): round 1 exchanges each rank's largest
   exponent per unit and its overflow flags; round 2, a ``barrier``, fences the pushes; every rank then adds ``acc
   * 2**-F`` (fp64, then fp32) into ``st.grad`` and zeroes ``acc``; round 3 keeps peers' next pushes out until the
@@ -63,10 +65,13 @@ class _Unit:
     name: str
     acc: SymmetricBuffer  # int64, as many elements as the tensor's fp32 accumulator
     grad: SymmetricBuffer  # the fp32 accumulator st.grad views
+    # The window's smallest and largest contribution this rank pushed (0-dim fp32 on the accumulator's device, NaN
+    # once one was NaN): read once per sync, never per push (on a GPU, a read is a device synchronisation).
+    lo: torch.Tensor
+    hi: torch.Tensor
     exponent: int = INITIAL_EXPONENT  # E: every contribution of this window is below 2**E
-    seen: int = NONE  # largest frexp exponent of a contribution this rank pushed in this window
     pushes: int = 0  # pushes this rank made into this unit in this window
-    flags: int = 0  # why a push of this window was refused (_BOUND | _NONFINITE | _TOO_MANY)
+    flags: int = 0  # pushes of this window refused before they were issued (_TOO_MANY)
 
 
 class _Done(Work):
@@ -108,7 +113,8 @@ class FixedPointAccumulators:
     # -- allocation (collective, beside shard / free) ---------------------------------------------------
     def add(self, seq: int, name: str, grad: SymmetricBuffer, tag: str) -> None:
         acc = self.transport.alloc(grad.numel, torch.int64, tag=f"{tag}.fixed")
-        self.units[seq] = _Unit(name, acc, grad)
+        lo, hi = torch.zeros(2, dtype=torch.float32, device=grad.local.device).unbind()
+        self.units[seq] = _Unit(name, acc, grad, lo, hi)
 
     def remove(self, seq: int) -> None:
         unit = self.units.get(seq)
@@ -131,36 +137,60 @@ class FixedPointAccumulators:
 
     # -- push ------------------------------------------------------------------------------------------
     def quantize(self, unit: _Unit, tensor: torch.Tensor, scale: float) -> torch.Tensor | None:
-        """``round(tensor * scale * 2**F)`` as ``int64``, or ``None`` (recorded, nothing sent) when the window's
-        bound does not cover it. Deterministic: fp32 products, a power-of-two scaling (exact) and round-half-even."""
-        v = tensor.detach().reshape(-1).to(torch.float32)
-        if scale != 1.0:
-            v = v * scale
-        amax = 0.0
-        if v.numel():
-            lo, hi = torch.aminmax(v)  # one pass; NaN stays NaN
-            amax = max(-float(lo), float(hi))
-        if amax > 0.0 and math.isfinite(amax):
-            unit.seen = max(unit.seen, math.frexp(amax)[1])  # amax < 2**e
-        why = 0
-        if not math.isfinite(amax):
-            why = _NONFINITE
-        elif amax >= math.ldexp(1.0, unit.exponent):
-            why = _BOUND
-        elif unit.pushes >= 1 << PUSH_BITS:
-            why = _TOO_MANY
-        if why:
-            unit.flags |= why
+        """``round(tensor * scale * 2**F)`` as ``int64``, or ``None`` (recorded, nothing sent) for one push too many.
+
+        Deterministic: fp32 products, a power-of-two scaling (exact) and round-half-even. Whether the window's bound
+        covers the values is decided at ``sync`` from the range folded into ``unit.lo``/``unit.hi`` here, on the
+        tensor's device: a value it does not cover (or NaN/inf) gives meaningless integers, which that ``sync``
+        discards on every rank with the rest of the window."""
+        if unit.pushes >= 1 << PUSH_BITS:
+            unit.flags |= _TOO_MANY
             log.warning(
                 "odc push into %r refused in deterministic mode (%s); nothing was written, the next sync raises "
-                "OdcOverflowError on every rank", unit.name, _describe(why, amax, unit.exponent),
+                "OdcOverflowError on every rank", unit.name, _describe(_TOO_MANY, 0.0, unit.exponent),
             )
             return None
         unit.pushes += 1
-        # round(v * 2**F) to nearest even: v * 2**F is exact in fp64 and below 2**P <= 2**50 in magnitude, so
-        # adding 1.5 * 2**52 rounds it to an integer in the low mantissa bits (one pass instead of round + cast).
+        v = tensor.detach().reshape(-1).to(torch.float32)
+        if scale != 1.0:
+            v = v * scale
+        if v.numel():
+            lo, hi = torch.aminmax(v)  # one pass; NaN propagates (and through minimum/maximum)
+            torch.minimum(unit.lo, lo, out=unit.lo)
+            torch.maximum(unit.hi, hi, out=unit.hi)
+        # round(v * 2**F) to nearest even: v * 2**F is exact in fp64 and below 2**P <= 2**50 in magnitude when the
+        # bound covers v, so adding 1.5 * 2**52 rounds it to an integer in the low mantissa bits (one pass instead
+        # of round + cast).
         q = v.to(torch.float64).mul_(math.ldexp(1.0, self.precision - unit.exponent)).add_(_ROUNDER)
         return q.view(torch.int64).sub_(_ROUNDER_BITS)
+
+    def _window(self, units: list[_Unit]) -> list[tuple[int, int]]:
+        """This rank's ``(largest frexp exponent seen, flags)`` per unit for the window, and a fresh window's range:
+        one read of every unit's range (one device synchronisation per ``sync``)."""
+        if not units:
+            return []
+        ranges = torch.stack([u.lo for u in units] + [u.hi for u in units]).tolist()
+        fresh = torch.zeros(2 * len(units), dtype=torch.float32, device=units[0].lo.device).unbind()
+        out = []
+        for i, unit in enumerate(units):
+            lo, hi = ranges[i], ranges[len(units) + i]
+            amax = math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
+            seen, flags = NONE, unit.flags
+            if not math.isfinite(amax):
+                flags |= _NONFINITE
+            else:
+                if amax >= math.ldexp(1.0, unit.exponent):
+                    flags |= _BOUND
+                if amax > 0.0:
+                    seen = math.frexp(amax)[1]  # amax < 2**seen
+            if flags & (_NONFINITE | _BOUND):
+                log.warning(
+                    "odc push into %r in deterministic mode: %s; the next sync raises OdcOverflowError on every rank "
+                    "and discards the window", unit.name, _describe(flags & (_NONFINITE | _BOUND), amax, unit.exponent),
+                )
+            out.append((seen, flags))
+            unit.lo, unit.hi = fresh[i], fresh[len(units) + i]
+        return out
 
     # -- sync (world-collective) -----------------------------------------------------------------------
     def sync(self, op: str) -> None:
@@ -173,7 +203,7 @@ class FixedPointAccumulators:
         transport = self.transport
         transport.quiet()  # a failed asynchronous push is raised here, before any round
         units = [self.units[s] for s in sorted(self.units)]
-        payloads = self._exchange(op, units)
+        payloads = self._exchange(op, self._window(units))
         seen = [NONE] * len(units)
         flagged: dict[int, list[int]] = {}
         for r, entries in enumerate(payloads):
@@ -202,7 +232,7 @@ class FixedPointAccumulators:
             if seen[i] != NONE:  # a discarded window only raises the bound (its retry must fit)
                 wanted = min(MAX_EXPONENT, max(MIN_EXPONENT, seen[i] + MARGIN_BITS))
                 unit.exponent = max(unit.exponent, wanted) if flagged else wanted
-            unit.seen, unit.pushes, unit.flags = NONE, 0, 0
+            unit.pushes, unit.flags = 0, 0
         if flagged:
             what = "; ".join(
                 f"{units[i].name!r} (ranks {ranks}; bound now 2**{units[i].exponent})" for i, ranks in flagged.items()
@@ -210,17 +240,17 @@ class FixedPointAccumulators:
             raise OdcOverflowError(
                 f"odc {op}: in deterministic mode a push exceeded its tensor's fixed-point bound (or was not finite, "
                 f"or was one push too many: at most {1 << PUSH_BITS} per tensor, rank and sync) for {what}. Nothing "
-                "of it was written; every rank discarded this window's pushes (st.grad is unchanged) and raised the "
-                "bounds to what was seen, so the same minibatch can be retried. Not finite gradients must be fixed "
+                "of it reached st.grad: every rank discarded this window's pushes (st.grad is unchanged) and raised "
+                "the bounds to what was seen, so the same minibatch can be retried. Not finite gradients must be fixed "
                 "at their source."
             )
 
-    def _exchange(self, op: str, units: list[_Unit]) -> list[list[tuple[int, int]]]:
+    def _exchange(self, op: str, window: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
         """Every rank's ``(largest exponent seen, flags)`` per unit, in rounds of at most ``_PER_ROUND`` units."""
         out: list[list[tuple[int, int]]] = [[] for _ in range(self.transport.world_size)]
-        for start in range(0, max(1, len(units)), _PER_ROUND):
-            part = units[start : start + _PER_ROUND]
-            payload = b"".join(_ENTRY.pack(max(NONE, min(32767, u.seen)), u.flags) for u in part)
+        for start in range(0, max(1, len(window)), _PER_ROUND):
+            part = window[start : start + _PER_ROUND]
+            payload = b"".join(_ENTRY.pack(max(NONE, min(32767, seen)), flags) for seen, flags in part)
             for r, data in enumerate(self.transport.exchange(f"{op} (deterministic bounds)", payload)):
                 if len(data) != len(payload):
                     raise OdcUsageError(f"odc {op}: rank {r} has a different number of tensors in deterministic mode")

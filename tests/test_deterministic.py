@@ -336,3 +336,39 @@ def test_fsdp_overflow_is_raised_everywhere_and_the_minibatch_can_be_rerun() -> 
     for r in run_ranks(_rank_fsdp_overflow, 2):
         assert r["first"] == "OdcOverflowError" and "rerun" not in r
         assert not any(r["first_grads"]) and any(r["rerun_grads"])
+
+
+def _rank_no_readback(rank: int, world: int) -> list[str]:
+    """The ops a deterministic push dispatches: none may read a value back to the host (on a GPU, a device
+    synchronisation per push, which would stall the backward pass that issues the pushes)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import odc_runtime as odc
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    odc.init("host", timeout=60, deterministic=True)
+    st = odc.shard(torch.zeros(64), name="w")
+    g = torch.linspace(-3, 3, 64)
+    odc.push(st, g)  # the plan is built (and cached) outside the recording
+    with Ops() as ops:
+        odc.push(st, g, scale=0.5)
+        odc.push(st, g * 1e9)  # over the bound: found at sync, not by a read here
+    readbacks = [n for n in ops.names if n in ("aten._local_scalar_dense", "aten.item")]
+    try:
+        odc.sync()
+    except odc.OdcOverflowError:
+        readbacks.append("overflow raised")
+    return readbacks
+
+
+def test_push_never_reads_a_value_back() -> None:
+    for r in run_ranks(_rank_no_readback, 2):
+        assert r == ["overflow raised"], r
