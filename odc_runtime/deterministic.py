@@ -31,7 +31,7 @@ import logging
 import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -65,13 +65,13 @@ class _Unit:
     name: str
     acc: SymmetricBuffer  # int64, as many elements as the tensor's fp32 accumulator
     grad: SymmetricBuffer  # the fp32 accumulator st.grad views
-    # The window's smallest and largest contribution this rank pushed (0-dim fp32 on the accumulator's device, NaN
-    # once one was NaN): read once per sync, never per push (on a GPU, a read is a device synchronisation).
-    lo: torch.Tensor
-    hi: torch.Tensor
     exponent: int = INITIAL_EXPONENT  # E: every contribution of this window is below 2**E
     pushes: int = 0  # pushes this rank made into this unit in this window
     flags: int = 0  # pushes of this window refused before they were issued (_TOO_MANY)
+    # The window's smallest and largest contribution this rank pushed, per stream (plans are per stream: pushes on
+    # two CUDA streams never update one pair unordered), as two 0-dim fp32 tensors on the tensor's device (NaN once
+    # one was NaN): read once per sync, never per push (on a GPU, a read is a device synchronisation).
+    ranges: dict[object, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 class _Done(Work):
@@ -96,7 +96,7 @@ class FixedPointPlan(TransferPlan):
         self._accumulators = accumulators
 
     def run(self, tensor: torch.Tensor, scale: float = 1.0, *, async_op: bool = False) -> Work | None:
-        q = self._accumulators.quantize(self._unit, tensor, scale)
+        q = self._accumulators.quantize(self._unit, tensor, scale, self.stream_key)
         if q is None:
             return _Done() if async_op else None
         return self._inner.run(q, 1.0, async_op=async_op)
@@ -113,8 +113,7 @@ class FixedPointAccumulators:
     # -- allocation (collective, beside shard / free) ---------------------------------------------------
     def add(self, seq: int, name: str, grad: SymmetricBuffer, tag: str) -> None:
         acc = self.transport.alloc(grad.numel, torch.int64, tag=f"{tag}.fixed")
-        lo, hi = torch.zeros(2, dtype=torch.float32, device=grad.local.device).unbind()
-        self.units[seq] = _Unit(name, acc, grad, lo, hi)
+        self.units[seq] = _Unit(name, acc, grad)
 
     def remove(self, seq: int) -> None:
         unit = self.units.get(seq)
@@ -136,11 +135,11 @@ class FixedPointAccumulators:
         return FixedPointPlan(self, unit, self.transport.plan(unit.acc, "push", pieces))
 
     # -- push ------------------------------------------------------------------------------------------
-    def quantize(self, unit: _Unit, tensor: torch.Tensor, scale: float) -> torch.Tensor | None:
+    def quantize(self, unit: _Unit, tensor: torch.Tensor, scale: float, stream: object = None) -> torch.Tensor | None:
         """``round(tensor * scale * 2**F)`` as ``int64``, or ``None`` (recorded, nothing sent) for one push too many.
 
         Deterministic: fp32 products, a power-of-two scaling (exact) and round-half-even. Whether the window's bound
-        covers the values is decided at ``sync`` from the range folded into ``unit.lo``/``unit.hi`` here, on the
+        covers the values is decided at ``sync`` from the range folded into ``unit.ranges[stream]`` here, on the
         tensor's device: a value it does not cover (or NaN/inf) gives meaningless integers, which that ``sync``
         discards on every rank with the rest of the window."""
         if unit.pushes >= 1 << PUSH_BITS:
@@ -156,8 +155,11 @@ class FixedPointAccumulators:
             v = v * scale
         if v.numel():
             lo, hi = torch.aminmax(v)  # one pass; NaN propagates (and through minimum/maximum)
-            torch.minimum(unit.lo, lo, out=unit.lo)
-            torch.maximum(unit.hi, hi, out=unit.hi)
+            pair = unit.ranges.get(stream)
+            if pair is None:
+                pair = unit.ranges[stream] = torch.zeros(2, dtype=torch.float32, device=v.device).unbind()
+            torch.minimum(pair[0], lo, out=pair[0])
+            torch.maximum(pair[1], hi, out=pair[1])
         # round(v * 2**F) to nearest even: v * 2**F is exact in fp64 and below 2**P <= 2**50 in magnitude when the
         # bound covers v, so adding 1.5 * 2**52 rounds it to an integer in the low mantissa bits (one pass instead
         # of round + cast).
@@ -165,31 +167,31 @@ class FixedPointAccumulators:
         return q.view(torch.int64).sub_(_ROUNDER_BITS)
 
     def _window(self, units: list[_Unit]) -> list[tuple[int, int]]:
-        """This rank's ``(largest frexp exponent seen, flags)`` per unit for the window, and a fresh window's range:
-        one read of every unit's range (one device synchronisation per ``sync``)."""
-        if not units:
-            return []
-        ranges = torch.stack([u.lo for u in units] + [u.hi for u in units]).tolist()
-        fresh = torch.zeros(2 * len(units), dtype=torch.float32, device=units[0].lo.device).unbind()
+        """This rank's ``(largest frexp exponent seen, flags)`` per unit for the window: one read of every range (one
+        device synchronisation per ``sync``, on the current stream: pushes on other streams must be ordered before
+        ``sync``, as for the pushes themselves). The window's state is reset only once ``sync`` succeeded."""
+        pairs = [(i, lo, hi) for i, u in enumerate(units) for lo, hi in u.ranges.values()]
+        values = torch.stack([x for _, lo, hi in pairs for x in (lo, hi)]).tolist() if pairs else []
+        amax = [0.0] * len(units)
+        for k, (i, _, _) in enumerate(pairs):
+            lo, hi = values[2 * k], values[2 * k + 1]
+            amax[i] = math.nan if math.isnan(lo) or math.isnan(hi) or math.isnan(amax[i]) else max(amax[i], -lo, hi)
         out = []
-        for i, unit in enumerate(units):
-            lo, hi = ranges[i], ranges[len(units) + i]
-            amax = math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
+        for unit, m in zip(units, amax, strict=True):
             seen, flags = NONE, unit.flags
-            if not math.isfinite(amax):
+            if not math.isfinite(m):
                 flags |= _NONFINITE
             else:
-                if amax >= math.ldexp(1.0, unit.exponent):
+                if m >= math.ldexp(1.0, unit.exponent):
                     flags |= _BOUND
-                if amax > 0.0:
-                    seen = math.frexp(amax)[1]  # amax < 2**seen
+                if m > 0.0:
+                    seen = math.frexp(m)[1]  # m < 2**seen
             if flags & (_NONFINITE | _BOUND):
                 log.warning(
                     "odc push into %r in deterministic mode: %s; the next sync raises OdcOverflowError on every rank "
-                    "and discards the window", unit.name, _describe(flags & (_NONFINITE | _BOUND), amax, unit.exponent),
+                    "and discards the window", unit.name, _describe(flags & (_NONFINITE | _BOUND), m, unit.exponent),
                 )
             out.append((seen, flags))
-            unit.lo, unit.hi = fresh[i], fresh[len(units) + i]
         return out
 
     # -- sync (world-collective) -----------------------------------------------------------------------
@@ -233,6 +235,7 @@ class FixedPointAccumulators:
                 wanted = min(MAX_EXPONENT, max(MIN_EXPONENT, seen[i] + MARGIN_BITS))
                 unit.exponent = max(unit.exponent, wanted) if flagged else wanted
             unit.pushes, unit.flags = 0, 0
+            unit.ranges.clear()
         if flagged:
             what = "; ".join(
                 f"{units[i].name!r} (ranks {ranks}; bound now 2**{units[i].exponent})" for i, ranks in flagged.items()
