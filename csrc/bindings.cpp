@@ -88,6 +88,5 @@ PYBIND11_MODULE(_C, m) {
              py::arg("engine"), py::arg("kind"), py::arg("addr"), py::arg("rel"), py::arg("numel"), py::arg("pe"),
              py::arg("acc_dtype") = static_cast<int>(odc::kFloat32), release())
         .def("run", &odc::Plan::run, py::arg("base"), py::arg("dtype"), py::arg("scale"), py::arg("stream"), release())
-        .def_property_readonly("kind", &odc::Plan::kind)
-        .def_property_readonly("acc_dtype", &odc::Plan::acc_dtype);
+        .def_property_readonly("kind", &odc::Plan::kind);
 }

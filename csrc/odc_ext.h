@@ -144,7 +144,6 @@ class Plan {
          std::vector<uint64_t> numel, std::vector<int> pe, int acc_dtype = kFloat32);
     void run(uint64_t base, int dtype, float scale, uint64_t stream) const;
     int kind() const { return kind_; }
-    int acc_dtype() const { return acc_dtype_; }
 
   private:
     std::shared_ptr<Engine> engine_;
