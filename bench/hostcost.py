@@ -112,7 +112,9 @@ class _FakeEvent:
 
 def _fake_extension(runs: list) -> types.SimpleNamespace:
     class Plan:
-        def __init__(self, engine: object, kind: int, addr: list, rel: list, numel: list, pe: list) -> None:
+        def __init__(
+            self, engine: object, kind: int, addr: list, rel: list, numel: list, pe: list, acc_dtype: int | None = None
+        ) -> None:
             self.kind = kind
 
         def run(self, base: int, dtype: int, scale: float, stream: int) -> None:  # the launch: a no-op
@@ -128,7 +130,7 @@ def _fake_extension(runs: list) -> types.SimpleNamespace:
             return False
 
     return types.SimpleNamespace(
-        DTYPE_FLOAT32=0, DTYPE_BFLOAT16=1, DTYPE_FLOAT16=2, PLAN_FETCH_COPY=0, PLAN_FETCH_KERNEL=1,
+        DTYPE_FLOAT32=0, DTYPE_BFLOAT16=1, DTYPE_FLOAT16=2, DTYPE_INT64=3, PLAN_FETCH_COPY=0, PLAN_FETCH_KERNEL=1,
         PLAN_FETCH_STAGED=2, PLAN_PUSH_ATOMIC=3, PLAN_PUSH_LOCKED=4, Plan=Plan, Engine=Engine,
         EVENT_DONE=0, EVENT_PENDING=1, query_event=lambda event: 0,
     )

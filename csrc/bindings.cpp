@@ -23,6 +23,7 @@ PYBIND11_MODULE(_C, m) {
     m.attr("DTYPE_FLOAT32") = static_cast<int>(odc::kFloat32);
     m.attr("DTYPE_BFLOAT16") = static_cast<int>(odc::kBFloat16);
     m.attr("DTYPE_FLOAT16") = static_cast<int>(odc::kFloat16);
+    m.attr("DTYPE_INT64") = static_cast<int>(odc::kInt64);
     m.attr("PLAN_FETCH_COPY") = static_cast<int>(odc::kFetchCopy);
     m.attr("PLAN_FETCH_KERNEL") = static_cast<int>(odc::kFetchKernel);
     m.attr("PLAN_FETCH_STAGED") = static_cast<int>(odc::kFetchStaged);
@@ -83,8 +84,9 @@ PYBIND11_MODULE(_C, m) {
 
     py::class_<odc::Plan>(m, "Plan")
         .def(py::init<std::shared_ptr<odc::Engine>, int, std::vector<uint64_t>, std::vector<uint64_t>,
-                      std::vector<uint64_t>, std::vector<int>>(),
-             py::arg("engine"), py::arg("kind"), py::arg("addr"), py::arg("rel"), py::arg("numel"), py::arg("pe"), release())
+                      std::vector<uint64_t>, std::vector<int>, int>(),
+             py::arg("engine"), py::arg("kind"), py::arg("addr"), py::arg("rel"), py::arg("numel"), py::arg("pe"),
+             py::arg("acc_dtype") = static_cast<int>(odc::kFloat32), release())
         .def("run", &odc::Plan::run, py::arg("base"), py::arg("dtype"), py::arg("scale"), py::arg("stream"), release())
         .def_property_readonly("kind", &odc::Plan::kind);
 }

@@ -25,7 +25,7 @@ namespace {
 //   1. thread 0 takes a ticket (fetch_inc of next at the owner) and waits (wait_or_abort) until serving equals
 //      the ticket; then __threadfence_system() (acquire for gets served by loads through a peer pointer);
 //   2. blocking get of the piece into the slot (the value every earlier holder left, see 4);
-//   3. slot += float(src) * scale;
+//   3. slot += float(src) * scale (fp32 accumulator), or slot += src (int64 accumulator, deterministic mode);
 //   4. blocking put back; __syncthreads; thread 0 alone runs nvshmem_quiet (quiet covers every operation of the
 //      PE, so the block's whole put is delivered at the owner);
 //   5. thread 0 releases: atomic inc of serving at the owner.
@@ -33,25 +33,41 @@ namespace {
 // holder reads the previous holder's result, so no update is lost. The ticket lock is FIFO-fair (no pusher
 // starves behind luckier CAS retries). All lock words are touched only by NVSHMEM AMOs, which take one path for
 // the whole job, so they are atomic with respect to each other.
+// Element type: A is the accumulator's (float or int64_t; Plan::run allows int64 only with int64 sources and
+// scale 1). The lock still does all the work of making get + add + put one atomic update of the cell: nothing in
+// NVSHMEM makes a get/put pair atomic, whatever the element type. What int64 changes is the order argument: the
+// ticket order of the holders is arrival order, so with fp32 the cell's value depends on it (rounding is not
+// associative), while the int64 adds (two's complement modulo 2^64, kept inside int64 by deterministic mode's
+// fixed-point bound, so no wrap) are associative and commutative: the same bits whatever order the holders come.
+// Cells never split an element: cells start at multiples of cell_bytes (a multiple of 16) and Plan checks that an
+// accumulator is aligned to its element size.
 // Deadlock freedom: a block holds at most one lock at a time and, while holding it, waits only for its own
 // one-sided get/put/quiet, which complete without code running on the owner or on other blocks; so every lock
 // is released after bounded work, and each waiting ticket is eventually served. A holder that died never
 // releases: then the waiters leave when the abort word is raised (the job is lost; the error names the op).
 // Not bounded by the abort: the ticket fetch_inc and the get/put/quiet themselves, which wait inside NVSHMEM
 // (to a dead node they wait for the network transport's own error handling; see docs/design.md).
-template <typename T>
-__global__ void push_locked_kernel(CellBatch b, float scale, char* heap, float* scratch, uint64_t cell_bytes,
+__device__ __forceinline__ void accumulate(float& acc, float v, float scale) { acc += v * scale; }
+__device__ __forceinline__ void accumulate(float& acc, __nv_bfloat16 v, float scale) { acc += to_f32(v) * scale; }
+__device__ __forceinline__ void accumulate(float& acc, __half v, float scale) { acc += to_f32(v) * scale; }
+__device__ __forceinline__ void accumulate(int64_t& acc, int64_t v, float) {
+    // on the unsigned reinterpretation: the int64 sum without signed-overflow UB (none occurs: the bound)
+    acc = static_cast<int64_t>(static_cast<uint64_t>(acc) + static_cast<uint64_t>(v));
+}
+
+template <typename T, typename A>
+__global__ void push_locked_kernel(CellBatch b, float scale, char* heap, char* scratch, uint64_t cell_bytes,
                                    unsigned* locks, int nlocks, const volatile uint32_t* abort) {
     __shared__ int s_stop;
-    float* slot = reinterpret_cast<float*>(reinterpret_cast<char*>(scratch) + blockIdx.x * cell_bytes);
+    A* slot = reinterpret_cast<A*>(scratch + blockIdx.x * cell_bytes);
     for (uint64_t k = blockIdx.x; k < b.total; k += gridDim.x) {
         const uint64_t item = (k + b.rotate) % b.total;
         const CellTask& t = b.t[find_task(b, item)];
-        const uint64_t begin = t.offset, end = begin + t.n * sizeof(float);
+        const uint64_t begin = t.offset, end = begin + t.n * sizeof(A);
         const uint64_t c = begin / cell_bytes + (item - t.first);
         const uint64_t lo = max(begin, c * cell_bytes), hi = min(end, (c + 1) * cell_bytes);
-        const uint64_t e0 = (lo - begin) / sizeof(float), m = (hi - lo) / sizeof(float);
-        float* remote = reinterpret_cast<float*>(heap + lo);
+        const uint64_t e0 = (lo - begin) / sizeof(A), m = (hi - lo) / sizeof(A);
+        A* remote = reinterpret_cast<A*>(heap + lo);
         const T* src = reinterpret_cast<const T*>(t.local) + e0;
         unsigned* next = locks + 2 * static_cast<int>((c * 0x9E3779B97F4A7C15ull >> 17) % static_cast<uint64_t>(nlocks));
         unsigned* serving = next + 1;
@@ -62,11 +78,11 @@ __global__ void push_locked_kernel(CellBatch b, float scale, char* heap, float* 
         }
         __syncthreads();
         if (s_stop) return;  // uniform: every thread read the same shared flag
-        nvshmemx_getmem_block(slot, remote, m * sizeof(float), t.pe);
+        nvshmemx_getmem_block(slot, remote, m * sizeof(A), t.pe);
         __syncthreads();
-        for (uint64_t i = threadIdx.x; i < m; i += blockDim.x) slot[i] += to_f32(src[i]) * scale;
+        for (uint64_t i = threadIdx.x; i < m; i += blockDim.x) accumulate(slot[i], src[i], scale);
         __syncthreads();
-        nvshmemx_putmem_block(remote, slot, m * sizeof(float), t.pe);
+        nvshmemx_putmem_block(remote, slot, m * sizeof(A), t.pe);
         __syncthreads();
         if (threadIdx.x == 0) {
             nvshmem_quiet();
@@ -109,11 +125,12 @@ __global__ void put_nbi_kernel(CellBatch b, char* heap, uint64_t cell_bytes) {
 }  // namespace
 
 void launch_push_locked(const CellBatch& b, int blocks, int dtype, float scale, char* heap, uint64_t cell,
-                        float* sc, unsigned* lk, int nl, const volatile uint32_t* ab, cudaStream_t s) {
+                        char* sc, unsigned* lk, int nl, const volatile uint32_t* ab, cudaStream_t s) {
     switch (dtype) {
-        case kFloat32: push_locked_kernel<float><<<blocks, kThreads, 0, s>>>(b, scale, heap, sc, cell, lk, nl, ab); break;
-        case kBFloat16: push_locked_kernel<__nv_bfloat16><<<blocks, kThreads, 0, s>>>(b, scale, heap, sc, cell, lk, nl, ab); break;
-        default: push_locked_kernel<__half><<<blocks, kThreads, 0, s>>>(b, scale, heap, sc, cell, lk, nl, ab); break;
+        case kInt64: push_locked_kernel<int64_t, int64_t><<<blocks, kThreads, 0, s>>>(b, scale, heap, sc, cell, lk, nl, ab); break;
+        case kFloat32: push_locked_kernel<float, float><<<blocks, kThreads, 0, s>>>(b, scale, heap, sc, cell, lk, nl, ab); break;
+        case kBFloat16: push_locked_kernel<__nv_bfloat16, float><<<blocks, kThreads, 0, s>>>(b, scale, heap, sc, cell, lk, nl, ab); break;
+        default: push_locked_kernel<__half, float><<<blocks, kThreads, 0, s>>>(b, scale, heap, sc, cell, lk, nl, ab); break;
     }
     check_launch("push_locked_kernel");
 }

@@ -68,7 +68,7 @@ struct TaskBatch {
 struct CellTask {
     uint64_t offset;  // symmetric offset at the peer (accumulator / parameter / inbox region)
     uint64_t local;   // ordinary device memory of the caller (source / destination)
-    uint64_t n;       // elements (push, fp32 at the owner) or bytes (fetch, put)
+    uint64_t n;       // elements (push: of the owner's fp32 or int64 accumulator) or bytes (fetch, put)
     uint64_t first;   // index of the task's first item
     int pe;
 };

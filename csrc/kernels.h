@@ -1,7 +1,7 @@
 // Host-side launchers of the device protocols, one .cu file per protocol, each with its ordering argument and
 // why it cannot deadlock next to the kernel:
 //   barrier.cu  own barrier (epochs, release/acquire, abort) and quiet
-//   peer.cu     peer-pointer copy and fused cast*scale*atomic-add push (one NVLink domain)
+//   peer.cu     peer-pointer copy and fused cast*scale*atomic-add push, int64 atomic-add push (one NVLink domain)
 //   cells.cu    cell protocols over NVSHMEM network operations: locked push, staged fetch, network put
 //   signal.cu   signalled puts: quiet + fence + signal add, and the signal wait
 // Every launcher checks its launch (odc::Error); every wait for another PE goes through wait_or_abort
@@ -34,13 +34,15 @@ void launch_quiet(cudaStream_t s);
 
 // peer.cu; `sms`: the device's SM count (the grid is about 4 blocks per SM)
 void launch_peer_copy(const std::vector<Task>& tasks, int sms, cudaStream_t s, const char* what);
+// dtype kInt64: int64 sources into an int64 accumulator, exact (scale unused: Plan::run refused scale != 1)
 void launch_push_atomic(const std::vector<Task>& tasks, int dtype, float scale, bool vector_atomics, int sms,
                         cudaStream_t s);
 
 // cells.cu; `heap` is this PE's arena base (CellTask.offset is relative to it), `scratch` holds one cell per
-// block (blocks <= scratch slots)
+// block (blocks <= scratch slots); push: `dtype` kInt64 adds int64 into an int64 accumulator (scale 1), every
+// other code casts * scale into an fp32 one (Plan::run checked the mix)
 void launch_push_locked(const CellBatch& b, int blocks, int dtype, float scale, char* heap, uint64_t cell_bytes,
-                        float* scratch, unsigned* locks, int nlocks, const volatile uint32_t* abort, cudaStream_t s);
+                        char* scratch, unsigned* locks, int nlocks, const volatile uint32_t* abort, cudaStream_t s);
 void launch_fetch_staged(const CellBatch& b, int blocks, char* heap, char* scratch, uint64_t cell_bytes,
                          cudaStream_t s);
 void launch_put_nbi(const CellBatch& b, int blocks, char* heap, uint64_t cell_bytes, cudaStream_t s);

@@ -24,8 +24,9 @@ struct Error : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
-// dtype codes, exported to Python as _C.DTYPE_* (odc_runtime/transport/nvshmem/extension.py reads them)
-enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+// dtype codes, exported to Python as _C.DTYPE_* (odc_runtime/transport/nvshmem/extension.py reads them).
+// kInt64: deterministic mode's fixed-point pushes (int64 sources into an int64 accumulator, scale 1, exact).
+enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt64 = 3 };
 
 // What a Plan does (exported as _C.PLAN_*).
 enum PlanKind : int {
@@ -134,11 +135,13 @@ class Engine {
 // A precomputed transfer: per task the peer's address (the peer pointer for the copy, kernel and atomic kinds)
 // or its symmetric offset in the arena (the staged and locked kinds, which use NVSHMEM network operations), the element offset in the caller's tensor, the element count and the peer. run(base,
 // dtype, ...) addresses the caller's tensor as base + rel * sizeof(dtype) (fetch: the buffer's dtype; push: the
-// gradient's dtype, the accumulator being fp32) and launches; its host cost is a few microseconds.
+// gradient's dtype) and launches; its host cost is a few microseconds. Push kinds: `acc_dtype` is the
+// accumulator's element type, kFloat32 (sources fp32/bf16/fp16, cast * scale, fp32 add) or kInt64 (sources int64
+// only, scale 1: an exact integer add); run() refuses any other mix before launching. Fetch kinds ignore it.
 class Plan {
   public:
     Plan(std::shared_ptr<Engine> engine, int kind, std::vector<uint64_t> addr, std::vector<uint64_t> rel,
-         std::vector<uint64_t> numel, std::vector<int> pe);
+         std::vector<uint64_t> numel, std::vector<int> pe, int acc_dtype = kFloat32);
     void run(uint64_t base, int dtype, float scale, uint64_t stream) const;
     int kind() const { return kind_; }
 
@@ -147,6 +150,8 @@ class Plan {
     int kind_;
     std::vector<uint64_t> addr_, rel_, numel_;
     std::vector<int> pe_;
+    int acc_dtype_;
+    uint64_t acc_size_;  // bytes per accumulator element (push kinds)
 };
 
 }  // namespace odc

@@ -88,6 +88,24 @@ __global__ void push_atomic_kernel(TaskBatch b, float scale, bool vector_atomics
     for (uint64_t i = done + first; i < t.n; i += stride) atomicAdd_system(dst + i, to_f32(src[i]) * scale);
 }
 
+// Push, deterministic mode: dst (the owner's int64 fixed-point accumulator, through the peer pointer) += src,
+// int64 sources already quantised on the host side (odc_runtime/deterministic.py), scale 1 (Plan::run refuses
+// any other). Per element one system-scope 64-bit integer atomic on the unsigned reinterpretation: two's-complement
+// addition modulo 2^64 is the int64 sum, and the fixed-point bound keeps every partial sum of a window inside
+// int64, so nothing wraps. Integer addition is associative and commutative, so the final value is the same bits
+// whatever order the concurrent pushers' atomics are performed in (the fp32 kernel above cannot promise that).
+// Lost-update freedom is the fp32 kernel's argument: each add is a single atomic performed at the owner's memory.
+__global__ void push_atomic_int64_kernel(TaskBatch b) {
+    const int ti = blockIdx.x % b.ntasks;
+    const int part = blockIdx.x / b.ntasks;
+    const Task t = b.t[ti];
+    unsigned long long* dst = reinterpret_cast<unsigned long long*>(t.dst);
+    const unsigned long long* src = reinterpret_cast<const unsigned long long*>(t.src);
+    const uint64_t stride = static_cast<uint64_t>(b.parts) * blockDim.x;
+    for (uint64_t i = static_cast<uint64_t>(part) * blockDim.x + threadIdx.x; i < t.n; i += stride)
+        atomicAdd_system(dst + i, src[i]);
+}
+
 // Split tasks into launches of at most kMaxTasks; `parts` per task so the grid is ~4 blocks per SM.
 template <typename Launch>
 void for_batches(const std::vector<Task>& tasks, uint64_t unit_per_block, int sms, Launch launch) {
@@ -120,6 +138,7 @@ void launch_peer_copy(const std::vector<Task>& tasks, int sms, cudaStream_t s, c
 void launch_push_atomic(const std::vector<Task>& tasks, int dtype, float scale, bool vec, int sms, cudaStream_t s) {
     for_batches(tasks, 16 * 1024, sms, [&](const TaskBatch& b, int blocks) {
         switch (dtype) {
+            case kInt64: push_atomic_int64_kernel<<<blocks, kThreads, 0, s>>>(b); break;
             case kFloat32: push_atomic_kernel<float><<<blocks, kThreads, 0, s>>>(b, scale, vec); break;
             case kBFloat16: push_atomic_kernel<__nv_bfloat16><<<blocks, kThreads, 0, s>>>(b, scale, vec); break;
             default: push_atomic_kernel<__half><<<blocks, kThreads, 0, s>>>(b, scale, vec); break;

@@ -41,6 +41,7 @@ void require_init(const char* what) {
 
 uint64_t dtype_size(int dtype) {
     switch (dtype) {
+        case kInt64: return 8;
         case kFloat32: return 4;
         case kBFloat16:
         case kFloat16: return 2;

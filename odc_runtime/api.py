@@ -90,7 +90,8 @@ def init(
         deterministic: bitwise-deterministic gradient accumulation (default ``ODC_DETERMINISTIC``, else off): pushes
             add into int64 fixed-point accumulators (8 more bytes per shard element), ``sync`` writes ``st.grad``;
             a push beyond its tensor's bound makes the next ``sync`` raise OdcOverflowError on every rank
-            (``odc_runtime.deterministic``). Host, symm and symm-cpu transports, one node; the same on every rank.
+            (``odc_runtime.deterministic``). Host, symm, symm-cpu and nvshmem transports, one node; the same on every
+            rank.
 
     Raises (on every rank together): OdcUsageError for a bad argument or setting on this rank, OdcMismatchError
     when another rank rejected its arguments or ranks chose different backends, OdcTimeoutError /

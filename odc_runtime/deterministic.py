@@ -283,8 +283,8 @@ def check_supported(transport: Transport, node_size: int) -> None:
     if not transport.capabilities.deterministic:
         raise OdcUsageError(
             f"odc_runtime.init(deterministic=True): the {transport.name} transport cannot accumulate "
-            "deterministically (it has no exact int64 push); use backend='host', 'symm-cpu' or 'symm', or init "
-            "without deterministic=True / ODC_DETERMINISTIC"
+            "deterministically (it has no exact int64 push); use backend='host', 'symm-cpu', 'symm' or 'nvshmem', or "
+            "init without deterministic=True / ODC_DETERMINISTIC"
         )
     if node_size < transport.world_size:
         raise OdcUsageError(

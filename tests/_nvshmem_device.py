@@ -251,7 +251,7 @@ def extension(dev: Device) -> types.SimpleNamespace:
             return self.pe.wait_seen
 
     class Plan:
-        def __init__(self, engine: Engine, kind: int, addr, rel, numel, pe) -> None:
+        def __init__(self, engine: Engine, kind: int, addr, rel, numel, pe, acc_dtype: int | None = None) -> None:
             self.engine, self.kind, self.cells = engine, kind, len(addr)
 
         def run(self, base: int, dtype: int, scale: float, stream: int) -> None:
@@ -262,7 +262,7 @@ def extension(dev: Device) -> types.SimpleNamespace:
         return EVENT_DONE if _EVENTS[event].query() else EVENT_PENDING
 
     return types.SimpleNamespace(
-        DTYPE_FLOAT32=0, DTYPE_BFLOAT16=1, DTYPE_FLOAT16=2, PLAN_FETCH_COPY=0, PLAN_FETCH_KERNEL=1,
+        DTYPE_FLOAT32=0, DTYPE_BFLOAT16=1, DTYPE_FLOAT16=2, DTYPE_INT64=3, PLAN_FETCH_COPY=0, PLAN_FETCH_KERNEL=1,
         PLAN_FETCH_STAGED=2, PLAN_PUSH_ATOMIC=3, PLAN_PUSH_LOCKED=4, Plan=Plan, Engine=Engine,
         EVENT_DONE=EVENT_DONE, EVENT_PENDING=EVENT_PENDING, query_event=query_event,
     )

@@ -66,18 +66,69 @@ def _rank_train(rank: int, world: int, deterministic: bool, order: str, steps: i
     return out
 
 
-def test_same_bits_whatever_the_arrival_order() -> None:
-    runs = [run_ranks(_rank_train, 3, True, order, 3) for order in ("up", "down", "async")]
+# The transports the exact tests below run on: host, and the nvshmem transport (its real Python paths) over the CPU
+# model of its extension (tests/_nvshmem_shm.py) on both push protocols: peer-pointer atomics and locked cells.
+BACKENDS = ["host", "nvshmem-atomic", "nvshmem-locked"]
+
+
+def _ranks(backend: str, fn, world: int, *args, **kwargs) -> list:
+    """``run_ranks(fn, world, *args)`` with ``odc.init("host")`` answered by ``backend``."""
+    if backend == "host":
+        return run_ranks(fn, world, *args, **kwargs)
+    import _nvshmem_shm
+
+    return run_ranks(_nvshmem_shm.run, world, backend.removeprefix("nvshmem-"), fn, *args, **kwargs)
+
+
+def test_nvshmem_model_adds_int64_exactly_and_refuses_what_the_extension_refuses(tmp_path) -> None:
+    """The CPU model of the extension behind the nvshmem cases (tests/_nvshmem_shm.py) does what csrc/plan.cu,
+    peer.cu and cells.cu do with an int64 accumulator: exact adds past 2**53 on both push kinds, and the refusals."""
+    import _nvshmem_shm as shm
+
+    path = tmp_path / "pe0"
+    path.write_bytes(bytes(shm.CTL + (1 << 16)))
+    mem = shm._Mem([str(path)], shm.CTL + (1 << 16))
+    C = shm.extension(mem, 0, 1, 5.0, 4096)
+    engine = C.Engine()
+    q = torch.tensor([(1 << 60) + 1, -(1 << 55) - 3, 7] * 700, dtype=torch.int64)  # 2100 elements: 2 cells
+    for kind, addr in ((C.PLAN_PUSH_ATOMIC, mem.bases[0] + 4000), (C.PLAN_PUSH_LOCKED, 4000)):
+        acc = mem.arena(0, 4000, 8 * q.numel()).view(torch.int64)
+        acc.zero_()
+        plan = C.Plan(engine, kind, [addr], [0], [q.numel()], [0], C.DTYPE_INT64)
+        for _ in range(3):
+            plan.run(q.data_ptr(), C.DTYPE_INT64, 1.0, 0)
+        assert torch.equal(acc, q * 3)
+        for dtype, scale in ((C.DTYPE_FLOAT32, 1.0), (C.DTYPE_INT64, 0.5)):
+            with pytest.raises(RuntimeError, match="int64"):
+                plan.run(q.data_ptr(), dtype, scale, 0)
+        with pytest.raises(RuntimeError, match="int64 accumulator"):
+            C.Plan(engine, kind, [addr], [0], [4], [0], C.DTYPE_FLOAT32).run(q.data_ptr(), C.DTYPE_INT64, 1.0, 0)
+        with pytest.raises(RuntimeError, match="8-byte aligned"):
+            C.Plan(engine, kind, [addr + 4], [0], [4], [0], C.DTYPE_INT64)
+        assert torch.equal(acc, q * 3)  # nothing written by a refused run
+    with pytest.raises(RuntimeError, match="fp32 or int64"):
+        C.Plan(engine, C.PLAN_PUSH_ATOMIC, [mem.bases[0]], [0], [4], [0], C.DTYPE_FLOAT16)
+
+
+def _steps(backend: str) -> int:
+    return 3 if backend == "host" else 2  # CI time: the nvshmem model is slower per push
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_same_bits_whatever_the_arrival_order(backend: str) -> None:
+    runs = [_ranks(backend, _rank_train, 3, True, order, _steps(backend)) for order in ("up", "down", "async")]
     assert runs[0] == runs[1] == runs[2]
 
 
-def test_default_mode_depends_on_the_arrival_order() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_default_mode_depends_on_the_arrival_order(backend: str) -> None:
     """The same job in the default (fp32, arrival-order) mode: the orders above give different bits, so the test
     above would see a difference. Forced turns make each order's result itself reproducible (not flaky)."""
-    up = run_ranks(_rank_train, 3, False, "up", 3)
-    down = run_ranks(_rank_train, 3, False, "down", 3)
+    up = _ranks(backend, _rank_train, 3, False, "up", _steps(backend))
+    down = _ranks(backend, _rank_train, 3, False, "down", _steps(backend))
     assert up != down
-    assert up == run_ranks(_rank_train, 3, False, "up", 3)
+    if backend == "host":
+        assert up == run_ranks(_rank_train, 3, False, "up", 3)
 
 
 def _rank_precision(rank: int, world: int) -> dict:
@@ -110,8 +161,9 @@ def _rank_precision(rank: int, world: int) -> dict:
     return {"worst_relative": worst}
 
 
-def test_precision_against_fp64_reference() -> None:
-    run_ranks(_rank_precision, 3)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_precision_against_fp64_reference(backend: str) -> None:
+    _ranks(backend, _rank_precision, 3)
 
 
 def _rank_overflow(rank: int, world: int) -> dict:
@@ -170,8 +222,9 @@ def check_overflow(results: list[dict], world: int) -> None:
         assert "[0]" in r["too_many"] and r["too_many_unchanged"]
 
 
-def test_overflow_is_refused_on_every_rank_and_nothing_is_written() -> None:
-    check_overflow(run_ranks(_rank_overflow, 3), 3)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_overflow_is_refused_on_every_rank_and_nothing_is_written(backend: str) -> None:
+    check_overflow(_ranks(backend, _rank_overflow, 3), 3)
 
 
 def _rank_misuse(rank: int, world: int, case: str) -> str:

@@ -60,7 +60,7 @@ class FakeEvent:
 
 def _fake_ext(calls: list) -> types.SimpleNamespace:
     class Plan:
-        def __init__(self, engine, kind, addr, rel, numel, pe) -> None:
+        def __init__(self, engine, kind, addr, rel, numel, pe, acc_dtype=None) -> None:
             self.spec = (kind, list(addr), list(rel), list(numel), list(pe))
             calls.append(("plan", self.spec))
 
@@ -126,7 +126,7 @@ def _fake_ext(calls: list) -> types.SimpleNamespace:
         return 20 if _EVENTS[event].state() else 21
 
     return types.SimpleNamespace(
-        DTYPE_FLOAT32=10, DTYPE_BFLOAT16=11, DTYPE_FLOAT16=12, PLAN_FETCH_COPY=0, PLAN_FETCH_KERNEL=1,
+        DTYPE_FLOAT32=10, DTYPE_BFLOAT16=11, DTYPE_FLOAT16=12, DTYPE_INT64=13, PLAN_FETCH_COPY=0, PLAN_FETCH_KERNEL=1,
         PLAN_FETCH_STAGED=2, PLAN_PUSH_ATOMIC=3, PLAN_PUSH_LOCKED=4, Plan=Plan, Engine=Engine,
         EVENT_DONE=20, EVENT_PENDING=21, query_event=query_event,
     )
@@ -515,6 +515,57 @@ def test_nvshmem_intra_node_atomics_once_the_hierarchy_is_on() -> None:
     run_ranks(_rank_fake_node_atomics, 1, timeout=60)
 
 
+# -- issue 36: deterministic mode's int64 push; every other mix with an int64 accumulator refused --------------
+def _rank_fake_int64_push(rank: int, world: int, atomic: bool) -> None:
+    from odc_runtime.transport.base import Piece, PushRequest
+
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        # PE 0 of 2 with peer pointers: atomic plans, or (atomic=False) the locked protocol.
+        transport, calls, _ = _install(monkeypatch, 2, [1 << 41, 1 << 42], atomic=atomic)
+        assert transport.capabilities.deterministic
+        kind = 3 if atomic else 4
+        fixed = transport.alloc(8, torch.int64, "fixed")
+        acc = transport.alloc(8, torch.float32, "acc")
+        q = torch.arange(8, dtype=torch.int64) * (1 << 40)
+        calls.clear()
+        transport.push(fixed, [PushRequest(1, q[:4], 4)], 1.0)
+        plan = transport.plan(fixed, "push", [Piece(0, 0, 8, 0)])
+        plan.run(q)
+        # the int64 code (13) to the kernels; the plan names the accumulator's element type too
+        assert [(c[1], c[3], c[4]) for c in calls if c[0] == "run"] == [(kind, 13, 1.0)] * 2, calls
+        assert [c[1][0] for c in calls if c[0] == "plan"] == [kind, kind]
+        calls.clear()
+        only_int64, only_fp32 = "an int64 accumulator .* takes int64 sources only", "int64 sources go into an int64"
+        refused = [
+            (only_int64, lambda: transport.push(fixed, [PushRequest(1, q[:4].float())], 1.0)),
+            (only_int64, lambda: plan.run(q.to(torch.bfloat16))),
+            ("take scale 1, got 0.5", lambda: transport.push(fixed, [PushRequest(1, q[:4])], 0.5)),
+            ("take scale 1, got 0.5", lambda: plan.run(q, 0.5)),
+            ("take scale 1, got 0.5", lambda: plan.run(q, 0.5, async_op=True)),
+            (only_fp32, lambda: transport.push(acc, [PushRequest(1, q[:4])], 1.0)),
+            (only_fp32, lambda: transport.plan(acc, "push", [Piece(0, 0, 8, 0)]).run(q)),
+            # several dtypes in one push: refused whole, before the fp32 group is issued
+            (only_fp32, lambda: transport.push(acc, [PushRequest(1, torch.ones(4)), PushRequest(0, q[:4])], 1.0)),
+        ]
+        for pattern, call in refused:
+            with pytest.raises(odc.OdcUsageError, match=pattern):
+                call()
+        assert not [c for c in calls if c[0] == "run"], calls  # nothing issued
+        with pytest.raises(odc.OdcUsageError, match=r"accumulators must be float32 \(or int64"):
+            transport.push(transport.alloc(8, torch.float16, "half"), [PushRequest(1, torch.ones(4))], 1.0)
+        assert transport.failure is None  # misuse never fails the transport
+        testing.uninstall()
+        transport._finalized = True
+    finally:
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_int64_push_and_its_refusals_with_a_fake_extension(atomic: bool) -> None:
+    run_ranks(_rank_fake_int64_push, 1, atomic, timeout=60)
+
+
 # -- issue 22: the locked push with PEs whose heap bases differ; finalize after a failure ---------------------
 def _run_locked_kernel(runs: list, owner: torch.Tensor, cell_bytes: int) -> None:
     """Executes queued locked-push launches the way ``csrc/cells.cu`` does, one step of each launch in turn (the
@@ -563,7 +614,7 @@ def _rank_locked_push_different_heap_bases(rank: int, world: int) -> None:
         runs: list = []
 
         class Plan:
-            def __init__(self, engine, kind, addr, rel, numel, pe) -> None:
+            def __init__(self, engine, kind, addr, rel, numel, pe, acc_dtype=None) -> None:
                 self.spec = (kind, list(addr), list(rel), list(numel), list(pe))
 
             def run(self, base, dtype, scale, stream) -> None:

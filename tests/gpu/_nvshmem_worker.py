@@ -192,6 +192,67 @@ def scenario_free_keeps_views():
     other.free()
 
 
+def scenario_int64_push():
+    """Deterministic mode's push (issue 36): int64 sources added into an int64 accumulator by the kernels, on the
+    peer path (64-bit system atomics) or, under ODC_NVSHMEM_PUSH=locked, the locked cells. Every rank pushes 3
+    micro-batches into every owner (at offsets that cut cells unevenly), in two runs whose orders differ (owners and
+    micro-batches reversed, ranks staggered the other way, sync vs async); both runs must equal the exact CPU
+    int64 sum bit for bit (values past 2**53, both signs: any float path would round them). A float source, or a
+    scale other than 1, is refused before anything is issued and leaves the transport healthy."""
+    import time
+
+    from odc_runtime import testing
+    from odc_runtime.transport.base import PushRequest
+
+    t = testing.transport()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = 3 * 65536 + 5
+
+    def value(r: int, m: int) -> torch.Tensor:
+        v = torch.arange(n, dtype=torch.int64) * 7919 + (1 << 40) + (1 << 20) * r + m
+        return v * (-1 if (r + m) % 2 else 1) + (1 << 55) * (m == 0)
+
+    def offset(r: int) -> int:
+        return r % 3
+
+    expect = torch.zeros(n, dtype=torch.int64)
+    for r in range(world):
+        for m in range(3):
+            expect[offset(r) :] += value(r, m)[: n - offset(r)]
+    fixed = t.alloc(n, torch.int64, tag="int64_push")
+    runs = []
+    for order in ("up", "down"):
+        owners = list(range(world)) if order == "up" else list(reversed(range(world)))
+        mbs = [0, 1, 2] if order == "up" else [2, 1, 0]
+        srcs = [value(rank, m)[: n - offset(rank)].cuda() for m in mbs]
+        dist.barrier()
+        time.sleep(0.002 * (rank if order == "up" else world - 1 - rank))
+        handles = [t.push(fixed, [PushRequest(p, src, offset(rank)) for p in owners], 1.0, async_op=order == "down")
+                   for src in srcs]
+        for h in handles:
+            if h is not None:
+                h.wait()
+        t.barrier("int64_push")
+        got = fixed.local.cpu()
+        wrong = int((got != expect).sum())
+        assert wrong == 0, f"{order}: {wrong} of {n} elements differ from the exact int64 sum"
+        runs.append(got)
+        fixed.local.zero_()
+        t.barrier("int64_push zeroed")
+    assert torch.equal(runs[0], runs[1])
+    q = value(rank, 0).cuda()
+    for src, scale in ((q.float(), 1.0), (q, 0.5)):
+        try:
+            t.push(fixed, [PushRequest((rank + 1) % world, src)], scale)
+        except odc.OdcUsageError:
+            pass
+        else:
+            raise AssertionError(f"an int64 accumulator accepted a {src.dtype} push with scale {scale}")
+    t.barrier("int64_push refusals")
+    assert t.failure is None and not bool(fixed.local.any()), "a refused push changed something"
+    t.free(fixed)
+
+
 SCENARIOS = {name[len("scenario_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("scenario_")}
 
 

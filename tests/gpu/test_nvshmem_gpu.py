@@ -1,5 +1,6 @@
 """GPU tests of the nvshmem backend through the public API (fetch, push, sync, async, bf16, uneven shards,
-many concurrent pushers, heap exhaustion). Each group runs under ``torchrun`` in child processes (NVSHMEM is
+many concurrent pushers, heap exhaustion; deterministic mode's exact int64 push on both protocols through the
+transport). Each group runs under ``torchrun`` in child processes (NVSHMEM is
 initialised once per process and may ``exit()`` on fatal errors; the locked push protocol is also run on one
 node with ``ODC_NVSHMEM_PUSH=locked``); skipped without CUDA, the extension, or, for
 the multi-GPU group, fewer than 2 GPUs."""
@@ -18,14 +19,16 @@ from _mps import mps_daemon
 WORKER = os.path.join(os.path.dirname(__file__), "_nvshmem_worker.py")
 SCENARIOS = (
     "fetch", "push", "uneven_and_sync", "async", "many_pushers", "heap_exhausted", "plan_cache", "free_keeps_views",
+    "int64_push",
 )
 # The lock + get + add + put push (the multi-node protocol), forced on one node: same results expected.
-LOCKED_SCENARIOS = ("push", "async", "many_pushers", "plan_cache")
+LOCKED_SCENARIOS = ("push", "async", "many_pushers", "plan_cache", "int64_push")
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
-# .ci/gpu --plan: per test function (setup s, s per case, expected fraction): one torchrun per function (unmeasured)
+# .ci/gpu --plan: per test function (setup s, s per case, expected fraction): one torchrun per function (unmeasured;
+# int64_push: 2 x 3 pushes of 1.5 MB per owner and a CPU reference, well under its 2 s case)
 GPU_BUDGET = {"test_single_gpu": (150, 2, 0.36), "test_multi_gpu": (240, 2, 0.5), "test_locked_push": (120, 2, 0.35),
               "test_four_pes_on_one_gpu": (240, 2, 0.35), "test_locked_push_four_pes_on_one_gpu": (180, 2, 0.37)}
 

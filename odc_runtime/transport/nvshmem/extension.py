@@ -120,8 +120,12 @@ def backend_call(op: str, fn: Callable, *args: object) -> object:
 
 
 def dtype_codes(ext: ModuleType) -> dict[torch.dtype, int]:
-    """torch dtype -> the extension's dtype code (exported by bindings.cpp, never duplicated here)."""
-    return {torch.float32: ext.DTYPE_FLOAT32, torch.bfloat16: ext.DTYPE_BFLOAT16, torch.float16: ext.DTYPE_FLOAT16}
+    """torch dtype -> the extension's dtype code (exported by bindings.cpp, never duplicated here). ``int64``:
+    deterministic mode's fixed-point pushes (int64 into an int64 accumulator, scale 1) and int64 buffers' fetches."""
+    return {
+        torch.float32: ext.DTYPE_FLOAT32, torch.bfloat16: ext.DTYPE_BFLOAT16, torch.float16: ext.DTYPE_FLOAT16,
+        torch.int64: ext.DTYPE_INT64,
+    }
 
 
 def keep_engine(engine: object) -> None:

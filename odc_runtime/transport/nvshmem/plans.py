@@ -40,6 +40,45 @@ if hasattr(torch._C, "_cuda_getCurrentRawStream"):  # what torch's own generated
     raw_stream = torch._C._cuda_getCurrentRawStream  # type: ignore[assignment]
 
 
+def check_accumulator(acc: torch.dtype) -> None:
+    """Accumulators are fp32, or ``int64`` (deterministic mode's fixed point)."""
+    if acc not in (torch.float32, torch.int64):
+        raise OdcUsageError(
+            f"nvshmem accumulate: accumulators must be float32 (or int64 in deterministic mode), got {acc}"
+        )
+
+
+def check_push(acc: torch.dtype, src: torch.dtype, scale: float) -> None:
+    """Refuse (OdcUsageError, before anything is issued) a push the kernels do not add exactly as asked: an fp32
+    accumulator takes fp32/bf16/fp16 sources (cast, times ``scale``, fp32 add); an ``int64`` accumulator takes
+    ``int64`` sources with scale 1 (deterministic mode's fixed-point push: an exact integer add). The extension
+    refuses the same mixes (``csrc/plan.cu``), but a refused launch fails the transport: checked here first, misuse
+    stays an ordinary usage error."""
+    check_accumulator(acc)
+    if acc == torch.int64 and src != torch.int64:
+        raise OdcUsageError(
+            f"nvshmem accumulate: an int64 accumulator (deterministic mode) takes int64 sources only, got {src}; "
+            "floating-point gradients go into a float32 accumulator"
+        )
+    if acc == torch.float32 and src == torch.int64:
+        raise OdcUsageError(
+            "nvshmem accumulate: int64 sources go into an int64 accumulator only (deterministic mode), not float32; "
+            "push fp32/bf16/fp16 gradients into a float32 accumulator"
+        )
+    if acc == torch.int64 and scale != 1.0:
+        raise OdcUsageError(
+            f"nvshmem accumulate: int64 pushes are exact integer adds and take scale 1, got {scale} (deterministic "
+            "mode scales before quantising)"
+        )
+
+
+def source_codes(codes: dict[torch.dtype, int], acc: torch.dtype) -> dict[torch.dtype, int]:
+    """The dtype codes of the sources a push into an ``acc`` accumulator may have (:func:`check_push`)."""
+    if acc == torch.int64:
+        return {torch.int64: codes[torch.int64]}
+    return {d: c for d, c in codes.items() if d != torch.int64}
+
+
 def record(t: torch.Tensor, stream: torch.cuda.Stream) -> None:
     """Tell the caching allocator that ``t`` is used on ``stream`` (not reused before that work is done)."""
     t.record_stream(stream)
@@ -94,8 +133,8 @@ class PlanBuilder:
         h: HeapBlock = buf.handle  # type: ignore[assignment]
         if buf.freed:
             raise OdcUsageError(f"nvshmem {kind}: buffer {buf.tag!r} was freed")
-        if kind == "push" and buf.dtype != torch.float32:
-            raise OdcUsageError(f"nvshmem accumulate: accumulators must be float32, got {buf.dtype}")
+        if kind == "push":
+            check_accumulator(buf.dtype)
         near: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
         far: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
         item = buf.dtype.itemsize
@@ -119,15 +158,17 @@ class PlanBuilder:
             lists[2].append(numel)
             lists[3].append(peer)
         C = self._C
+        extra: tuple[int, ...] = ()
         if kind == "fetch":
             near_kind = C.PLAN_FETCH_COPY if self.settings.fetch == "copy" else C.PLAN_FETCH_KERNEL
             far_kind = C.PLAN_FETCH_STAGED
         else:
             near_kind, far_kind = C.PLAN_PUSH_ATOMIC, C.PLAN_PUSH_LOCKED
+            extra = (self._transport._codes[buf.dtype],)  # the accumulator's element type
         engine = self._transport._engine
         return (
-            backend_call("plan", C.Plan, engine, near_kind, *near) if near[0] else None,
-            backend_call("plan", C.Plan, engine, far_kind, *far) if far[0] else None,
+            backend_call("plan", C.Plan, engine, near_kind, *near, *extra) if near[0] else None,
+            backend_call("plan", C.Plan, engine, far_kind, *far, *extra) if far[0] else None,
         )
 
 
@@ -191,7 +232,7 @@ class Streams:
 class NvshmemPlan(TransferPlan):
     """Precomputed extension plans ``near`` and ``far`` with the stream handle they were made for."""
 
-    __slots__ = ("_codes", "_far", "_fast", "_near", "_stream_ptr")
+    __slots__ = ("_codes", "_far", "_fast", "_int64", "_near", "_stream_ptr")
 
     def __init__(
         self, transport: NvshmemTransport, buf: SymmetricBuffer, kind: str, pieces: Sequence[Piece],
@@ -201,7 +242,9 @@ class NvshmemPlan(TransferPlan):
         self._near = near
         self._far = far
         self._stream_ptr = stream_key
-        self._codes = transport._codes
+        # push: only the sources this accumulator takes (check_push); a refused one leaves the fast path
+        self._codes = source_codes(transport._codes, buf.dtype) if kind == "push" else transport._codes
+        self._int64 = kind == "push" and buf.dtype == torch.int64  # scale must be 1
         # peer pointers only: one extension call on the caller's stream, nothing else to order
         self._fast = near.run if far is None and near is not None else None  # type: ignore[attr-defined]
 
@@ -212,13 +255,15 @@ class NvshmemPlan(TransferPlan):
         fast = self._fast
         if transport._healthy and fast is not None and not async_op:
             code = self._codes.get(tensor.dtype)
-            if code is not None:
+            if code is not None and (scale == 1.0 or not self._int64):
                 try:
                     fast(tensor.data_ptr(), code, scale, self._stream_ptr)
                 except RuntimeError as exc:
                     transport._launch_failed(self.kind, exc)
                 return None
         transport._check(self.kind)
+        if self.kind == "push":
+            check_push(self.buf.dtype, tensor.dtype, scale)
         code = self._codes.get(tensor.dtype)
         if code is None:
             raise OdcUsageError(f"nvshmem {self.kind}: dtype {tensor.dtype} not supported (use fp32/bf16/fp16)")

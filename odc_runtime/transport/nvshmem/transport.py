@@ -72,7 +72,9 @@ class NvshmemTransport(Transport):
     device_type = "cuda"
     # Group fences need per-group counters in the barrier kernel (not built; group_barrier refuses). Nodes: the
     # PEs that reach each other by peer pointer can be fewer than the world (a multi-node job).
-    capabilities = Capabilities(signals=True, group_fences=False, nodes=True)
+    # Deterministic: int64 pushes into an int64 accumulator are exact integer adds on both push paths (csrc/peer.cu's
+    # 64-bit atomics, csrc/cells.cu's locked cells).
+    capabilities = Capabilities(signals=True, group_fences=False, nodes=True, deterministic=True)
 
     def __init__(
         self,
@@ -228,6 +230,8 @@ class NvshmemTransport(Transport):
             groups.setdefault(r.src.dtype, []).append(
                 (r.peer, r.src.data_ptr() // r.src.itemsize, r.src.numel(), r.offset)
             )
+        for dtype in groups:  # the accumulator/source/scale mix, before anything is built or issued
+            plans.check_push(buf.dtype, dtype, float(scale))
         # every group is built (and validated) before any runs: a bad request issues nothing
         built = [(self._codes[dtype], self._plans.build(buf, "push", e)) for dtype, e in groups.items()]
         srcs = [r.src for r in requests]
