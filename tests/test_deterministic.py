@@ -383,6 +383,35 @@ def test_fsdp_overflow_is_raised_everywhere_and_the_minibatch_can_be_rerun() -> 
         assert not any(r["first_grads"]) and any(r["rerun_grads"])
 
 
+def _rank_free_mismatch(rank: int, world: int) -> list:
+    """A mismatched free in deterministic mode changes nothing (the int64 accumulator is freed, collectively, before
+    its unit is forgotten), and a retried free resumes."""
+    import odc_runtime as odc
+    from odc_runtime import testing
+
+    odc.init("host", timeout=20, deterministic=True)
+    transport = testing.transport()
+    empty = transport.heap_used()
+    x = odc.shard(torch.zeros(world * 8), name="x")
+    y = odc.shard(torch.zeros(world * 8), name="y")
+    with pytest.raises(odc.OdcMismatchError, match="collective mismatch"):
+        (y if rank == 2 else x).free()  # every rank raises at the int64 accumulator's free; nothing is freed
+    assert testing.failure() is None
+    for st in (x, y):
+        odc.push(st, torch.ones(world * 8))
+    odc.sync()
+    values = [x.grad.tolist(), y.grad.tolist()]
+    x.free()  # the same order on every rank: resumes where the mismatch stopped
+    y.free()
+    assert transport.heap_used() == empty
+    return values
+
+
+def test_mismatched_free_keeps_the_fixed_point_unit() -> None:
+    results = run_ranks(_rank_free_mismatch, 3, timeout=60)
+    assert results == [[[3.0] * 8, [3.0] * 8]] * 3
+
+
 def _rank_nodes_memory(rank: int, world: int) -> None:
     import test_hierarchy as th
 
