@@ -147,7 +147,8 @@ class FixedPointAccumulators:
         return self.units[seq].acc
 
     def bytes_per_rank(self) -> int:
-        """Symmetric memory the mode adds on this rank (the ``int64`` accumulators)."""
+        """Symmetric memory the mode adds on this rank: the ``int64`` accumulators (with nodes, the hierarchy's
+        staging rows and inboxes are ``int64`` too, 4 more bytes per element each, not counted here)."""
         return sum(u.acc.nbytes for u in self.units.values())
 
     def plan(self, seq: int, pieces: Sequence[Piece]) -> TransferPlan:

@@ -19,12 +19,11 @@ transfers so that each byte crosses the network once per node and minibatch, not
   remote owner's shard, after the first barrier, so it sees every write made before the sync).
 
 Memory, per rank and hierarchical tensor: ``(M-1)·S`` fp32 staging + ``K·S`` fp32 inbox + ``(M-1)·S``
-parameter-dtype mirror, plus two ``int64`` signal words per node for the runtime. Staging and inbox take the dtype
-of the accumulator they feed: in deterministic mode (:mod:`odc_runtime.deterministic`) that is the ``int64``
-fixed-point accumulator, so they are ``int64`` (8 bytes per element instead of 4) and the fold is an exact integer
-sum. ``K`` (``node_slots``) is
+parameter-dtype mirror, plus two ``int64`` signal words per node for the runtime. ``K`` (``node_slots``) is
 ``M-1`` by default; a smaller ``K`` flushes in ``ceil((M-1)/K)`` rounds, each slot reused only after the owner's
-free signal.
+free signal. Staging and inbox take the dtype of the accumulator they feed: in deterministic mode
+(:mod:`odc_runtime.deterministic`) the ``int64`` fixed-point one, so they are ``int64`` (8 bytes per element
+instead of 4) and the fold is an exact integer sum.
 
 Ordering (why sync is exact and cannot deadlock; docs/design.md has the long form):
 
