@@ -90,8 +90,8 @@ def init(
         deterministic: bitwise-deterministic gradient accumulation (default ``ODC_DETERMINISTIC``, else off): pushes
             add into int64 fixed-point accumulators (8 more bytes per shard element), ``sync`` writes ``st.grad``;
             a push beyond its tensor's bound makes the next ``sync`` raise OdcOverflowError on every rank
-            (``odc_runtime.deterministic``). Host, symm, symm-cpu and nvshmem transports, one node; the same on every
-            rank.
+            (``odc_runtime.deterministic``). Host, symm, symm-cpu and nvshmem transports, with or without
+            ``node_size`` (int64 staging rows and inboxes); the same on every rank.
 
     Raises (on every rank together): OdcUsageError for a bad argument or setting on this rank, OdcMismatchError
     when another rank rejected its arguments or ranks chose different backends, OdcTimeoutError /
@@ -134,7 +134,7 @@ def init(
                 f"the {name} transport does not have; set ODC_NODE_SIZE={transport.world_size} (one node)"
             )
         if exact:
-            check_supported(transport, nodes)  # agreed inputs: every rank refuses together
+            check_supported(transport)  # agreed inputs: every rank refuses together
         hierarchy = None
         if nodes < transport.world_size:
             hierarchy = Hierarchy(transport, nodes, slots)
@@ -143,7 +143,7 @@ def init(
     except BaseException:
         transport.finalize()  # deterministic on every rank (agreed inputs), so every rank gets here together
         raise
-    state.start(transport, hierarchy=hierarchy, fixed=FixedPointAccumulators(transport) if exact else None)
+    state.start(transport, hierarchy=hierarchy, fixed=FixedPointAccumulators(transport, hierarchy) if exact else None)
     log.info(
         "odc_runtime initialised: backend=%s rank=%d world=%d node_size=%d deterministic=%s", name, transport.rank,
         transport.world_size, nodes, exact,
@@ -316,7 +316,8 @@ def _shard_steps(
         st.local.copy_(tensor.detach().reshape(-1)[start:stop])
     transport.barrier(op)  # initial values are in place before anyone fetches them
     if runtime.hierarchy is not None and len(own) == world:
-        runtime.hierarchy.add(seq, size, param, grad, tag, allocated)  # fills the mirrors from the initial values
+        acc = grad if grad is None or runtime.fixed is None else runtime.fixed.accumulator(seq)  # int64 if exact
+        runtime.hierarchy.add(seq, size, param, acc, tag, allocated)  # fills the mirrors from the initial values
         transport.barrier(op)  # mirrors filled before any node-mate reads them
     return st
 
@@ -484,6 +485,8 @@ def sync(group: dist.ProcessGroup | None = None, *, gradients: bool = True, para
     the next ``sync`` with ``gradients=True``), ``parameters=False`` promises that no ``st.local`` of such a
     tensor was written since the last ``sync`` with ``parameters=True`` (else fetches from other nodes keep
     returning the older values). Both flags must be the same on every rank; without nodes they change nothing.
+    In deterministic mode ``gradients=False`` delivers staged pushes all the same (their fixed-point scale is this
+    sync's; a sync after which nobody pushed moves nothing anyway).
     """
     runtime = state.require("sync")
     transport = runtime.transport
@@ -494,7 +497,7 @@ def sync(group: dist.ProcessGroup | None = None, *, gradients: bool = True, para
     ranks = checks.group_ranks("sync(group=...)", group, transport.world_size, transport.rank)
     if ranks is None:
         if runtime.fixed is not None:
-            runtime.fixed.sync("sync")
+            runtime.fixed.sync("sync", gradients=gradients, parameters=parameters)
         elif runtime.hierarchy is None:
             transport.barrier("sync")
         else:

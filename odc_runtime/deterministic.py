@@ -20,6 +20,20 @@ contribution every rank saw in the window before, with headroom. Per element and
   * 2**-F`` (fp64, then fp32) into ``st.grad`` and zeroes ``acc``; round 3 keeps peers' next pushes out until the
   conversion is done. A window without pushes anywhere skips the conversion and round 3.
 
+With nodes smaller than the world (:mod:`odc_runtime.hierarchy`), the hierarchy routes the ``int64`` pushes: its
+accumulator for a tensor is the unit's ``int64`` one, its staging rows and inboxes are ``int64``, and its fold is an
+exact integer add. Every staged row holds a sub-sum of the window's quantised contributions at the same scale
+``2**-F``, so it is bounded by the same ``2**62`` and any grouping gives the same integer as the flat mode: the same
+bits. ``sync`` is then round 1 (the exchange), round 2 = the hierarchy's barrier 1 (pushes into staging rows and
+same-node accumulators fenced), the flush of the staging rows of every tensor pushed into (agreed in round 1; or,
+in a discarded window, their zeroing on every rank, with no puts), the mirror refresh, this rank's conversion
+(after its own folds: no barrier needed before it), and round 3 = the hierarchy's barrier 2. ``gradients=False``
+does not keep staged pushes staged in this mode: a staged value carries this window's scale, so it is delivered
+and converted in this window (a window nobody pushed in moves nothing, which is what the flag is for). Memory per
+rank and hierarchical tensor: ``8·S`` (the ``int64`` accumulator) + ``8·(M-1)·S`` staging + ``8·K·S`` inbox, beside
+the default mode's fp32 accumulator and parameter-dtype mirror, for ``S`` shard elements, ``M`` nodes and ``K``
+inbox slots.
+
 The choice, the measured alternatives, the precision and the cost are in docs/design.md ("Deterministic
 accumulation"). The transport sees only ``int64`` pushes with scale 1 (any transport whose push adds exactly into
 ``int64`` supports it: ``Capabilities.deterministic``).
@@ -32,11 +46,15 @@ import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from odc_runtime.errors import OdcOverflowError, OdcUsageError
 from odc_runtime.transport.base import Piece, SymmetricBuffer, TransferPlan, Transport, Work
+
+if TYPE_CHECKING:
+    from odc_runtime.hierarchy import Hierarchy
 
 log = logging.getLogger("odc_runtime.deterministic")
 
@@ -105,8 +123,11 @@ class FixedPointPlan(TransferPlan):
 class FixedPointAccumulators:
     """Every unit of a runtime in deterministic mode: allocation beside ``shard``, push plans, the ``sync``."""
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport, nodes: Hierarchy | None = None) -> None:
+        """``nodes``: the runtime's hierarchy (nodes smaller than the world), which routes the ``int64`` pushes of
+        the tensors it holds (registered by the caller with :meth:`accumulator` as their accumulator)."""
         self.transport = transport
+        self.nodes = nodes
         self.precision = fraction_bits(transport.world_size)  # P
         self.units: dict[int, _Unit] = {}  # by shard sequence number (the same on every rank)
 
@@ -126,12 +147,19 @@ class FixedPointAccumulators:
     def has(self, seq: int) -> bool:
         return seq in self.units
 
+    def accumulator(self, seq: int) -> SymmetricBuffer:
+        """The ``int64`` accumulator of a unit (what the hierarchy folds into and routes same-node pushes to)."""
+        return self.units[seq].acc
+
     def bytes_per_rank(self) -> int:
-        """Symmetric memory the mode adds on this rank (the ``int64`` accumulators)."""
+        """Symmetric memory the mode adds on this rank: the ``int64`` accumulators (with nodes, the hierarchy's
+        staging rows and inboxes are ``int64`` too, 4 more bytes per element each, not counted here)."""
         return sum(u.acc.nbytes for u in self.units.values())
 
     def plan(self, seq: int, pieces: Sequence[Piece]) -> TransferPlan:
         unit = self.units[seq]
+        if self.nodes is not None and self.nodes.has(seq):  # same-node owners' acc, proxies' int64 staging rows
+            return FixedPointPlan(self, unit, self.nodes.plan(seq, "push", pieces))
         return FixedPointPlan(self, unit, self.transport.plan(unit.acc, "push", pieces))
 
     # -- push ------------------------------------------------------------------------------------------
@@ -195,13 +223,17 @@ class FixedPointAccumulators:
         return out
 
     # -- sync (world-collective) -----------------------------------------------------------------------
-    def sync(self, op: str) -> None:
+    def sync(self, op: str, *, gradients: bool = True, parameters: bool = True) -> None:
         """Agree on the next window's bounds and on overflow, fence every push, convert into ``st.grad``.
 
         Only the transport contract: ``exchange`` carries host-side state (what each rank quantised), and
         ``barrier`` is the round after which every rank's pushes are visible in their owners' accumulators (on a
         GPU, in stream order: the conversion below is stream-ordered after it). An exchange alone is no such
-        fence on a transport whose pushes complete on a device stream (``symm``)."""
+        fence on a transport whose pushes complete on a device stream (``symm``).
+
+        With nodes, the hierarchy's two barriers are rounds 2 and 3 (see the module docstring); ``parameters``
+        is its flag (mirrors refreshed or not), and ``gradients`` only names its barrier (flags compared across
+        ranks): every tensor pushed into is delivered and converted at every sync in this mode."""
         transport = self.transport
         transport.quiet()  # a failed asynchronous push is raised here, before any round
         units = [self.units[s] for s in sorted(self.units)]
@@ -213,23 +245,37 @@ class FixedPointAccumulators:
                 seen[i] = max(seen[i], e)
                 if flags:
                     flagged.setdefault(i, []).append(r)
-        busy = any(e != NONE for e in seen) or bool(flagged)
-        transport.barrier(f"{op} (deterministic pushes)")  # round 2: the pushes (and parameter writes) are visible
+        # Units whose accumulators (and staging rows) may hold something: a value was seen, or a push was flagged (a
+        # NaN/inf push has no exponent but wrote meaningless integers, which must be zeroed with the window).
+        written = [seen[i] != NONE or i in flagged for i in range(len(units))]
+        busy = any(written)
 
         def convert() -> None:
             for i, unit in enumerate(units):
-                if seen[i] == NONE:
-                    continue  # nobody pushed into this tensor in this window: its accumulator is still zero
+                if not written[i]:
+                    continue  # nobody pushed a nonzero value into this tensor in this window: still zero
                 if not flagged:
                     self._convert(unit)
                 else:  # the window is discarded on every rank: nothing partial reaches st.grad
                     unit.acc.local.zero_()
-            # Round 3: no peer pushes its next window into an accumulator before its owner converted it.
-            transport.barrier(f"{op} (deterministic conversion)")
 
-        if busy:  # the same on every rank (agreed data); a window without pushes anywhere has nothing to convert
-            # Peers passed round 2 with us: an error here leaves them waiting in round 3 (fail-stop).
-            transport.fail_stop(op, "the deterministic bounds were agreed", convert)
+        if self.nodes is not None:
+            # Round 2 is the hierarchy's barrier 1; the flush of the tensors pushed into (or, discarded, the zeroing
+            # of their staging rows), the mirrors, the conversion, then round 3 = its barrier 2 (fail-stop inside).
+            pushed = {s for s, w in zip(sorted(self.units), written, strict=True) if w}
+            self.nodes.sync(op, gradients=gradients, parameters=parameters, pushed=pushed, discard=bool(flagged),
+                            then=convert if busy else None)
+        else:
+            transport.barrier(f"{op} (deterministic pushes)")  # round 2: the pushes (and parameter writes) are visible
+
+            def finish() -> None:
+                convert()
+                # Round 3: no peer pushes its next window into an accumulator before its owner converted it.
+                transport.barrier(f"{op} (deterministic conversion)")
+
+            if busy:  # the same on every rank (agreed data); a window without pushes anywhere has nothing to convert
+                # Peers passed round 2 with us: an error here leaves them waiting in round 3 (fail-stop).
+                transport.fail_stop(op, "the deterministic bounds were agreed", finish)
         for i, unit in enumerate(units):
             if seen[i] != NONE:  # a discarded window only raises the bound (its retry must fit)
                 wanted = min(MAX_EXPONENT, max(MIN_EXPONENT, seen[i] + MARGIN_BITS))
@@ -278,7 +324,7 @@ def _describe(why: int, amax: float, exponent: int) -> str:
     return f"max |value * scale| {amax:.6g} >= this window's bound 2**{exponent}"
 
 
-def check_supported(transport: Transport, node_size: int) -> None:
+def check_supported(transport: Transport) -> None:
     """Refuse what deterministic mode cannot run (the same outcome on every rank: agreed inputs)."""
     if not transport.capabilities.deterministic:
         raise OdcUsageError(
@@ -286,10 +332,3 @@ def check_supported(transport: Transport, node_size: int) -> None:
             "deterministically (it has no exact int64 push); use backend='host', 'symm-cpu', 'symm' or 'nvshmem', or "
             "init without deterministic=True / ODC_DETERMINISTIC"
         )
-    if node_size < transport.world_size:
-        raise OdcUsageError(
-            f"odc_runtime.init(deterministic=True): node size {node_size} < world {transport.world_size} (the "
-            "hierarchical protocol) is not supported in deterministic mode: its staging rows and inboxes are fp32 "
-            "and folded in arrival order. Set ODC_NODE_SIZE to the world size, or turn the mode off"
-        )
-

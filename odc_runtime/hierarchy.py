@@ -21,7 +21,9 @@ transfers so that each byte crosses the network once per node and minibatch, not
 Memory, per rank and hierarchical tensor: ``(M-1)·S`` fp32 staging + ``K·S`` fp32 inbox + ``(M-1)·S``
 parameter-dtype mirror, plus two ``int64`` signal words per node for the runtime. ``K`` (``node_slots``) is
 ``M-1`` by default; a smaller ``K`` flushes in ``ceil((M-1)/K)`` rounds, each slot reused only after the owner's
-free signal.
+free signal. Staging and inbox take the dtype of the accumulator they feed: in deterministic mode
+(:mod:`odc_runtime.deterministic`) the ``int64`` fixed-point one, so they are ``int64`` (8 bytes per element
+instead of 4) and the fold is an exact integer sum.
 
 Ordering (why sync is exact and cannot deadlock; docs/design.md has the long form):
 
@@ -43,7 +45,7 @@ Ordering (why sync is exact and cannot deadlock; docs/design.md has the long for
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -175,7 +177,8 @@ class Hierarchy:
         self, seq: int, shard: int, param: SymmetricBuffer, grad: SymmetricBuffer | None, tag: str,
         allocated: list[SymmetricBuffer],
     ) -> None:
-        """Collective (from ``shard()``): allocate the tensor's hierarchical buffers and fill its mirror. Each
+        """Collective (from ``shard()``): allocate the tensor's hierarchical buffers and fill its mirror. ``grad``
+        is the accumulator pushes from this node land in (the fp32 one, or deterministic mode's int64 one). Each
         buffer is appended to ``allocated`` as soon as it exists: the caller releases them if a step fails (under
         the fail-stop rule, which only it can apply to the whole of ``shard``)."""
         t = self.transport
@@ -185,10 +188,10 @@ class Hierarchy:
         mirror = t.alloc(rows, param.dtype, tag=f"{tag}.mirror")
         allocated.append(mirror)
         stage = inbox = None
-        if grad is not None:
-            stage = t.alloc(rows, torch.float32, tag=f"{tag}.stage")
+        if grad is not None:  # fp32, or int64 beside deterministic mode's fixed-point accumulator
+            stage = t.alloc(rows, grad.dtype, tag=f"{tag}.stage")
             allocated.append(stage)
-            inbox = t.alloc(self.slots * shard, torch.float32, tag=f"{tag}.inbox")
+            inbox = t.alloc(self.slots * shard, grad.dtype, tag=f"{tag}.inbox")
             allocated.append(inbox)
         bufs = _Buffers(shard, param, grad, mirror, stage, inbox)
         self._tensors[seq] = bufs
@@ -240,23 +243,42 @@ class Hierarchy:
         return SplitPlan(parts, own, kind, t.stream_key())
 
     # -- sync ------------------------------------------------------------------------------------------------
-    def sync(self, op: str, *, gradients: bool, parameters: bool) -> None:
-        """Barrier 1, then flush staged pushes (``gradients``) and refresh mirrors (``parameters``), barrier 2."""
+    def sync(
+        self, op: str, *, gradients: bool, parameters: bool, pushed: set[int] | None = None, discard: bool = False,
+        then: Callable[[], None] | None = None,
+    ) -> None:
+        """Barrier 1, then flush staged pushes (``gradients``) and refresh mirrors (``parameters``), barrier 2.
+
+        Deterministic mode (:meth:`odc_runtime.deterministic.FixedPointAccumulators.sync`) passes what it agreed
+        in its round 1, the same on every rank: ``pushed``, the tensors some rank pushed into since the last sync
+        (only they are flushed, whatever ``gradients`` says: a staged value is quantised with this window's scale,
+        so it must be converted in this window), ``discard`` (an overflow window: every rank zeroes those staging
+        rows instead of sending them) and ``then`` (the conversion, run after this rank's folds and before
+        barrier 2, which then also keeps peers' next pushes out of the accumulators until it is done)."""
         t = self.transport
         # The flags are part of the barrier's name: a transport that compares names (host) turns ranks passing
         # different flags into OdcMismatchError on every rank instead of a signal wait that runs into the timeout.
         t.barrier(f"{op}(gradients={gradients}, parameters={parameters})")
         # A tensor whose free was interrupted between its collective steps (some buffers freed, on every rank alike:
         # each free is collective) takes no part any more: its staged pushes are dropped with it, as documented.
-        live = [b for b in self._tensors.values() if not any(x is not None and x.freed for x in b.extra())]
-        if not live or not (gradients or parameters):
+        live = {s: b for s, b in self._tensors.items() if not any(x is not None and x.freed for x in b.extra())}
+        if pushed is None:
+            flush = [b for b in live.values() if b.stage is not None] if gradients else []
+        else:
+            flush = [b for s, b in live.items() if s in pushed and b.stage is not None]
+        refresh = list(live.values()) if parameters else []
+        if not (flush or refresh or then):
             return
 
         def deliver() -> None:
-            if gradients:
-                self._flush([b for b in live if b.stage is not None], op)
-            if parameters:
-                self._refresh(live)
+            if discard:
+                for bufs in flush:
+                    bufs.stage.local.zero_()  # type: ignore[union-attr]  # no puts: the inboxes stay zero
+            else:
+                self._flush(flush, op)
+            self._refresh(refresh)
+            if then is not None:
+                then()
             t.barrier(op)
 
         # Fail-stop: after barrier 1 every rank is committed to the puts, folds and zeroing of this sync; one
@@ -297,7 +319,7 @@ class Hierarchy:
                 t.wait_signal(signal, d, self._arrived[d], f"{op}: staged pushes from node {d}", [peer])
             for bufs in tensors:
                 slots = bufs.inbox.local.view(self.slots, bufs.shard)[: len(plan.arrivals)]  # type: ignore[union-attr]
-                kernels.accumulate_slots_(bufs.grad.local[: bufs.shard], slots)  # type: ignore[union-attr]
+                _fold(bufs.grad.local[: bufs.shard], slots)  # type: ignore[union-attr]
                 slots.zero_()
             if plan.free_next:  # free the slots for the next round's senders (a signal without data)
                 inbox = tensors[0].inbox
@@ -312,3 +334,13 @@ class Hierarchy:
         for bufs in tensors:
             n = bufs.shard
             t.fetch(bufs.param, [FetchRequest(o, bufs.mirror.local[r * n : (r + 1) * n]) for _, r, o in self._partners])
+
+
+def _fold(dst: torch.Tensor, slots: torch.Tensor) -> None:
+    """``dst += slots[0] + ... + slots[K-1]``: fp32 in one pass (:func:`odc_runtime.kernels.accumulate_slots_`,
+    Triton on GPU); int64 (deterministic mode) with torch's integer sum and add, exact, so the grouping does not
+    matter (on CUDA: torch's reduction kernel and an elementwise add, a temporary of one shard)."""
+    if dst.dtype == torch.int64:
+        dst.add_(slots.sum(0))
+    else:
+        kernels.accumulate_slots_(dst, slots)

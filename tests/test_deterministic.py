@@ -4,6 +4,7 @@ against an fp64 reference, overflow refused on every rank with nothing written, 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -35,6 +36,7 @@ def _rank_train(rank: int, world: int, deterministic: bool, order: str, steps: i
     import odc_runtime as odc
 
     odc.init("host", timeout=60, deterministic=deterministic)
+    assert odc.node_size() == int(os.environ.get("ODC_NODE_SIZE", world))  # the hierarchy is on where asked
     params = [torch.linspace(-1, 1, math.prod(s)).reshape(s) for s in SHAPES]
     sts = [odc.shard(p, name=f"w{i}") for i, p in enumerate(params)]
     rnd = random.Random(rank + 17 * (order == "async"))
@@ -56,7 +58,9 @@ def _rank_train(rank: int, world: int, deterministic: bool, order: str, steps: i
                         for st, g in zip(sts, mb, strict=True):
                             odc.push(st, g, scale=0.5)
                 dist.barrier()
-        odc.sync()
+        # gradients=False: in deterministic mode pushes staged for other nodes are delivered all the same (their
+        # scale is this window's); the flat runs the hierarchical ones are compared with have nothing staged.
+        odc.sync(gradients=not deterministic)
         for st in sts:
             out.append(st.grad.numpy().tobytes())
             st.local.sub_(0.1 * st.grad)  # the optimizer step reads the accumulated gradient
@@ -120,6 +124,26 @@ def test_same_bits_whatever_the_arrival_order(backend: str) -> None:
     assert runs[0] == runs[1] == runs[2]
 
 
+# With nodes smaller than the world (the hierarchy: pushes to other nodes pre-reduced in int64 staging rows, folded
+# into the owners' int64 accumulators at sync), every order gives the flat mode's bits: integer sums are exact, so
+# the grouping into staged sub-sums cannot change them. (nodes of 2; nodes of 1 with one inbox slot: 3 rounds)
+NODES = ({"ODC_NODE_SIZE": "2"}, {"ODC_NODE_SIZE": "1", "ODC_NODE_SLOTS": "1"})
+
+
+def test_nodes_give_the_flat_bits_whatever_the_arrival_order() -> None:
+    flat = run_ranks(_rank_train, 4, True, "up", 2)
+    for env, order in ((NODES[0], "up"), (NODES[0], "down"), (NODES[1], "async")):
+        assert run_ranks(_rank_train, 4, True, order, 2, env=env) == flat, (env, order)
+
+
+def test_default_mode_with_nodes_depends_on_the_arrival_order() -> None:
+    """The teeth of the test above: the fp32 staging rows and accumulators of the default mode sum in arrival
+    order."""
+    assert run_ranks(_rank_train, 4, False, "up", 2, env=NODES[0]) != run_ranks(
+        _rank_train, 4, False, "down", 2, env=NODES[0]
+    )
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_default_mode_depends_on_the_arrival_order(backend: str) -> None:
     """The same job in the default (fp32, arrival-order) mode: the orders above give different bits, so the test
@@ -166,13 +190,23 @@ def test_precision_against_fp64_reference(backend: str) -> None:
     _ranks(backend, _rank_precision, 3)
 
 
-def _rank_overflow(rank: int, world: int) -> dict:
+def _rank_overflow(rank: int, world: int, node_size: int | None = None) -> dict:
     import torch.distributed as dist
 
     import odc_runtime as odc
 
-    odc.init("host", timeout=60, deterministic=True)
+    odc.init("host", timeout=60, deterministic=True, node_size=node_size)
     st = odc.shard(torch.zeros(10), name="w")
+
+    def clean() -> bool:
+        """This rank's int64 accumulator, and with nodes its staging rows and inbox, hold nothing."""
+        runtime = odc.state.current
+        bufs = [runtime.fixed.units[st.seq].acc]
+        if runtime.hierarchy is not None:
+            nodes = runtime.hierarchy._tensors[st.seq]
+            bufs += [nodes.stage, nodes.inbox]
+        return all(bool((b.local == 0).all()) for b in bufs)
+
     odc.push(st, torch.ones(10))
     odc.sync()
     before = st.grad.clone()  # world * 1.0
@@ -188,7 +222,7 @@ def _rank_overflow(rank: int, world: int) -> dict:
         except odc.OdcOverflowError as e:
             out[what] = str(e)
         out[f"{what}_unchanged"] = torch.equal(st.grad, before)
-        out[f"{what}_acc_zero"] = bool((odc.state.current.fixed.units[st.seq].acc.local == 0).all())
+        out[f"{what}_acc_zero"] = clean()
         dist.barrier()  # read before any peer pushes the next window
     # The bound was raised to what was seen: the same minibatch retried fits, and the result is exact.
     odc.push(st, torch.ones(10))
@@ -227,6 +261,35 @@ def test_overflow_is_refused_on_every_rank_and_nothing_is_written(backend: str) 
     check_overflow(_ranks(backend, _rank_overflow, 3), 3)
 
 
+def test_overflow_with_nodes_is_refused_on_every_rank_and_nothing_is_staged() -> None:
+    # 3 nodes of 1: every push to another owner is staged, the refused one included; the discarded window's
+    # staged rows are zeroed on every rank (no puts), so the retry's sums are exact.
+    check_overflow(run_ranks(_rank_overflow, 3, 1), 3)
+
+
+def _rank_nonfinite_only(rank: int, world: int, node_size: int | None) -> list:
+    """A tensor whose only push of a window is not finite (no exponent seen anywhere): the meaningless integers it
+    added to the accumulator (or a staging row) are discarded with the window, never carried into the next one."""
+    import odc_runtime as odc
+
+    odc.init("host", timeout=60, deterministic=True, node_size=node_size)
+    a, b = odc.shard(torch.zeros(12), name="a"), odc.shard(torch.zeros(12), name="b")
+    odc.push(a, torch.ones(12))
+    if rank == 1:
+        odc.push(b, torch.full((12,), float("inf")))  # every owner of b, staged for the other nodes' owners
+    with pytest.raises(odc.OdcOverflowError, match="'b'"):
+        odc.sync()
+    odc.push(b, torch.ones(12))
+    odc.sync()
+    return [a.grad.tolist(), b.grad.tolist()]
+
+
+@pytest.mark.parametrize("node_size", [None, 1])
+def test_a_window_with_only_a_nonfinite_push_leaves_nothing_behind(node_size: int | None) -> None:
+    for r in run_ranks(_rank_nonfinite_only, 3, node_size):
+        assert r == [[0.0] * 4, [3.0] * 4], r
+
+
 def _rank_misuse(rank: int, world: int, case: str) -> str:
     import torch.distributed as dist
 
@@ -240,8 +303,6 @@ def _rank_misuse(rank: int, world: int, case: str) -> str:
             odc.init("host", timeout=30, deterministic=True)
         elif case == "ranks_differ":
             odc.init("host", timeout=30, deterministic=rank == 0)
-        elif case == "nodes":
-            odc.init("host", timeout=30, deterministic=True, node_size=1)
         elif case == "group_sync":
             odc.init("host", timeout=30, deterministic=True)
             groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -258,7 +319,6 @@ def _rank_misuse(rank: int, world: int, case: str) -> str:
     [
         ("transport", "OdcUsageError", "cannot accumulate deterministically"),
         ("ranks_differ", "OdcMismatchError", "accumulation mode"),
-        ("nodes", "OdcUsageError", "hierarchical protocol) is not supported in deterministic mode"),
         ("group_sync", "OdcUsageError", "sync(group=...) in deterministic mode"),
     ],
 )
@@ -295,6 +355,7 @@ def _rank_fsdp(rank: int, world: int, hsdp: bool, order: str) -> list[bytes]:
     import odc_runtime.fsdp as ofsdp
 
     odc.init("host", timeout=60, deterministic=True)
+    assert odc.node_size() == int(os.environ.get("ODC_NODE_SIZE", world))  # the hierarchy is on where asked
     model = h.make_model()
     if hsdp:
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
@@ -326,6 +387,13 @@ def test_fsdp_odc_mode_same_bits_whatever_the_arrival_order(world: int, hsdp: bo
     up = run_ranks(_rank_fsdp, world, hsdp, "up")
     down = run_ranks(_rank_fsdp, world, hsdp, "down")
     assert up == down
+
+
+@pytest.mark.timeout(400)
+def test_fsdp_odc_mode_with_nodes_gives_the_flat_bits_whatever_the_arrival_order() -> None:
+    """FSDP2 ODC mode over 2 nodes of 2 (ODC_NODE_SIZE): the same parameters after 3 steps in both orders as the
+    flat deterministic mode (the hierarchy's staged int64 sub-sums change no bit)."""
+    assert run_ranks(_rank_fsdp, 4, False, "down", env=NODES[0]) == run_ranks(_rank_fsdp, 4, False, "up")
 
 
 def _rank_gang(rank: int, world: int, order: str) -> list | None:
@@ -425,3 +493,56 @@ def _rank_no_readback(rank: int, world: int) -> list[str]:
 def test_push_never_reads_a_value_back() -> None:
     for r in run_ranks(_rank_no_readback, 2):
         assert r == ["overflow raised"], r
+
+
+def _rank_free_mismatch(rank: int, world: int) -> list:
+    """A mismatched free in deterministic mode changes nothing (the int64 accumulator is freed, collectively, before
+    its unit is forgotten), and a retried free resumes."""
+    import odc_runtime as odc
+    from odc_runtime import testing
+
+    odc.init("host", timeout=20, deterministic=True)
+    transport = testing.transport()
+    empty = transport.heap_used()
+    x = odc.shard(torch.zeros(world * 8), name="x")
+    y = odc.shard(torch.zeros(world * 8), name="y")
+    with pytest.raises(odc.OdcMismatchError, match="collective mismatch"):
+        (y if rank == 2 else x).free()  # every rank raises at the int64 accumulator's free; nothing is freed
+    assert testing.failure() is None
+    for st in (x, y):
+        odc.push(st, torch.ones(world * 8))
+    odc.sync()
+    values = [x.grad.tolist(), y.grad.tolist()]
+    x.free()  # the same order on every rank: resumes where the mismatch stopped
+    y.free()
+    assert transport.heap_used() == empty
+    return values
+
+
+def test_mismatched_free_keeps_the_fixed_point_unit() -> None:
+    results = run_ranks(_rank_free_mismatch, 3, timeout=60)
+    assert results == [[[3.0] * 8, [3.0] * 8]] * 3
+
+
+def _rank_nodes_memory(rank: int, world: int) -> None:
+    import test_hierarchy as th
+
+    import odc_runtime as odc
+    from odc_runtime import testing
+
+    # Memory with nodes (here 3 nodes of 1, 2 inbox slots): the flat tensor, the int64 accumulator, and per
+    # other node an int64 staging row and a mirror row, plus K int64 inbox rows.
+    odc.init("host", timeout=20, deterministic=True, node_size=1)
+    transport = testing.transport()
+    used = transport.heap_used()
+    numel = world * 16384 + 3
+    shard, nodes, slots = -(-numel // world), world, world - 1
+    big = odc.shard(torch.zeros(numel, dtype=torch.bfloat16), name="big")
+    delta = transport.heap_used() - used
+    low = th._flat_bytes(numel, world, torch.bfloat16) + shard * (8 + (nodes - 1) * (8 + 2) + slots * 8)
+    assert low <= delta <= low + th.MEMORY_SLACK, (delta, low)
+    big.free()
+
+
+def test_memory_with_nodes_is_the_stated_bound() -> None:
+    run_ranks(_rank_nodes_memory, 3, timeout=60)

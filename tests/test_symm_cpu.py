@@ -156,6 +156,20 @@ def test_deterministic_same_bits_whatever_the_arrival_order() -> None:
     assert runs[0] == runs[1] == runs[2]
 
 
+def test_deterministic_with_nodes_gives_the_flat_bits() -> None:
+    """3 nodes of 1: int64 staging rows, int64 put-with-signal into int64 inboxes, the integer fold."""
+    from test_deterministic import _rank_train
+
+    flat = run_on_symm(_rank_train, 3, True, "up", 2, timeout=180)
+    assert run_on_symm(_rank_train, 3, True, "async", 2, env={"ODC_NODE_SIZE": "1"}, timeout=180) == flat
+
+
+def test_deterministic_overflow_with_nodes_is_refused_and_nothing_is_staged() -> None:
+    from test_deterministic import _rank_overflow, check_overflow
+
+    check_overflow(run_on_symm(_rank_overflow, 3, 1, timeout=180), 3)
+
+
 def test_default_mode_depends_on_the_arrival_order() -> None:
     """The teeth of the test above on this transport: fp32 atomics in the two forced orders give different bits."""
     from test_deterministic import _rank_train
