@@ -215,6 +215,14 @@ def _extra_build_requires() -> list[str]:
     return plan.requires
 
 
+def _arch_arg() -> str:
+    """The CMake argument for the CUDA architectures: ``ODC_CUDA_ARCHS`` when set, else ``-U``, which drops a value
+    cached by an earlier configure of the same build tree (e.g. a build for one GPU), so that CMakeLists.txt's
+    default applies again instead of silently building for that GPU only."""
+    archs = os.environ.get("ODC_CUDA_ARCHS")
+    return f"-DCMAKE_CUDA_ARCHITECTURES={archs}" if archs else "-UCMAKE_CUDA_ARCHITECTURES"
+
+
 class CMakeBuildExt(build_ext):
     """Builds ``odc_runtime._C`` with CMake, or skips it with one log line (see the module docstring)."""
 
@@ -287,8 +295,7 @@ class CMakeBuildExt(build_ext):
             f"-DCMAKE_CUDA_COMPILER={nvcc}",
             f"-DODC_EXTRA_RPATH={';'.join(dict.fromkeys(rpath))}",
         ]
-        if os.environ.get("ODC_CUDA_ARCHS"):
-            args.append(f"-DCMAKE_CUDA_ARCHITECTURES={os.environ['ODC_CUDA_ARCHS']}")
+        args.append(_arch_arg())
         jobs = os.environ.get("ODC_BUILD_JOBS") or str(os.cpu_count() or 2)
         _say(f"building odc_runtime._C with CMake against NVSHMEM {vtag} at {home} into {out_dir}")
         configure = ["cmake", "-S", ROOT, "-B", build_dir, *args]

@@ -393,3 +393,36 @@ def test_every_binding_that_can_wait_releases_the_gil() -> None:
     for name in ("init", "malloc", "Engine.barrier", "Engine.quiet", "Engine.put_signal", "Engine.wait_signal",
                  "Engine.watch", "Plan.run", "Engine.__init__", "Plan.__init__", "get_unique_id", "p2p_atomics"):
         assert name in defs, sorted(defs)  # the parse found them (a renamed binding is checked too)
+
+
+def test_setup_rebuild_without_archs_goes_back_to_the_default(setup_ns, monkeypatch, tmp_path):
+    """A build tree configured for one GPU (ODC_CUDA_ARCHS=90-real) and rebuilt without ODC_CUDA_ARCHS gets
+    CMakeLists.txt's default architectures again, not the cached ones (which built for that GPU only, silently)."""
+    import re
+    import shutil
+
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        pytest.skip("cmake not installed")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "CMakeLists.txt")) as f:
+        text = f.read()
+    block = text[text.index("if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)") : text.index("project(")]
+    default = re.findall(r'set\(CMAKE_CUDA_ARCHITECTURES "([^"$]+)"\)', block)[-1]
+    src = tmp_path / "src"
+    src.mkdir()
+    # CMakeLists.txt's architecture block, without the CUDA toolchain (LANGUAGES NONE: no compiler needed)
+    (src / "CMakeLists.txt").write_text(
+        f"cmake_minimum_required(VERSION 3.24)\n{block}project(t LANGUAGES NONE)\n"
+        'message(STATUS "archs=${CMAKE_CUDA_ARCHITECTURES}")\n'
+    )
+
+    def configure() -> str:
+        out = subprocess.run([cmake, "-S", str(src), "-B", str(tmp_path / "b"), setup_ns["_arch_arg"]()],
+                             capture_output=True, text=True, check=True).stdout
+        return re.search(r"archs=(\S*)", out).group(1)
+
+    monkeypatch.setenv("ODC_CUDA_ARCHS", "90-real")
+    assert configure() == "90-real"
+    monkeypatch.delenv("ODC_CUDA_ARCHS")
+    assert configure() == default
