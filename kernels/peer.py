@@ -23,6 +23,7 @@ compiles each kernel and asserts them; docs/design.md ("One-node Triton transpor
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -44,6 +45,8 @@ ORDERING: dict[str, list[tuple[str, str, str]]] = {
     "push_kernel": [("red.add", "relaxed", "sys")],
     # the same for deterministic mode's int64 fixed-point push (an integer red.add: exact in any order)
     "push_kernel:int64": [("red.add", "relaxed", "sys")],
+    # ... and its fused variant, quantising a float source in registers before the same integer red.add
+    "push_kernel:fixed": [("red.add", "relaxed", "sys")],
     # plain loads: the barrier before the fetch orders them
     "fetch_kernel": [],
     # data stores, then each block counts itself in (acq_rel); the last block's release add on the peer's signal
@@ -57,11 +60,11 @@ ORDERING: dict[str, list[tuple[str, str, str]]] = {
 
 # How the PTX check (``odc_runtime.kernels.ptx``, tests/test_ptx.py) compiles each kernel of ORDERING: the
 # signature and constexprs the launchers below use (one representative source dtype where a kernel takes several).
+_PUSH_SIG = {"table_ptr": "*i64", "desc_ptr": "*i64", "scale": "fp32", "f1": "fp32", "f2": "fp32"}
 PTX_ARGS: dict[str, tuple[dict[str, str], dict[str, object]]] = {
-    "push_kernel": ({"table_ptr": "*i64", "desc_ptr": "*i64", "scale": "fp32"},
-                    {"SRC": tl.bfloat16, "ACC": tl.float32, "BLOCK": 1024}),
-    "push_kernel:int64": ({"table_ptr": "*i64", "desc_ptr": "*i64", "scale": "fp32"},
-                          {"SRC": tl.int64, "ACC": tl.int64, "BLOCK": 1024}),
+    "push_kernel": (_PUSH_SIG, {"SRC": tl.bfloat16, "ACC": tl.float32, "BLOCK": 1024}),
+    "push_kernel:int64": (_PUSH_SIG, {"SRC": tl.int64, "ACC": tl.int64, "BLOCK": 1024}),
+    "push_kernel:fixed": (_PUSH_SIG, {"SRC": tl.bfloat16, "ACC": tl.int64, "BLOCK": 1024}),
     "fetch_kernel": ({"table_ptr": "*i64", "desc_ptr": "*i64"}, {"DT": tl.int16, "BLOCK": 1024}),
     "put_signal_kernel": ({"table_ptr": "*i64", "desc_ptr": "*i64", "sig_ptr": "*i64", "count_ptr": "*i64"},
                           {"DT": tl.int32, "BLOCK": 1024}),
@@ -92,17 +95,29 @@ def _span(table_ptr, row, n, b, PEER: tl.constexpr, LOCAL: tl.constexpr, BLOCK: 
 
 
 @triton.jit
-def push_kernel(table_ptr, desc_ptr, scale, SRC: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
-    """``peer_heap[offset:][:n] += ACC(src[:n]) * scale`` for each descriptor row, with system-scope atomics;
-    with ``ACC`` int64 (``SRC`` int64 too, ``scale`` ignored) ``peer_heap[offset:][:n] += src[:n]`` exactly."""
+def push_kernel(table_ptr, desc_ptr, scale, f1, f2, SRC: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
+    """``peer_heap[offset:][:n] += ACC(src[:n]) * scale`` for each descriptor row, with system-scope atomics.
+
+    ``ACC`` int64 is deterministic mode's fixed point (``odc_runtime.deterministic``), an exact integer add: with
+    ``SRC`` int64 the source is already quantised (``scale``, ``f1``, ``f2`` unused); with a float ``SRC`` the kernel
+    quantises in registers, ``q = round_half_even(fp64(fp32(src * scale)) * f1 * f2)`` (``f1 * f2 = 2**F``, two
+    powers of two that fp32 arguments can carry), bit for bit the host-side quantiser's ``q``."""
     b = tl.program_id(0).to(tl.int64)
     row = desc_ptr + tl.program_id(1).to(tl.int64) * 4
     n = tl.load(row + 3)
     if b * BLOCK < n:
         dst, src, offs, mask = _span(table_ptr, row, n, b, ACC, SRC, BLOCK)
         if ACC == tl.int64:  # noqa: SIM300 (a constexpr parameter, not a constant)
-            # deterministic mode: the source is already quantised; an exact integer add, no cast or scale
-            tl.atomic_add(dst + offs, tl.load(src + offs, mask=mask, other=0), mask=mask, sem="relaxed", scope="sys")
+            if SRC == tl.int64:  # noqa: SIM300
+                q = tl.load(src + offs, mask=mask, other=0)
+            else:
+                v = tl.load(src + offs, mask=mask, other=0).to(tl.float32) * scale  # the default mode's fp32 value
+                # exact products (powers of two, |x| < 2**51 when the bound covers v), so contracting the last one
+                # with the add into an fma (the compiler does) rounds the same; adding 1.5 * 2**52 (deterministic.py's
+                # _ROUNDER) rounds to an integer held in the low mantissa bits: the bit pattern minus the constant's
+                x = v.to(tl.float64) * f1 * f2 + 6755399441055744.0
+                q = x.to(tl.int64, bitcast=True) - 4843621399236968448
+            tl.atomic_add(dst + offs, q, mask=mask, sem="relaxed", scope="sys")
         else:
             val = tl.load(src + offs, mask=mask, other=0).to(tl.float32) * scale
             tl.atomic_add(dst + offs, val.to(ACC), mask=mask, sem="relaxed", scope="sys")
@@ -229,10 +244,12 @@ def _grid(desc: torch.Tensor, longest: int) -> tuple[int, int]:
 
 
 def push(table: torch.Tensor, desc: torch.Tensor, longest: int, scale: float, src_dtype: torch.dtype,
-         acc_dtype: torch.dtype = torch.float32) -> None:
-    """Launch :func:`push_kernel` over the rows of ``desc`` (``longest`` = the largest ``numel`` of a row)."""
-    _launch(push_kernel, _grid(desc, longest), table, desc, float(scale), SRC=tl_dtype(src_dtype),
-            ACC=tl_dtype(acc_dtype), BLOCK=BLOCK)
+         acc_dtype: torch.dtype = torch.float32, shift: int = 0) -> None:
+    """Launch :func:`push_kernel` over the rows of ``desc`` (``longest`` = the largest ``numel`` of a row); into an
+    int64 accumulator from a float source, each value is quantised with ``2**shift`` in the kernel."""
+    half = shift // 2  # 2**shift as two fp32-representable factors (|shift| <= 200)
+    _launch(push_kernel, _grid(desc, longest), table, desc, float(scale), math.ldexp(1.0, half),
+            math.ldexp(1.0, shift - half), SRC=tl_dtype(src_dtype), ACC=tl_dtype(acc_dtype), BLOCK=BLOCK)
 
 
 def fetch(table: torch.Tensor, desc: torch.Tensor, longest: int, dtype: torch.dtype) -> None:

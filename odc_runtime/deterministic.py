@@ -66,7 +66,7 @@ NONE = -32768  # "no contribution seen" in the exchanged exponents
 _ENTRY = struct.Struct("<hB")  # per unit: largest exponent seen (int16), overflow flags (uint8)
 _PER_ROUND = 1800 // _ENTRY.size  # units per exchange round (a round carries at most about 1.9 KB)
 _BOUND, _NONFINITE, _TOO_MANY = 1, 2, 4
-_ROUNDER = 1.5 * 2.0**52
+_ROUNDER = 1.5 * 2.0**52  # kernels/peer.py's push_kernel uses the same constant and its bits
 _ROUNDER_BITS = struct.unpack("<q", struct.pack("<d", _ROUNDER))[0]
 _CONVERT_ELEMS = 1 << 20  # elements converted at a time at sync (8 MiB of fp64 temporaries)
 
@@ -114,10 +114,13 @@ class FixedPointPlan(TransferPlan):
         self._accumulators = accumulators
 
     def run(self, tensor: torch.Tensor, scale: float = 1.0, *, async_op: bool = False) -> Work | None:
-        q = self._accumulators.quantize(self._unit, tensor, scale, self.stream_key)
-        if q is None:
+        fixed, unit = self._accumulators, self._unit
+        if not fixed.admit(unit):
             return _Done() if async_op else None
-        return self._inner.run(q, 1.0, async_op=async_op)
+        fixed.observe(unit, tensor, scale, self.stream_key)
+        if not async_op and self._inner.run_fixed(tensor, scale, fixed.shift(unit)):
+            return None  # quantised in the transport's push kernel
+        return self._inner.run(fixed.quantize(unit, tensor, scale), 1.0, async_op=async_op)
 
 
 class FixedPointAccumulators:
@@ -163,35 +166,51 @@ class FixedPointAccumulators:
         return FixedPointPlan(self, unit, self.transport.plan(unit.acc, "push", pieces))
 
     # -- push ------------------------------------------------------------------------------------------
-    def quantize(self, unit: _Unit, tensor: torch.Tensor, scale: float, stream: object = None) -> torch.Tensor | None:
-        """``round(tensor * scale * 2**F)`` as ``int64``, or ``None`` (recorded, nothing sent) for one push too many.
-
-        Deterministic: fp32 products, a power-of-two scaling (exact) and round-half-even. Whether the window's bound
-        covers the values is decided at ``sync`` from the range folded into ``unit.ranges[stream]`` here, on the
-        tensor's device: a value it does not cover (or NaN/inf) gives meaningless integers, which that ``sync``
-        discards on every rank with the rest of the window."""
+    def admit(self, unit: _Unit) -> bool:
+        """Count a push into ``unit``; ``False`` (recorded, nothing may be sent) for one push too many."""
         if unit.pushes >= 1 << PUSH_BITS:
             unit.flags |= _TOO_MANY
             log.warning(
                 "odc push into %r refused in deterministic mode (%s); nothing was written, the next sync raises "
                 "OdcOverflowError on every rank", unit.name, _describe(_TOO_MANY, 0.0, unit.exponent),
             )
-            return None
+            return False
         unit.pushes += 1
+        return True
+
+    def observe(self, unit: _Unit, tensor: torch.Tensor, scale: float, stream: object = None) -> None:
+        """Fold the range of ``fp32(tensor * scale)`` into ``unit.ranges[stream]``, on the tensor's device.
+
+        Whether the window's bound covers the values is decided at ``sync`` from it: a value it does not cover (or
+        NaN/inf) gives meaningless integers, which that ``sync`` discards on every rank with the rest of the window.
+        The range is the source's, scaled: fp32 rounding is monotone, so ``fp32(min(src) * scale)`` is the smallest
+        ``fp32(src * scale)`` (the largest for a negative scale), without a scaled copy of the tensor."""
+        if not tensor.numel():
+            return
+        lo, hi = torch.aminmax(tensor.detach().reshape(-1))  # one pass; NaN propagates (and through min/max)
+        lo, hi = lo.to(torch.float32), hi.to(torch.float32)
+        if scale != 1.0:
+            lo, hi = (lo * scale, hi * scale) if scale >= 0 else (hi * scale, lo * scale)
+        pair = unit.ranges.get(stream)
+        if pair is None:
+            pair = unit.ranges[stream] = torch.zeros(2, dtype=torch.float32, device=tensor.device).unbind()
+        torch.minimum(pair[0], lo, out=pair[0])
+        torch.maximum(pair[1], hi, out=pair[1])
+
+    def shift(self, unit: _Unit) -> int:
+        """``F``: a contribution ``v`` of this window is quantised as ``round_half_even(v * 2**F)``."""
+        return self.precision - unit.exponent
+
+    def quantize(self, unit: _Unit, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        """``round_half_even(fp32(tensor * scale) * 2**F)`` as ``int64`` (torch ops; the symm transport's push
+        kernel computes the same integers in registers). Deterministic: the default mode's fp32 product, an exact
+        power-of-two scaling and round-half-even."""
         v = tensor.detach().reshape(-1).to(torch.float32)
         if scale != 1.0:
             v = v * scale
-        if v.numel():
-            lo, hi = torch.aminmax(v)  # one pass; NaN propagates (and through minimum/maximum)
-            pair = unit.ranges.get(stream)
-            if pair is None:
-                pair = unit.ranges[stream] = torch.zeros(2, dtype=torch.float32, device=v.device).unbind()
-            torch.minimum(pair[0], lo, out=pair[0])
-            torch.maximum(pair[1], hi, out=pair[1])
-        # round(v * 2**F) to nearest even: v * 2**F is exact in fp64 and below 2**P <= 2**50 in magnitude when the
-        # bound covers v, so adding 1.5 * 2**52 rounds it to an integer in the low mantissa bits (one pass instead
-        # of round + cast).
-        q = v.to(torch.float64).mul_(math.ldexp(1.0, self.precision - unit.exponent)).add_(_ROUNDER)
+        # v * 2**F is exact in fp64 and below 2**P <= 2**50 in magnitude when the bound covers v, so adding 1.5 *
+        # 2**52 rounds it to an integer in the low mantissa bits (one pass instead of round + cast).
+        q = v.to(torch.float64).mul_(math.ldexp(1.0, self.shift(unit))).add_(_ROUNDER)
         return q.view(torch.int64).sub_(_ROUNDER_BITS)
 
     def _window(self, units: list[_Unit]) -> list[tuple[int, int]]:

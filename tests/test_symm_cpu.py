@@ -150,10 +150,12 @@ def test_hierarchy_push_and_fetch_are_exact_with_virtual_nodes() -> None:
 
 # -- deterministic mode (tests/test_deterministic.py): int64 pushes through the kernel's exact integer add ----------
 def test_deterministic_same_bits_whatever_the_arrival_order() -> None:
+    """Also the same bits as the host transport's: ``up``/``down`` push synchronously, through the push kernel that
+    quantises in registers; ``async`` pushes go through the host-side quantiser (torch ops), as on host."""
     from test_deterministic import _rank_train
 
     runs = [run_on_symm(_rank_train, 3, True, order, 2, timeout=180) for order in ("up", "down", "async")]
-    assert runs[0] == runs[1] == runs[2]
+    assert runs[0] == runs[1] == runs[2] == run_ranks(_rank_train, 3, True, "up", 2)
 
 
 def test_deterministic_with_nodes_gives_the_flat_bits() -> None:

@@ -218,6 +218,13 @@ class TransferPlan:
         adds = [PushRequest(p.peer, flat[p.start : p.start + p.numel], p.offset) for p in self.pieces]
         return self.transport.push(self.buf, adds, scale, async_op=async_op)
 
+    def run_fixed(self, tensor: torch.Tensor, scale: float, shift: int) -> bool:
+        """Deterministic mode's fused push (``odc_runtime.deterministic``): add ``round_half_even(fp32(tensor *
+        scale) * 2**shift)`` into this plan's ``int64`` buffer, quantising on the way, synchronously. Returns
+        ``False`` where the transport does not fuse it (the generic plan never does): the caller then quantises
+        and runs an ``int64`` push."""
+        return False
+
 
 class Transport(abc.ABC):
     """Symmetric memory with one-sided fetch / push, quiet and barrier (see module docstring)."""

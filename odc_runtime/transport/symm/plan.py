@@ -55,15 +55,31 @@ class SymmPlan(TransferPlan):
         transport: SymmTransport = self.transport  # type: ignore[assignment]
         if async_op or not self._fast or not transport.fast_path_ok():
             return super().run(tensor, scale, async_op=async_op)  # the generic path raises what it must
-        desc = self._descs.get(tensor.data_ptr())
-        if desc is None:
-            desc = self._desc(tensor)
         if self.kind == "fetch":
-            transport.kernels.fetch(transport._table, desc, self._longest, self.buf.dtype)
+            transport.kernels.fetch(transport._table, self._desc_of(tensor), self._longest, self.buf.dtype)
             return None
+        self._push(tensor, scale, torch.float32, 0)
+        return None
+
+    def run_fixed(self, tensor: torch.Tensor, scale: float, shift: int) -> bool:
+        """The push kernel quantises a float ``tensor`` into this plan's ``int64`` buffer in registers (no
+        ``int64`` copy of the gradient, no extra passes); ``False`` where the generic path must run instead."""
+        transport: SymmTransport = self.transport  # type: ignore[assignment]
+        if self.kind != "push" or self.buf.dtype != torch.int64 or not transport.fast_path_ok():
+            return False
+        if self._rows:
+            self._push(tensor, scale, torch.int64, shift)
+        return True
+
+    def _desc_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        desc = self._descs.get(tensor.data_ptr())
+        return self._desc(tensor) if desc is None else desc
+
+    def _push(self, tensor: torch.Tensor, scale: float, acc: torch.dtype, shift: int) -> None:
+        transport: SymmTransport = self.transport  # type: ignore[assignment]
+        desc = self._desc_of(tensor)
         try:  # fail-stop as the generic push (Transport.fail_stop, inlined: this is the per-call path)
-            transport.kernels.push(transport._table, desc, self._longest, scale, tensor.dtype)
+            transport.kernels.push(transport._table, desc, self._longest, scale, tensor.dtype, acc, shift)
         except BaseException as e:
             transport.fail(as_failure("push", e, "part of the push may have landed"))
             raise
-        return None

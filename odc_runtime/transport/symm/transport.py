@@ -4,7 +4,8 @@ Protocol, ordering arguments and deadlock freedom: docs/design.md, "One-node Tri
 In short:
 
 * **push** is one launch of :func:`~odc_runtime.kernels.peer.push_kernel`: fused cast, scale and fp32 atomic add
-  into each owner's region through its peer pointer. **fetch** is one launch of the copy kernel.
+  into each owner's region through its peer pointer (deterministic mode: quantise and int64 atomic add, in the
+  same kernel for a synchronous push). **fetch** is one launch of the copy kernel.
 * **put_signal** is one launch: the data, then (last block of each row) a release add on the peer's signal word.
   **wait_signal** is an acquire spin on the local word that also watches this rank's abort word.
 * **barrier** / **group_barrier**: one kernel announces the round number into every member's word (release max)
