@@ -91,6 +91,25 @@ class _Unit:
     # one was NaN): read once per sync, never per push (on a GPU, a read is a device synchronisation).
     ranges: dict[object, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
+    def observe(self, tensor: torch.Tensor, scale: float, stream: object = None) -> None:
+        """Fold the range of ``fp32(tensor * scale)`` into ``ranges[stream]``, on the tensor's device.
+
+        Whether the window's bound covers the values is decided at ``sync`` from it: a value it does not cover (or
+        NaN/inf) gives meaningless integers, which that ``sync`` discards on every rank with the rest of the window.
+        The range is the source's, scaled: fp32 rounding is monotone, so ``fp32(min(src) * scale)`` is the smallest
+        ``fp32(src * scale)`` (the largest for a negative scale), without a scaled copy of the tensor."""
+        if not tensor.numel():
+            return
+        lo, hi = torch.aminmax(tensor.detach().reshape(-1))  # one pass; NaN propagates (and through min/max)
+        lo, hi = lo.to(torch.float32), hi.to(torch.float32)
+        if scale != 1.0:
+            lo, hi = (lo * scale, hi * scale) if scale >= 0 else (hi * scale, lo * scale)
+        pair = self.ranges.get(stream)
+        if pair is None:
+            pair = self.ranges[stream] = torch.zeros(2, dtype=torch.float32, device=tensor.device).unbind()
+        torch.minimum(pair[0], lo, out=pair[0])
+        torch.maximum(pair[1], hi, out=pair[1])
+
 
 class _Done(Work):
     """The work of a push that was refused (nothing to wait for; the refusal is reported by ``sync``)."""
@@ -117,7 +136,7 @@ class FixedPointPlan(TransferPlan):
         fixed, unit = self._accumulators, self._unit
         if not fixed.admit(unit):
             return _Done() if async_op else None
-        fixed.observe(unit, tensor, scale, self.stream_key)
+        unit.observe(tensor, scale, self.stream_key)
         if not async_op and self._inner.run_fixed(tensor, scale, fixed.shift(unit)):
             return None  # quantised in the transport's push kernel
         return self._inner.run(fixed.quantize(unit, tensor, scale), 1.0, async_op=async_op)
@@ -177,25 +196,6 @@ class FixedPointAccumulators:
             return False
         unit.pushes += 1
         return True
-
-    def observe(self, unit: _Unit, tensor: torch.Tensor, scale: float, stream: object = None) -> None:
-        """Fold the range of ``fp32(tensor * scale)`` into ``unit.ranges[stream]``, on the tensor's device.
-
-        Whether the window's bound covers the values is decided at ``sync`` from it: a value it does not cover (or
-        NaN/inf) gives meaningless integers, which that ``sync`` discards on every rank with the rest of the window.
-        The range is the source's, scaled: fp32 rounding is monotone, so ``fp32(min(src) * scale)`` is the smallest
-        ``fp32(src * scale)`` (the largest for a negative scale), without a scaled copy of the tensor."""
-        if not tensor.numel():
-            return
-        lo, hi = torch.aminmax(tensor.detach().reshape(-1))  # one pass; NaN propagates (and through min/max)
-        lo, hi = lo.to(torch.float32), hi.to(torch.float32)
-        if scale != 1.0:
-            lo, hi = (lo * scale, hi * scale) if scale >= 0 else (hi * scale, lo * scale)
-        pair = unit.ranges.get(stream)
-        if pair is None:
-            pair = unit.ranges[stream] = torch.zeros(2, dtype=torch.float32, device=tensor.device).unbind()
-        torch.minimum(pair[0], lo, out=pair[0])
-        torch.maximum(pair[1], hi, out=pair[1])
 
     def shift(self, unit: _Unit) -> int:
         """``F``: a contribution ``v`` of this window is quantised as ``round_half_even(v * 2**F)``."""

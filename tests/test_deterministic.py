@@ -546,3 +546,23 @@ def _rank_nodes_memory(rank: int, world: int) -> None:
 
 def test_memory_with_nodes_is_the_stated_bound() -> None:
     run_ranks(_rank_nodes_memory, 3, timeout=60)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [1.0, 0.5, 1 / 3, -0.7, 0.0, 3e-39])
+def test_a_push_range_is_the_range_of_the_scaled_values(dtype: torch.dtype, scale: float) -> None:
+    """The window's range is taken from the unscaled source and scaled as two values (no scaled copy of the
+    gradient): it must be exactly the range of the fp32 values a push quantises, or an overflow could be missed."""
+    from odc_runtime.deterministic import _Unit
+
+    g = torch.Generator().manual_seed(7)
+    unit = _Unit("t", None, None)  # type: ignore[arg-type]  # the range needs no buffers
+    values = []
+    for i in range(3):
+        src = (torch.randn(1000, generator=g) * 10.0 ** (2 * i - 2)).to(dtype)
+        unit.observe(src, scale)
+        values.append(src.to(torch.float32) * scale)
+    lo, hi = torch.aminmax(torch.cat([torch.zeros(1), *values]))
+    assert (unit.ranges[None][0].item(), unit.ranges[None][1].item()) == (lo.item(), hi.item())
+    unit.observe(torch.tensor([1.0, float("nan")], dtype=dtype), scale)
+    assert math.isnan(unit.ranges[None][0].item()) and math.isnan(unit.ranges[None][1].item())
