@@ -359,3 +359,38 @@ def _rank_different_sync_flags(rank: int, world: int) -> None:
 
 def test_different_sync_flags_on_ranks_are_a_mismatch_on_every_rank() -> None:
     run_ranks(_rank_different_sync_flags, 2, env={"ODC_TIMEOUT": "600"}, timeout=60)
+
+
+def test_an_interrupt_as_a_lock_is_taken_does_not_leak_it(tmp_path, monkeypatch) -> None:
+    """A KeyboardInterrupt raised as the lock call returns (a SIGINT handled right after it) must not leave the
+    byte-range lock held: a peer waiting for it would time out instead of seeing this rank's failure."""
+    import fcntl
+    import sys
+    import types
+
+    from odc_runtime.transport.host import locks as locks_mod
+
+    path = tmp_path / "segment"
+    path.write_bytes(bytes(4096))
+    fd = os.open(path, os.O_RDWR)
+    real, armed = fcntl.lockf, [False]
+
+    def lockf(fd_: int, cmd: int, *args: int) -> None:
+        real(fd_, cmd, *args)
+        if armed[0] and cmd != fcntl.LOCK_UN:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(locks_mod.fcntl, "lockf", lockf)
+    locks = locks_mod.ByteRangeLocks(types.SimpleNamespace(get=lambda peer: types.SimpleNamespace(fd=fd)), 0, 1, 5.0)
+    probe = f"import fcntl, os; fcntl.lockf(os.open({str(path)!r}, os.O_RDWR), fcntl.LOCK_EX | fcntl.LOCK_NB, 8, 64)"
+    try:
+        for take in (lambda: locks.lock(0, fd, 64, 8, exclusive=True, op="push"),
+                     lambda: locks.held(0, 64, 8, exclusive=True, op="put_signal").__enter__()):
+            armed[0] = True
+            with pytest.raises(KeyboardInterrupt):
+                take()
+            # another process can take the bytes at once: the interrupted call released them
+            assert subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+    finally:
+        os.close(fd)

@@ -49,6 +49,12 @@ class ByteRangeLocks:
             except OSError as e:
                 if e.errno not in (errno.EACCES, errno.EAGAIN):
                     raise
+            except BaseException:
+                # An interrupt (KeyboardInterrupt from a signal handler) raised as the call returned: the lock may
+                # be held, and no caller's finally would release it, so a peer would wait for it until its timeout.
+                # Unlocking a range this process does not hold changes nothing.
+                self.unlock(fd, start, length)
+                raise
             if deadline is None or backoff is None:
                 deadline, backoff = Deadline(self._timeout), Backoff(spins=20, step=1e-5, cap=2e-4)
             if deadline.passed():
@@ -66,8 +72,8 @@ class ByteRangeLocks:
     def held(self, peer: int, start: int, length: int, *, exclusive: bool, op: str) -> Iterator[None]:
         """Hold :meth:`lock` on bytes ``[start, start+length)`` of ``peer``'s segment for the ``with`` block."""
         fd = self._segments.get(peer).fd
-        self.lock(peer, fd, start, length, exclusive=exclusive, op=op)
-        try:
+        try:  # lock inside the try: an interrupt between the lock and the try would leak it
+            self.lock(peer, fd, start, length, exclusive=exclusive, op=op)
             yield
         finally:
             self.unlock(fd, start, length)

@@ -238,8 +238,8 @@ class HostTransport(Transport):
                 with locks.thread_lock(peer):
                     for lo, hi, start, length, dst in chunks:
                         part = src if whole else src[lo:hi]
-                        locks.lock(peer, fd, start, length, exclusive=True, op="push")
-                        try:
+                        try:  # lock inside the try: an interrupt between the lock and the try would leak it
+                            locks.lock(peer, fd, start, length, exclusive=True, op="push")
                             landed = True  # conservative: an interrupt inside add_ may have changed dst
                             if scale == 1.0:
                                 dst.add_(part)
