@@ -40,7 +40,10 @@ def _accumulate_kernel(dst_ptr, src_ptr, n, scale, BLOCK: tl.constexpr):
     tl.store(dst_ptr + offs, d + s * scale, mask=mask)
 
 
-@triton.jit
+# ``k`` (the slot count) is never specialized: Triton turns an int argument equal to 1 into a constant, making the
+# slot loop a zero-trip loop that triton 3.5-3.6 cannot lower (``PassManager::run failed``); one slot is a real
+# case (a fold over two virtual nodes).
+@triton.jit(do_not_specialize=["k"])
 def _accumulate_slots_kernel(
     dst_ptr, slots_ptr, sumsq_ptr, n, k, slot_stride, scale, WITH_SUMSQ: tl.constexpr, BLOCK: tl.constexpr
 ):

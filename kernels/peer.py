@@ -194,8 +194,10 @@ def barrier_kernel(table_ptr, members_ptr, nmembers, rank, row_offset, epoch, ab
         q = tl.load(members_ptr + i).to(tl.int64)
         seen = tl.load(own + q, volatile=True)
         if seen >= epoch:
-            tl.atomic_add(own + q, 0, sem="acquire", scope="sys")
-            i += 1
+            # The acquire read's result decides the step (it is >= seen: words only grow), so no Triton may drop
+            # it as dead code: triton <= 3.7.1 deleted an acquire atomic whose result was unused.
+            acquired = tl.atomic_add(own + q, 0, sem="acquire", scope="sys")
+            i += (acquired >= epoch).to(tl.int32)
         else:
             aborted = tl.load(abort_ptr, volatile=True)
     if aborted == 0:
