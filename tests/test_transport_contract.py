@@ -236,3 +236,35 @@ def test_a_new_transport_is_one_registry_line() -> None:
         assert order.index("host") < order.index("host-alias") < order.index("symm-cpu")  # by priority
     finally:
         registry._REGISTRY.pop("host-alias")
+
+
+def _rank_heap_used(rank: int, world: int) -> list[int]:
+    """``heap_used()``'s promise (``Transport.heap_used``) where a transport keeps freed ranges from reuse."""
+    odc.init("nvshmem", timeout=20)
+    t = testing.transport()
+    used0 = t.heap_used()
+    a = t.alloc(1000, torch.float32, tag="heap.a")
+    view = a.local[:10]  # a live view: nvshmem quarantines the range at free
+    b = t.alloc(3000, torch.float32, tag="heap.b")
+    assert t.heap_used() >= used0 + 4000 * 4
+    t.free(a)
+    after_free = t.heap_used()
+    with pytest.raises(odc.OdcMemoryError):
+        t.alloc(t.heap_capacity(), torch.float32, tag="heap.too_big")  # reclaims what it can first, then refuses
+    after_refusal = t.heap_used()
+    del view
+    t.free(b)
+    return [after_free - used0, after_refusal - used0, t.heap_used() - used0]
+
+
+@pytest.mark.parametrize("path", ["atomic", "locked"])
+def test_heap_used_counts_live_buffers_on_the_nvshmem_model(path: str) -> None:
+    """On the nvshmem transport (its real heap over the CPU model of its extension, tests/_nvshmem_shm.py): a free
+    lowers ``heap_used()`` at once even while a view keeps the range quarantined, and a refused allocation changes
+    nothing (the first GPU run saw it drop there: the allocation reclaims the quarantine before refusing)."""
+    import _nvshmem_shm
+
+    from odc_runtime.transport.heap import ALIGNMENT
+
+    b_bytes = -(-3000 * 4 // ALIGNMENT) * ALIGNMENT  # what the allocator reserves
+    assert run_ranks(_nvshmem_shm.run, 2, path, _rank_heap_used, timeout=120) == [[b_bytes, b_bytes, 0]] * 2

@@ -298,7 +298,11 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def heap_used(self) -> int:
-        """Bytes of symmetric memory currently allocated."""
+        """Bytes of symmetric memory held by this rank's live buffers (allocated and not yet freed), alignment
+        padding included. A ``free`` lowers it at once and a refused ``alloc`` leaves it unchanged, on every
+        transport. It is not the complement of what can still be allocated: a transport may keep a freed range
+        from reuse for a while (nvshmem quarantines it while a tensor still views it), and the heap-exhausted
+        error names such buffers."""
 
     # -- one-sided operations -------------------------------------------------------------------------
     @abc.abstractmethod

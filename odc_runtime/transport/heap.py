@@ -34,6 +34,10 @@ class HeapAllocator:
     def used(self) -> int:
         return sum(self._used.values())
 
+    def size(self, offset: int) -> int:
+        """Bytes reserved for the live range at ``offset`` (its request rounded up to the alignment)."""
+        return self._used[offset]
+
     def alloc(self, nbytes: int, what: str = "allocation") -> int:
         """Return the offset of a fresh range of at least ``nbytes``; raise OdcMemoryError if none fits."""
         size = max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)

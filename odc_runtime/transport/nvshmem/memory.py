@@ -69,6 +69,12 @@ class SymmetricHeap:
     def capacity(self) -> int:
         return self.allocator.capacity
 
+    @property
+    def used(self) -> int:
+        """Bytes of live buffers: the allocator's reserved bytes less the quarantined ranges (freed, not reusable
+        yet), so that ``heap_used()`` means the same on every transport (``Transport.heap_used``)."""
+        return self.allocator.used - sum(self.allocator.size(offset) for offset, _, _ in self.quarantine)
+
     def contains(self, ptr: int, nbytes: int) -> bool:
         """``[ptr, ptr + nbytes)`` lies inside this PE's arena (memory the network can read)."""
         return self.arena <= ptr and ptr + nbytes <= self.arena + self.allocator.capacity

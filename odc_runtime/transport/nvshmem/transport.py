@@ -178,7 +178,7 @@ class NvshmemTransport(Transport):
         return self._heap.capacity
 
     def heap_used(self) -> int:
-        return self._heap.allocator.used
+        return self._heap.used
 
     def alloc(self, numel: int, dtype: torch.dtype, tag: str = "") -> SymmetricBuffer:
         self._check(f"alloc({tag})")
