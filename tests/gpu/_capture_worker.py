@@ -51,7 +51,8 @@ def main() -> None:
             except Exception as e:  # reported, not raised: the test asserts on it
                 result["capture_errors"].append(f"{type(e).__name__}: {e}"[:300])
 
-    thread = threading.Thread(target=capture, name="user-graph-capture")
+    # A daemon thread, stopped in `finally`: a failure of this thread must not leave the process waiting on it.
+    thread = threading.Thread(target=capture, name="user-graph-capture", daemon=True)
     thread.start()
     end = time.monotonic() + SECONDS
     try:
@@ -59,12 +60,18 @@ def main() -> None:
             odc.push(st, grad)
             odc.sync()
             result["syncs"] += 1
+        # Stop the captures before this thread synchronizes the device: global capture mode forbids a device-wide
+        # synchronize from any thread while a capture is open (cudaErrorStreamCaptureUnsupported), by design.
+        stop.set()
+        thread.join(timeout=60)
         odc.sync()
         torch.cuda.synchronize()
     except odc.OdcError as e:
         result["error"] = f"{type(e).__name__}: {e}"
-    stop.set()
-    thread.join()
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    result["capture_thread_stopped"] = not thread.is_alive()
     if result["error"] is None:
         result["grad_ok"] = bool(torch.all(st.grad == result["syncs"]).item())
     with open(out, "w") as f:

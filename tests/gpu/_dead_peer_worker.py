@@ -76,7 +76,7 @@ def main() -> None:
             odc.fetch(st)
         elif scenario == "queued":
             odc.sync()  # its barrier waits for the dead rank on the stream; the host returns
-            out = torch.empty_like(st.local)
+            out = torch.empty(st.shape, dtype=st.dtype, device="cuda")  # fetch fills the full tensor
             for _ in range(10000):
                 odc.push(st, g)
                 odc.fetch(st, out=out)

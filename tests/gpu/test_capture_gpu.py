@@ -34,5 +34,6 @@ def test_watchers_leave_another_threads_graph_capture_alone(tmp_path) -> None:
     res = json.loads(out.read_text())
     assert res["error"] is None, res  # no sync failed (a capture error taken for a timeout would abort the job)
     assert res["capture_errors"] == [], res  # no capture was invalidated by our queries
+    assert res["capture_thread_stopped"], res
     assert res["captures"] > 0 and res["syncs"] > 0 and res["grad_ok"], res
     print(f"{res['captures']} graph captures alongside {res['syncs']} syncs, none broken")
