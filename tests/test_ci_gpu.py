@@ -134,17 +134,20 @@ def test_plan_on_one_gpu(tmp_path, monkeypatch):
     by = {s.name: s for s in steps}
     build = steps[0]
     assert build.phase == "build" and build.env["ODC_CUDA_ARCHS"] == "90-real"
-    # every tests/gpu file, the core ones first, then the others sorted
+    # every tests/gpu file in the proof's priority (gr.TEST_ORDER: what never passed on a GPU first), then the others
     assert [s.name for s in steps if s.phase == "tests"] == [
-        "tests/gpu/test_nvshmem_gpu.py", "tests/gpu/test_dead_peer_gpu.py", "tests/gpu/test_zeta_gpu.py"]
+        "tests/gpu/test_dead_peer_gpu.py", "tests/gpu/test_nvshmem_gpu.py", "tests/gpu/test_zeta_gpu.py"]
     assert by["comm 4pe-1gpu"].mps and "--pes-per-gpu" in by["comm 4pe-1gpu"].argv
     assert by["comm 1pe-locked"].env["ODC_NVSHMEM_PUSH"] == "locked"
     assert by["comm 4pe-1gpu-locked"].env["ODC_NVSHMEM_PUSH"] == "locked" and by["comm 4pe-1gpu-locked"].mps
-    assert [s.name for s in steps if s.phase == "bench"][:2] == ["comm 1pe", "comm 1pe-locked"]  # the targets' runs
+    # the hierarchy's run (never passed on a GPU), the targets' runs with symm's beside nvshmem's
+    assert [s.name for s in steps if s.phase == "bench"][:4] == ["comm 4pe-1gpu-2nodes", "comm 1pe", "comm 1pe-symm",
+                                                                 "comm 1pe-locked"]
+    assert by["comm 1pe-symm"].argv[by["comm 1pe-symm"].argv.index("--backend") + 1] == "symm"
     assert all("ODC_TIMEOUT" not in s.env for s in steps if s.phase == "tests")  # tests/gpu choose their own
     assert by["comm 2gpu-vs-nccl"].na == "needs >= 2 GPUs, 1 visible" and by["comm 2gpu-vs-nccl"].skip is None
     assert not any(s.skip for s in steps)
-    assert [s.name for s in steps if s.na] == ["comm 2gpu-vs-nccl"]
+    assert [s.name for s in steps if s.na] == ["comm 2gpu-vs-nccl", "imbalance --quick --backend nvshmem, 4 PEs"]
     assert all(s.timeout <= gr.DEFAULT_PHASE_BUDGET_S for s in steps)
 
 
@@ -155,6 +158,7 @@ def test_plan_e2e_shares_one_gpu_between_4_pes_and_uses_every_gpu_on_eight(tmp_p
     assert [s.name for s in one] == ["sft --comm collective, 4 PEs", "sft --comm odc, 4 PEs",
                                      "imbalance --quick --backend nvshmem, 4 PEs"]
     assert [s.skip for s in one] == [None, None, None]
+    assert [bool(s.na) for s in one] == [False, False, True]  # it measures time: PEs sharing a GPU time the sharing
     for step in one:  # 4 ranks on GPU 0: --pes-per-gpu 4 (gloo, nvshmem) under MPS
         assert step.mps and step.argv[step.argv.index("--pes-per-gpu") + 1] == "4"
         assert step.argv[step.argv.index("--nproc") + 1] == "4"
@@ -625,18 +629,26 @@ def test_the_plan_covers_every_gpu_test_and_step_and_every_call_fits_a_lent_gpu(
     cases = gp.collect_tests(files)
     assert {c["nodeid"].split("::")[0] for c in cases} == {f.relative_to(ROOT).as_posix() for f in files}
     planned = [a for u in units if u.step.phase == "tests" for a in u.step.argv if "::" in a]
-    expected = [c["nodeid"] for c in cases if not c["multigpu"]]
+    expected = [c["nodeid"] for c in cases if not c["multigpu"]] + list(gp.GPU_SUITES)
     assert sorted(planned) == sorted(expected), set(planned) ^ set(expected)
     # every build, bench and e2e step that applies to one H100
     steps = [s for s in gr.plan(["build", "bench", "e2e"], gp.H100, tmp_path) if not s.na]
     assert [s.name for s in steps] == [u.step.name for u in units if u.step.phase != "tests"]
-    # each call fits by its units' declared timeouts; the whole proof by its estimates
-    assert gp.CALL_LIMIT_S <= 9 * 60
+    # at most 2 calls of at most 9 minutes by their estimates, 12 minutes of device time with the machine's start;
+    # every unit's own timeout fits a call
+    assert gp.CALL_LIMIT_S <= 9 * 60 and gp.DEVICE_BUDGET_S <= 12 * 60 and gp.MACHINE_START_S >= 60
     packed = gp.calls(units)
     assert sorted(u.name for c in packed for u in c) == sorted(u.name for u in units)
+    assert len(packed) <= 2, [[u.name for u in c] for c in packed]
     for c in packed:
-        assert gp.CALL_OVERHEAD_S + sum(u.timeout for u in c) <= gp.CALL_LIMIT_S, [u.name for u in c]
-    assert gp.print_plan(units, {"results": {}}, gp.H100) == 0, "the estimated device time exceeds 30 minutes"
+        assert gp.CALL_OVERHEAD_S + sum(u.estimate for u in c) <= gp.CALL_LIMIT_S, [u.name for u in c]
+        assert all(gp.CALL_OVERHEAD_S + u.timeout <= gp.CALL_LIMIT_S for u in c)
+    assert gp.print_plan(units, {"results": {}}, gp.H100) == 0, "the estimated device time exceeds 12 minutes"
+    # what has never passed on a GPU comes first: the hierarchy, then the contract suite on the GPU transports
+    names = [u.name for u in units]
+    assert names[0].startswith("build") and "test_hierarchy_gpu.py" in names[1], names[:3]
+    assert next(i for i, n in enumerate(names) if "test_transport_contract" in n) < next(
+        i for i, n in enumerate(names) if "test_nvshmem_gpu.py" in n)
 
 
 def test_a_unit_larger_than_a_call_is_refused_and_a_long_function_is_cut_into_chunks(tmp_path):
@@ -655,9 +667,9 @@ def test_resume_runs_one_call_at_a_time_and_continues_from_the_recorded_state(tm
     ran = tmp_path / "ran"
 
     def unit(i: int) -> object:
-        return gp.Unit(_step(f"u{i}", f"open({str(ran)!r}, 'a').write('{i}')", timeout=200), 1.0)
+        return gp.Unit(_step(f"u{i}", f"open({str(ran)!r}, 'a').write('{i}')", timeout=200), 200.0)
 
-    units = [unit(i) for i in range(5)]  # 200 s declared each: two per call
+    units = [unit(i) for i in range(5)]  # 200 s estimated each: two per call
     out = tmp_path / "report"
     assert gp.resume(units, out, gp.H100, ["--resume"]) == 1  # units left
     assert ran.read_text() == "01"
@@ -679,3 +691,16 @@ def test_plan_prints_the_calls_without_a_gpu(tmp_path):
     r = _script("--plan", path=_path_without_smi(), out=tmp_path, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "call 1:" in r.stdout and "estimated device time" in r.stdout and "test_dead_peer_gpu.py" in r.stdout
+
+
+def test_a_call_ends_at_its_limit_and_the_unit_it_cut_runs_again_in_the_next(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gp, "_extension_built", lambda: True)
+    monkeypatch.setattr(gp, "CALL_LIMIT_S", gp.CALL_OVERHEAD_S + 4.0)  # 4 s of room in a call
+    units = [gp.Unit(_step("slow", "import time; time.sleep(60)", timeout=4), 1.0),  # its own timeout: the room
+             gp.Unit(_step("next", "pass", timeout=4), 1.0)]
+    out = tmp_path / "report"
+    t0 = time.monotonic()
+    assert gp.resume(units, out, gp.H100, ["--resume"]) == 1
+    assert time.monotonic() - t0 < 20  # cut at the call's end (4 s, plus the kill)
+    assert gp.load_state(out)["results"] == {}  # not recorded as its own timeout
+    assert "the next call runs it again" in capsys.readouterr().out

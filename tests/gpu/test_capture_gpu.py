@@ -17,8 +17,9 @@ WORKER = os.path.join(os.path.dirname(__file__), "_capture_worker.py")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 
-# .ci/gpu --plan: (setup s, s per case, expected fraction): one process, 8 s of syncs (unmeasured)
-GPU_BUDGET = {"*": (0, 90, 0.4)}
+# .ci/gpu --plan: (setup s, s per case, expected fraction): one process, 8 s of syncs and NVSHMEM's init (the run of
+# 2026-11-27 reached the end of its syncs in about 15 s)
+GPU_BUDGET = {"*": (0, 90, 0.2)}
 
 
 def test_watchers_leave_another_threads_graph_capture_alone(tmp_path) -> None:

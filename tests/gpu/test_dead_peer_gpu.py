@@ -26,14 +26,15 @@ from _mps import mps_daemon
 from test_nvshmem_gpu import NGPU, _require_backend  # skip without GPU / backend (fail under ODC_REQUIRE_EXTENSION=1)
 
 WORKER = os.path.join(os.path.dirname(__file__), "_dead_peer_worker.py")
-TIMEOUT_S = 12
+TIMEOUT_S = 8  # short: each scenario waits it out once (the proof must fit a 15-minute lease)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
-# .ci/gpu --plan: (setup s, s per case, expected fraction); a case is ODC_TIMEOUT + start + exit, or an init
-# refusal (several PEs on one GPU without MPS) (unmeasured)
-GPU_BUDGET = {"test_dead_peer_raises_within_timeout": (0, 45, 0.4), "test_mismatched_settings_raise_on_every_rank":
-              (0, 60, 0.25), "test_a_barrier_queued_behind_an_abort_does_not_release_the_peer": (0, 60, 0.5)}
+# .ci/gpu --plan: (setup s, s per case, expected fraction); a case is ODC_TIMEOUT + start + exit, an init refusal
+# (several PEs on one GPU without MPS) or a skip; measured 2026-11-27: 6 such cases of this file in 81 s with
+# ODC_TIMEOUT=12
+GPU_BUDGET = {"test_dead_peer_raises_within_timeout": (0, 45, 0.2), "test_mismatched_settings_raise_on_every_rank":
+              (0, 60, 0.2), "test_a_barrier_queued_behind_an_abort_does_not_release_the_peer": (0, 60, 0.3)}
 
 
 def _free_port() -> int:
@@ -65,6 +66,12 @@ def _launch(scenario: str, world: int, out_dir, extra_env: dict) -> tuple[list[s
     return procs, exited
 
 
+def _system_mps() -> bool:
+    """A system-wide MPS daemon is up (then several PEs share a GPU without this test starting one)."""
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(pipe, "control"))
+
+
 def _output(procs) -> str:
     return "\n".join(f"--- rank {r} rc={p.returncode} ---\n{p.stdout.read()[-3000:]}" for r, p in enumerate(procs))
 
@@ -74,6 +81,9 @@ def _output(procs) -> str:
 @pytest.mark.parametrize("scenario", ["push", "fetch", "sync", "queued"])
 def test_dead_peer_raises_within_timeout(scenario: str, world: int, mps: bool, tmp_path) -> None:
     _require_backend()
+    if not mps and world > NGPU and scenario != "push" and not _system_mps():
+        # On fewer GPUs than PEs without MPS every scenario is the same refusal at init: the push case checks it.
+        pytest.skip(f"needs >= {world} GPUs to run without MPS (the refusal on {NGPU}: the push case)")
     with mps_daemon(mps, tmp_path) as env:
         procs, exited = _launch(scenario, world, tmp_path, env)
     log = _output(procs)

@@ -19,8 +19,9 @@ WORKER = os.path.join(os.path.dirname(__file__), "_gang_worker.py")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
-# .ci/gpu --plan: (setup s, s per case, expected fraction), one torchrun of 2-3 PEs per case (unmeasured)
-GPU_BUDGET = {"*": (0, 90, 0.4)}
+# .ci/gpu --plan: (setup s, s per case, expected fraction), one torchrun of 2-3 PEs per case under MPS (unmeasured;
+# a torchrun of 4 PEs with NVSHMEM's init measured 18 s for a whole function of 9 cases)
+GPU_BUDGET = {"*": (0, 90, 0.14)}
 
 
 @pytest.mark.parametrize(("nproc", "scenario"),
