@@ -30,7 +30,7 @@ def _run(nproc: int, tmp_path) -> dict:
     if reason is not None:
         pytest.skip(f"SymmetricMemory unavailable: {reason}")
     if nproc > NGPU:
-        pytest.skip(f"needs more GPUs than visible ({nproc} > {NGPU})")
+        pytest.skip(f"needs >= {nproc} GPUs, {NGPU} visible (SymmetricMemory refuses two ranks on one device)")
     out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", WORKER, str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
