@@ -110,8 +110,9 @@ def test_a_launch_that_only_fails_specialized_fails_the_check() -> None:
     entry = report["modules"]["tests._launch_kernels"]
     assert entry["cases"]["_one_wrong_kernel"]["problems"] == []  # PTX_ARGS (k: i32) compiles: the PTX check passes
     by_what = {e["what"]: e for e in entry["launches"]}
-    assert [p.split(": ", 1)[1] for p in by_what["k == 1"]["problems"]] == [
-        "CompilationError: integer division or modulo by zero"] * len(report["archs"])
+    problems = by_what["k == 1"]["problems"]  # the message's wording differs between Triton versions
+    assert len(problems) == len(report["archs"]), problems
+    assert all(": CompilationError: " in p and "division or modulo by zero" in p for p in problems), problems
     assert by_what["k == 2"]["problems"] == []
     assert all(" k:i32" in s for s in by_what["k == 2"]["specializations"])
 
