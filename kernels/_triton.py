@@ -116,3 +116,39 @@ PTX_ARGS: dict[str, tuple[dict[str, str], dict[str, object]]] = {
     "_accumulate_slots_kernel": (_SLOTS, {"WITH_SUMSQ": False, "BLOCK": 1024}),
     "_accumulate_slots_kernel:sumsq": (_SLOTS, {"WITH_SUMSQ": True, "BLOCK": 1024}),
 }
+
+
+def launch_examples() -> list[tuple[str, str, object]]:
+    """The calls the launch check (``odc_runtime.kernels.launch``) compiles, per ORDERING case: this module's
+    launchers with CPU tensors standing for what callers pass. Triton specializes by value (an int equal to 1 is a
+    constant, a multiple of 16 or a 16-byte aligned pointer gets an attribute), so each value class is here: one
+    element, one slot (a fold over two virtual nodes), aligned and unaligned rows, a size that picks the large
+    block. No data is read: the fake driver launches nothing."""
+
+    def vec(n: int, dtype: torch.dtype = torch.float32, offset: int = 0) -> torch.Tensor:
+        return torch.empty(n + offset, dtype=dtype)[offset:]  # offset 1: a row not 16-byte aligned
+
+    def slots(k: int, n: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.empty(k, n, dtype=dtype)
+
+    norm = torch.zeros(1)
+    acc, fold = accumulate_, accumulate_slots_
+    return [
+        ("_accumulate_kernel", "bf16, 4096 elements, aligned", lambda: acc(vec(4096), vec(4096, torch.bfloat16), 0.5)),
+        ("_accumulate_kernel", "fp32, 1001 elements, unaligned rows", lambda: acc(vec(1001, offset=1),
+                                                                               vec(1001, offset=1), 1.0)),
+        ("_accumulate_kernel", "fp16, one element", lambda: acc(vec(1), vec(1, torch.float16), 1.0)),
+        ("_accumulate_kernel", "bf16, 2**22 elements (large blocks)", lambda: acc(vec(_LARGE),
+                                                                               vec(_LARGE, torch.bfloat16), 1.0)),
+        ("_accumulate_slots_kernel", "one slot (two virtual nodes), 1000 elements",
+         lambda: fold(vec(1000), slots(1, 1000), 1.0, None)),
+        ("_accumulate_slots_kernel", "one slot of one element", lambda: fold(vec(1), slots(1, 1), 1.0, None)),
+        ("_accumulate_slots_kernel", "3 fp32 slots, 4096 elements, aligned",
+         lambda: fold(vec(4096), slots(3, 4096, torch.float32), 1.0, None)),
+        ("_accumulate_slots_kernel", "2 slots, 1001 elements, unaligned dst",
+         lambda: fold(vec(1001, offset=1), slots(2, 1001), 0.25, None)),
+        ("_accumulate_slots_kernel:sumsq", "one slot, 4096 elements, with the norm",
+         lambda: fold(vec(4096), slots(1, 4096), 1.0, norm)),
+        ("_accumulate_slots_kernel:sumsq", "7 slots, 1001 elements, with the norm",
+         lambda: fold(vec(1001), slots(7, 1001, torch.float16), 1.0, norm)),
+    ]

@@ -276,3 +276,50 @@ def barrier(table: torch.Tensor, members: torch.Tensor, rank: int, row_offset: i
     """Launch :func:`barrier_kernel`; ``status`` has ``1 + len(members)`` int64 words."""
     _launch(barrier_kernel, (1,), table, members, members.numel(), int(rank), int(row_offset), int(epoch), abort,
             status)
+
+
+def launch_examples() -> list[tuple[str, str, object]]:
+    """The calls the launch check (``odc_runtime.kernels.launch``) compiles, per ORDERING case: the launchers above
+    with CPU tensors standing for the transport's (peer table, descriptor rows, heap words), for the values Triton
+    specializes on: world 1 (one member, rank 0), rank 1, epoch and target 1, words at 8-byte (unaligned) and 16-byte
+    offsets. No data is read: the fake driver launches nothing."""
+
+    def i64(n: int, offset: int = 0) -> torch.Tensor:
+        return torch.zeros(n + offset, dtype=torch.int64)[offset:]  # offset 1: a word 8 but not 16-byte aligned
+
+    def members(world: int) -> torch.Tensor:
+        return torch.arange(world, dtype=torch.int32)
+
+    def desc(rows: int) -> torch.Tensor:
+        return torch.zeros(rows, DESC_COLUMNS, dtype=torch.int64)
+
+    out: list[tuple[str, str, object]] = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        out.append(("push_kernel", f"{dtype} into fp32, world 1",
+                    lambda d=dtype: push(i64(1), desc(1), 1000, 0.5, d)))
+    out += [
+        ("push_kernel", "bf16 into fp32, 4 peers", lambda: push(i64(4), desc(4), 4096, 1.0, torch.bfloat16)),
+        ("push_kernel:int64", "int64 fixed point, world 1",
+         lambda: push(i64(1), desc(1), 7, 1.0, torch.int64, torch.int64)),
+        ("push_kernel:fixed", "bf16 quantised in the kernel, 3 peers",
+         lambda: push(i64(3), desc(3), 1001, 0.5, torch.bfloat16, torch.int64, shift=40)),
+    ]
+    for dtype in (torch.uint8, torch.bfloat16, torch.float32, torch.int64):
+        out.append(("fetch_kernel", f"{dtype}, world 1", lambda d=dtype: fetch(i64(1), desc(1), 1001, d)))
+    out += [
+        ("fetch_kernel", "fp32, 4 peers", lambda: fetch(i64(4), desc(4), 4096, torch.float32)),
+        ("put_signal_kernel", "bf16, one row", lambda: put_signal(i64(1), desc(1), 1000, torch.bfloat16, i64(1),
+                                                                   i64(1))),
+        ("put_signal_kernel", "fp32, 3 rows", lambda: put_signal(i64(2), desc(3), 5000, torch.float32, i64(3),
+                                                                  i64(3))),
+        ("wait_kernel", "target 1, aligned word", lambda: wait(i64(1), 1, i64(1), i64(2))),
+        ("wait_kernel", "target 2, word at an 8-byte offset", lambda: wait(i64(1, 1), 2, i64(1, 1), i64(2))),
+        ("wait_kernel", "target 2**40", lambda: wait(i64(1), 1 << 40, i64(1), i64(2))),
+        ("barrier_kernel", "world 1: one member, rank 0, epoch 1",
+         lambda: barrier(i64(1), members(1), 0, 64, 1, i64(1), i64(2))),
+        ("barrier_kernel", "world 2, rank 1, epoch 2, row at an 8-byte offset",
+         lambda: barrier(i64(2), members(2), 1, 72, 2, i64(1, 1), i64(3))),
+        ("barrier_kernel", "group of 4, rank 3, epoch 2**33",
+         lambda: barrier(i64(8), members(4), 3, 4160, 1 << 33, i64(1), i64(5))),
+    ]
+    return out

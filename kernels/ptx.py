@@ -43,6 +43,12 @@ Mutation check (:func:`mutation_survivors`): every ``sem="..."`` / ``scope="..."
 changed, one at a time, the kernel is recompiled from the changed source, and its cases must then fail the check.
 A literal whose change no case notices is reported: the table would not catch a mistake there.
 
+Launch check (:func:`check_launches`): ``PTX_ARGS`` types each argument, but Triton compiles a launch for the
+argument *values* (an int equal to 1 becomes a constant, multiples of 16 and 16-byte aligned pointers get an
+attribute). A module that defines ``launch_examples()`` has each example compiled through Triton's launch path with
+a fake driver (``odc_runtime.kernels.launch``), and every kernel so compiled must compile and pass the same exact
+ordering check against its case; every case needs an example.
+
 Run it: ``python -m odc_runtime.kernels.ptx [module ...]`` (default: the project's kernel modules; ``--json`` for
 a machine-readable report). ``tests/test_ptx.py`` runs it in CI.
 """
@@ -72,6 +78,7 @@ __all__ = [
     "accesses",
     "cases",
     "check_case",
+    "check_launches",
     "compile_ptx",
     "main",
     "mutation_survivors",
@@ -228,11 +235,48 @@ def check_case(case: Case, arch: int, fn: Any = None) -> list[str]:
 
     ``fn`` replaces the case's kernel (a mutant) when given.
     """
-    found = accesses(compile_ptx(fn if fn is not None else case.fn, case.signature, case.constexprs, arch))
-    problems = [f"{case.name} sm_{arch}: missing {a}" for a in sorted(case.requires - found.keys())]
-    extra = sorted(a for a in found.keys() - case.requires if a.sem != "volatile")
-    problems += [f"{case.name} sm_{arch}: unexpected {a}: {found[a]}" for a in extra]
+    ptx = compile_ptx(fn if fn is not None else case.fn, case.signature, case.constexprs, arch)
+    return _compare(f"{case.name} sm_{arch}", case.requires, ptx)
+
+
+def _compare(what: str, requires: frozenset[Access], ptx: str) -> list[str]:
+    found = accesses(ptx)
+    problems = [f"{what}: missing {a}" for a in sorted(requires - found.keys())]
+    extra = sorted(a for a in found.keys() - requires if a.sem != "volatile")
+    problems += [f"{what}: unexpected {a}: {found[a]}" for a in extra]
     return problems
+
+
+def check_launches(module: ModuleType, archs: Iterable[int]) -> list[dict[str, Any]]:
+    """Every example of the module's ``launch_examples()`` (``odc_runtime.kernels.launch``) compiled through
+    Triton's launch path for each of ``archs``, each compiled kernel's PTX compared with its case's ``ORDERING``.
+
+    One entry per example: ``case``, ``what``, ``specializations`` (``sm_XY: kernel args``) and ``problems`` (a
+    compiler error, a kernel other than the case's, or the ordering check's). A case no example compiles is an
+    entry with that problem: every kernel the module declares must be compiled the way it is launched."""
+    from . import launch
+
+    ordering: Mapping[str, Iterable[Iterable[str]]] = getattr(module, "ORDERING", {})
+    requires = {name: frozenset(Access.of(e) for e in table) for name, table in ordering.items()}
+    entries: dict[tuple[str, str], dict[str, Any]] = {}
+    for arch in archs:
+        for run in launch.compiled_launches(module, arch):
+            e = entries.setdefault((run.case, run.what),
+                                   {"case": run.case, "what": run.what, "specializations": [], "problems": []})
+            where = f"{run.case} [{run.what}] sm_{arch}"
+            if run.error is not None:
+                e["problems"].append(f"{where}: {run.error}")
+                continue
+            e["specializations"].append(f"sm_{arch}: {run.kernel} {run.specialization}")
+            if run.case not in requires or run.kernel != run.case.split(":")[0]:
+                e["problems"].append(f"{where}: launched {run.kernel}, not a kernel of the ORDERING case {run.case}")
+                continue
+            e["problems"] += _compare(where, requires[run.case], run.ptx or "")
+    for name in sorted(set(requires) - {case for case, _ in entries}):
+        entries[(name, "")] = {"case": name, "what": "", "specializations": [],
+                               "problems": [f"{name}: no launch example compiles this case; add one to "
+                                            f"{module.__name__}.launch_examples()"]}
+    return list(entries.values())
 
 
 _LITERAL = re.compile(r"""\b(sem|scope)\s*=\s*(["'])(\w+)\2""")
@@ -306,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("modules", nargs="*", help=f"kernel modules (default: {', '.join(DEFAULT_MODULES)})")
     ap.add_argument("--arch", type=int, action="append", help="sm_XY as XY (repeatable; default 80, 90, 100)")
     ap.add_argument("--mutants", action="store_true", help="also change each sem=/scope= literal (on sm_90)")
+    ap.add_argument("--no-launches", dest="launches", action="store_false",
+                    help="skip the launch check: compiling each module's launch_examples() as its launchers do")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
     requested = tuple(args.arch or ARCHS)
@@ -320,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
             problems = [p for arch in archs for p in check_case(case, arch)]
             entry["cases"][case.name] = {"requires": sorted(map(str, case.requires)), "problems": problems}
             failed |= bool(problems)
+        if args.launches and hasattr(mod, "launch_examples"):
+            entry["launches"] = check_launches(mod, archs)
+            failed |= any(e["problems"] for e in entry["launches"])
         if args.mutants and 90 in archs:  # on the kernels that pass: a failing one needs no mutant to fail
             failing = {c.split(":")[0] for c, r in entry["cases"].items() if r["problems"]}
             survivors, tried = mutation_survivors([c for c in mod_cases if c.name.split(":")[0] not in failing])
@@ -336,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
             for case, r in entry["cases"].items():
                 print(f"  {name}.{case}: {'ok' if not r['problems'] else 'FAIL'} [{', '.join(r['requires']) or '-'}]")
                 for p in r["problems"]:
+                    print(f"    {p}")
+            for e in entry.get("launches", []):
+                print(f"  {name}.{e['case']} launched [{e['what'] or '-'}]: {'ok' if not e['problems'] else 'FAIL'}")
+                for p in e["problems"]:
                     print(f"    {p}")
             if "mutants" in entry:
                 m = entry["mutants"]

@@ -4,7 +4,10 @@ ordered memory operations compared with each module's declared table.
 The compiling runs in one child process without ``TRITON_INTERPRET`` (other tests of this pytest process may have
 defined the kernels under the interpreter, which cannot be compiled). It checks the project's kernel modules (the
 transport's ``kernels/peer.py``), the protocol-shaped kernels of ``tests/_ptx_kernels.py``, two of
-them written wrong on purpose, and every ``sem=`` / ``scope=`` literal of the right ones changed in turn.
+them written wrong on purpose, and every ``sem=`` / ``scope=`` literal of the right ones changed in turn. The
+project's modules are also compiled the way their launchers call them (``odc_runtime.kernels.launch``: Triton's
+own argument specialization, a fake driver), and ``tests/_launch_kernels.py`` holds a kernel that only fails so.
+CI runs this file under every Triton a supported torch pins (``.ci/triton.sh``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from odc_runtime.kernels import ptx
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["tests._ptx_kernels", *(m for m in ptx.DEFAULT_MODULES if importlib.util.find_spec(m) is not None)]
+MODULES = ["tests._ptx_kernels", "tests._launch_kernels",
+           *(m for m in ptx.DEFAULT_MODULES if importlib.util.find_spec(m) is not None)]
 
 
 # The CLI (kernels/peer.py declares its own ORDERING / PTX_ARGS / PTX_HELPERS next to its kernels).
@@ -67,7 +71,60 @@ def test_right_kernels_have_exactly_their_declared_ordering(module: str) -> None
     for case, r in entry["cases"].items():
         if "wrong" not in case:
             assert r["problems"] == [], (case, r)
+    for launch in entry.get("launches", []):
+        if "wrong" not in launch["case"]:
+            assert launch["problems"] == [], launch
     assert entry["mutants"]["survivors"] == [], entry["mutants"]
+    if module in ptx.DEFAULT_MODULES:  # the project's kernels are also compiled the way they are launched
+        assert entry["launches"], module
+
+
+@needs_triton
+@pytest.mark.timeout(300)
+def test_launches_compile_the_specializations_callers_cause() -> None:
+    _, report, _ = _report()
+    archs = report["archs"]
+
+    def specs(module: str, case: str, what: str) -> list[str]:
+        [e] = [e for e in report["modules"][module]["launches"] if (e["case"], e["what"]) == (case, what)]
+        assert len(e["specializations"]) == len(archs), e
+        return e["specializations"]
+
+    # finding 1 of issue 41: one slot must not specialize k into the constant 1 (triton 3.5-3.6 cannot compile it)
+    for s in specs("odc_runtime.kernels._triton", "_accumulate_slots_kernel",
+                   "one slot (two virtual nodes), 1000 elements"):
+        assert " k:i32 " in s, s
+    # world 1: the barrier compiled with one member and epoch 1 as constants, and its ordering checked so
+    for s in specs("odc_runtime.kernels.peer", "barrier_kernel", "world 1: one member, rank 0, epoch 1"):
+        assert " nmembers=1 " in s and " epoch=1 " in s, s
+    # an unaligned row: no alignment attribute on that pointer
+    for s in specs("odc_runtime.kernels._triton", "_accumulate_kernel", "fp32, 1001 elements, unaligned rows"):
+        assert " dst_ptr:*fp32 " in s, s
+
+
+@needs_triton
+@pytest.mark.timeout(300)
+def test_a_launch_that_only_fails_specialized_fails_the_check() -> None:
+    rc, report, _ = _report()
+    assert rc == 1
+    entry = report["modules"]["tests._launch_kernels"]
+    assert entry["cases"]["_one_wrong_kernel"]["problems"] == []  # PTX_ARGS (k: i32) compiles: the PTX check passes
+    by_what = {e["what"]: e for e in entry["launches"]}
+    problems = by_what["k == 1"]["problems"]  # the message's wording differs between Triton versions
+    assert len(problems) == len(report["archs"]), problems
+    assert all(": CompilationError: " in p and "division or modulo by zero" in p for p in problems), problems
+    assert by_what["k == 2"]["problems"] == []
+    assert all(" k:i32" in s for s in by_what["k == 2"]["specializations"])
+
+
+def test_a_case_without_a_launch_example_is_reported() -> None:
+    mod = types.ModuleType("fake_kernels")
+    mod.ORDERING = {"k": [], "k:other": []}
+    mod.launch_examples = lambda: []
+    entries = ptx.check_launches(mod, [90])
+    assert [e["problems"] for e in entries] == [
+        [f"{case}: no launch example compiles this case; add one to fake_kernels.launch_examples()"]
+        for case in ("k", "k:other")]
 
 
 @needs_triton
