@@ -2,7 +2,7 @@
 # Triton matrix: every kernel compiled and its ordering checked under each Triton a supported torch pins (the
 # table in docs/fsdp.md, "The Triton each torch pins"), with no GPU. Per line:
 #   - tests/test_ptx.py: the PTX ordering check of every kernel for sm_80/90/100 (those the line can target), the
-#     mutation check, and every kernel compiled the way its launcher calls it (odc_runtime.kernels.launch: Triton's
+#     mutation check, and every kernel compiled the way its launcher calls it (odc_runtime.kernels.launch_check: Triton's
 #     own argument specialization, a fake driver whose launch does nothing);
 #   - on the oldest and the newest line, also the kernels under the Triton interpreter: tests/test_kernels.py and a
 #     short symm-cpu subset (fetch/push/barrier, put_signal/wait, the quantising push).

@@ -119,7 +119,7 @@ PTX_ARGS: dict[str, tuple[dict[str, str], dict[str, object]]] = {
 
 
 def launch_examples() -> list[tuple[str, str, object]]:
-    """The calls the launch check (``odc_runtime.kernels.launch``) compiles, per ORDERING case: this module's
+    """The calls the launch check (``odc_runtime.kernels.launch_check``) compiles, per ORDERING case: this module's
     launchers with CPU tensors standing for what callers pass. Triton specializes by value (an int equal to 1 is a
     constant, a multiple of 16 or a 16-byte aligned pointer gets an attribute), so each value class is here: one
     element, one slot (a fold over two virtual nodes), aligned and unaligned rows, a size that picks the large

@@ -279,7 +279,7 @@ def barrier(table: torch.Tensor, members: torch.Tensor, rank: int, row_offset: i
 
 
 def launch_examples() -> list[tuple[str, str, object]]:
-    """The calls the launch check (``odc_runtime.kernels.launch``) compiles, per ORDERING case: the launchers above
+    """The calls the launch check (``odc_runtime.kernels.launch_check``) compiles, per ORDERING case: the launchers
     with CPU tensors standing for the transport's (peer table, descriptor rows, heap words), for the values Triton
     specializes on: world 1 (one member, rank 0), rank 1, epoch and target 1, words at 8-byte (unaligned) and 16-byte
     offsets. No data is read: the fake driver launches nothing."""

@@ -46,7 +46,7 @@ A literal whose change no case notices is reported: the table would not catch a 
 Launch check (:func:`check_launches`): ``PTX_ARGS`` types each argument, but Triton compiles a launch for the
 argument *values* (an int equal to 1 becomes a constant, multiples of 16 and 16-byte aligned pointers get an
 attribute). A module that defines ``launch_examples()`` has each example compiled through Triton's launch path with
-a fake driver (``odc_runtime.kernels.launch``), and every kernel so compiled must compile and pass the same exact
+a fake driver (``odc_runtime.kernels.launch_check``), and every kernel so compiled must compile and pass the same exact
 ordering check against its case; every case needs an example.
 
 Run it: ``python -m odc_runtime.kernels.ptx [module ...]`` (default: the project's kernel modules; ``--json`` for
@@ -248,13 +248,13 @@ def _compare(what: str, requires: frozenset[Access], ptx: str) -> list[str]:
 
 
 def check_launches(module: ModuleType, archs: Iterable[int]) -> list[dict[str, Any]]:
-    """Every example of the module's ``launch_examples()`` (``odc_runtime.kernels.launch``) compiled through
+    """Every example of the module's ``launch_examples()`` (``odc_runtime.kernels.launch_check``) compiled through
     Triton's launch path for each of ``archs``, each compiled kernel's PTX compared with its case's ``ORDERING``.
 
     One entry per example: ``case``, ``what``, ``specializations`` (``sm_XY: kernel args``) and ``problems`` (a
     compiler error, a kernel other than the case's, or the ordering check's). A case no example compiles is an
     entry with that problem: every kernel the module declares must be compiled the way it is launched."""
-    from . import launch
+    from . import launch_check as launch
 
     ordering: Mapping[str, Iterable[Iterable[str]]] = getattr(module, "ORDERING", {})
     requires = {name: frozenset(Access.of(e) for e in table) for name, table in ordering.items()}

@@ -5,7 +5,7 @@ The compiling runs in one child process without ``TRITON_INTERPRET`` (other test
 defined the kernels under the interpreter, which cannot be compiled). It checks the project's kernel modules (the
 transport's ``kernels/peer.py``), the protocol-shaped kernels of ``tests/_ptx_kernels.py``, two of
 them written wrong on purpose, and every ``sem=`` / ``scope=`` literal of the right ones changed in turn. The
-project's modules are also compiled the way their launchers call them (``odc_runtime.kernels.launch``: Triton's
+project's modules are also compiled the way their launchers call them (``odc_runtime.kernels.launch_check``: Triton's
 own argument specialization, a fake driver), and ``tests/_launch_kernels.py`` holds a kernel that only fails so.
 CI runs this file under every Triton a supported torch pins (``.ci/triton.sh``).
 """

@@ -1,4 +1,4 @@
-"""Kernels compiled the way their launchers call them, with no GPU (installed as ``odc_runtime.kernels.launch``).
+"""Kernels compiled the way their launchers call them, with no GPU (installed as ``odc_runtime.kernels.launch_check``).
 
 Why: before compiling, Triton specializes a launch's arguments by value: an ``int`` equal to 1 becomes the
 constant 1, ints and pointers divisible by 16 get an alignment attribute. The code a GPU runs therefore depends on
