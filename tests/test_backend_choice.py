@@ -9,7 +9,7 @@ import odc_runtime as odc
 from odc_runtime import transport as registry
 from tests._dist import run_ranks
 
-GPU_NODE = ("symm", "nvshmem", "host")  # a CUDA node with triton, SymmetricMemory and the extension built
+GPU_NODE = ("nvshmem", "symm", "host")  # a CUDA node with triton, SymmetricMemory and the extension built
 
 
 @pytest.mark.parametrize(
