@@ -368,3 +368,58 @@ def _rank_deferred_free(rank: int, world: int) -> str:
 
 def test_a_mismatched_free_frees_nothing_with_stream_ordered_barriers() -> None:
     assert run_on_symm(_rank_deferred_free, 2, timeout=110) == ["ok", "ok"]
+
+
+# -- copy-engine fetch (symm/heap.py COPY_MIN_BYTES): large pieces copied from the peer's heap view ----------------
+def _rank_copy_engine_fetch(rank: int, world: int, numel: int, threshold: int) -> dict[str, int]:
+    """With the threshold between the two ranks' piece sizes (17 and 16 fp32 of 33), a fetch copies rank 0's piece
+    from its heap view and launches the copy kernel for rank 1's only; planned (``out=``) and generic fetches
+    return the exact shard values, as do fetches with every piece copied and none."""
+    import torch
+
+    import odc_runtime as odc
+    from odc_runtime import testing
+    from odc_runtime.transport.symm import heap as heaps
+
+    odc.init()
+    t = testing.transport()
+    full = torch.arange(numel, dtype=torch.float32) * 7 - 3
+    st = odc.shard(full.clone(), name="copies")
+    counts = {"kernel_rows": 0, "views": 0}
+    kernels, real_view = t.kernels, t.heap.peer_view  # type: ignore[attr-defined]
+
+    class Spy:  # the kernels module, its fetch launches counted
+        def __getattr__(self, name: str) -> object:
+            return getattr(kernels, name)
+
+        def fetch(self, table: torch.Tensor, desc: torch.Tensor, *rest: object) -> None:
+            counts["kernel_rows"] += desc.shape[0]
+            kernels.fetch(table, desc, *rest)
+
+    def peer_view(peer: int) -> torch.Tensor:
+        counts["views"] += 1
+        return real_view(peer)
+
+    t.kernels = Spy()  # type: ignore[attr-defined]
+    t.heap.peer_view = peer_view  # type: ignore[attr-defined]
+    result = {}
+    for label, limit in (("mixed", threshold), ("all", 1), ("none", 1 << 40)):
+        heaps.COPY_MIN_BYTES = limit
+        st._plans = type(st._plans)()  # plans decide at creation: start from none  # type: ignore[attr-defined]
+        counts.update(kernel_rows=0, views=0)
+        out = torch.full((numel,), -1.0)
+        odc.fetch(st, out=out)  # planned
+        assert torch.equal(out, full), (label, out)
+        assert torch.equal(odc.fetch(st), full), label  # generic path
+        result[label] = counts["kernel_rows"]
+        result[label + "_views"] = counts["views"]
+    odc.finalize()
+    return result
+
+
+def test_copy_engine_fetch_for_large_pieces_a_kernel_for_the_rest() -> None:
+    results = run_on_symm(_rank_copy_engine_fetch, 2, 33, 17 * 4, timeout=120)
+    for r in results:
+        # mixed: one kernel row per fetch (rank 1's 16 elements), both fetches; all: none; none: two per fetch
+        assert (r["mixed"], r["all"], r["none"]) == (1 * 2, 0, 2 * 2), r
+        assert r["none_views"] == 0 and r["all_views"] >= 2 and r["mixed_views"] >= 1, r

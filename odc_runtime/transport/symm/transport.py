@@ -48,6 +48,7 @@ from odc_runtime.transport.host.control import NAME_BYTES
 from odc_runtime.transport.host.fences import MAX_GROUPS
 from odc_runtime.transport.host.segments import CONTROL_BYTES
 from odc_runtime.transport.host.transport import HostTransport
+from odc_runtime.transport.symm import heap as heaps
 from odc_runtime.transport.symm.heap import PeerHeap, SegmentHeap
 from odc_runtime.transport.symm.plan import SymmPlan
 from odc_runtime.transport.symm.watch import Entry, Watchdog
@@ -57,6 +58,7 @@ log = logging.getLogger("odc_runtime.transport.symm")
 _DONE = 1  # kernel status word: the wait completed (else it was aborted)
 _BARRIER_MARK = b"\0odc-kernel-barrier"  # control-page payload of a world round that is a kernel barrier
 _ABORT_BYTES = 64  # the abort word, alone in its line
+_KEEP_DESCS = 64  # generic-path descriptors kept (a training loop repeats a few patterns and addresses)
 
 
 class RoundMismatch(OdcMismatchError):
@@ -87,6 +89,10 @@ class SymmTransport(HostTransport):
         self.heap: PeerHeap | None = None
         self._abort_lock = threading.Lock()
         self._pending: Entry | None = None  # the stream-ordered barrier not settled yet (at most one)
+        # Descriptors of the generic (unplanned) fetch/push path by their rows, oldest dropped first: a descriptor is
+        # read by kernels queued on a stream, so it is never rewritten, only dropped (the caching allocator keeps
+        # its memory until those kernels ran).
+        self._descs: dict[tuple, torch.Tensor] = {}
         self._watchdog: Watchdog | None = None
 
     # -- setup ----------------------------------------------------------------------------------------
@@ -131,8 +137,13 @@ class SymmTransport(HostTransport):
         itemsize = buf.dtype.itemsize
         if any(t.device != self.device for _, _, t in peers_offsets_tensors):
             raise OdcUsageError(f"symm: local tensors must be on {self.device} (the kernels read them there)")
-        rows = [(p, buf.handle + off * itemsize, t.data_ptr(), t.numel()) for p, off, t in peers_offsets_tensors]  # type: ignore[operator]
-        desc = torch.tensor(rows, dtype=torch.int64, device=self.device).reshape(-1, 4)
+        rows = tuple((p, buf.handle + off * itemsize, t.data_ptr(), t.numel()) for p, off, t in peers_offsets_tensors)  # type: ignore[operator]
+        desc = self._descs.get(rows)
+        if desc is None:  # a new pattern or caller address: one host-to-device copy, then reused
+            desc = torch.tensor(rows, dtype=torch.int64, device=self.device).reshape(-1, 4)
+            if len(self._descs) >= _KEEP_DESCS:
+                del self._descs[next(iter(self._descs))]
+            self._descs[rows] = desc
         return desc, max((r[3] for r in rows), default=0)
 
     def _fetch_now(self, buf: SymmetricBuffer, requests: Sequence[FetchRequest]) -> None:
@@ -142,8 +153,24 @@ class SymmTransport(HostTransport):
             return
         if any(not t.is_contiguous() or t.dtype != buf.dtype for _, _, t in work):
             raise OdcUsageError(f"symm fetch: destinations must be contiguous {buf.dtype} tensors")
-        desc, longest = self._rows(buf, work)
-        self.kernels.fetch(self._table, desc, longest, buf.dtype)
+        if any(t.device != self.device for _, _, t in work):
+            raise OdcUsageError(f"symm: local tensors must be on {self.device} (the kernels read them there)")
+        small = []
+        for peer, off, t in work:
+            if t.numel() * buf.dtype.itemsize >= heaps.COPY_MIN_BYTES:
+                t.view(-1).copy_(self.peer_region(buf, peer, off, t.numel()))  # the copy engines, stream-ordered
+            else:
+                small.append((peer, off, t))
+        if small:
+            desc, longest = self._rows(buf, small)
+            self.kernels.fetch(self._table, desc, longest, buf.dtype)
+
+    def peer_region(self, buf: SymmetricBuffer, peer: int, offset: int, numel: int) -> torch.Tensor:
+        """Elements ``[offset, offset + numel)`` of ``peer``'s part of ``buf``: a view of its heap in this process
+        (what the copy engines read from)."""
+        assert self.heap is not None
+        start = buf.handle + offset * buf.dtype.itemsize  # type: ignore[operator]
+        return self.heap.peer_view(peer)[start : start + numel * buf.dtype.itemsize].view(buf.dtype)
 
     def _push_now(self, buf: SymmetricBuffer, requests: Sequence[PushRequest], scale: float) -> None:
         self.check_usable("push")
