@@ -5,9 +5,11 @@ a bare ``out.copy_(src)`` of the same 4 KiB, measured side by side in one proces
   for CUDA streams/events), so the figure is the Python and binding-free cost of the GPU fast path: what every
   training step pays per tensor before the GPU sees a launch (the real ``Plan.run`` adds the C++ launch itself).
 * ``host``: the shared-memory transport at world size 1 (real data movement, CPU).
-* ``symm``: the one-node Triton transport at world size 1 (its ``symm-cpu`` form: same host code as on GPUs) with
-  the kernel launches stubbed out, so the figure is what the host does per call before a launch. Shown where the
-  transport is installed (``odc_runtime.transport.symm.transport``).
+* ``symm``: the one-node Triton transport at world size 1 (same host code as on GPUs, its heap in shared memory)
+  with its kernels compiled for sm_90 and launched through Triton's real launch path, the cached runners of
+  ``kernels/launch.py``, only the driver's launch stubbed (``odc_runtime.testing.stubbed_triton_launches``): the
+  figure is what the host pays per call up to ``cuLaunchKernel`` (the real launch adds about 2-5 µs of driver
+  time). Shown where triton is installed.
 
 Results are verified before timing (the fetch returns the shard, the push accumulates, the fake plan is called
 with the caller's buffer). Each figure is the median over ``--runs`` runs of ``--calls`` calls, the three
@@ -197,46 +199,62 @@ def _nvshmem_fake(runs_: int, calls: int) -> dict[str, float]:
 
 
 def _symm_stubbed(runs_: int, calls: int) -> dict[str, float] | None:
-    """The symm transport's host cost per call, its kernels replaced by recorders (None: not installed)."""
+    """The symm transport's host cost per call through Triton's real launch path: the kernels compiled for sm_90,
+    launched through their cached runners (``kernels/launch.py``), only the driver's launch stubbed
+    (:func:`odc_runtime.testing.stubbed_triton_launches`). None: not installed, or the kernels were already
+    imported for the interpreter in this process."""
     import importlib.util
+    import sys
 
-    if importlib.util.find_spec("odc_runtime.transport.symm.transport") is None:
+    if importlib.util.find_spec("odc_runtime.transport.symm.transport") is None or importlib.util.find_spec(
+        "triton"
+    ) is None:
+        return None
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or "odc_runtime.kernels.peer" in sys.modules:
+        print("hostcost: no symm row: the Triton kernels must be compiled, not interpreted (unset TRITON_INTERPRET)")
         return None
     import torch
 
     import odc_runtime as odc
     from odc_runtime import testing
+    from odc_runtime.transport import host
+    from odc_runtime.transport.symm.transport import SymmTransport
 
-    launched: list[tuple[str, list[list[int]]]] = []
+    with testing.stubbed_triton_launches() as launched:
+        transport = host.create(timeout=60.0, heap_size="16M", transport_class=SymmTransport)
+        # The stubbed barrier kernel writes nothing: its status word says "completed" from the start (world 1).
+        transport._status[0] = 1  # type: ignore[attr-defined]
+        testing.install(transport)
+        try:
+            from odc_runtime.kernels import peer
 
-    def recorder(kind: str) -> Callable[..., None]:
-        def launch(table: torch.Tensor, desc: torch.Tensor, *rest: object) -> None:  # the launch: a no-op
-            if len(launched) < 4:
-                launched.append((kind, desc.tolist()))
-
-        return launch
-
-    odc.init("symm-cpu", heap_size="16M")
-    try:
-        transport = testing.transport()
-        real = transport.kernels  # type: ignore[attr-defined]
-        transport.kernels = types.SimpleNamespace(  # type: ignore[attr-defined]
-            fetch=recorder("fetch"), push=recorder("push"), put_signal=real.put_signal, wait=real.wait,
-            barrier=real.barrier,
-        )
-        st = odc.shard(torch.zeros(NUMEL), name="hostcost")
-        out, grad, src = torch.empty(NUMEL), torch.ones(NUMEL), torch.randn(NUMEL)
-        odc.fetch(st, out=out)
-        odc.push(st, grad)
-        # Each stub saw one descriptor row (peer 0, the shard's symmetric byte offset, the caller's buffer, NUMEL).
-        rows = [(kind, d[0][0], d[0][2], d[0][3]) for kind, d in launched[:2]]
-        if rows != [("fetch", 0, out.data_ptr(), NUMEL), ("push", 0, grad.data_ptr(), NUMEL)]:
-            raise RuntimeError(f"the stubbed symm kernels did not see the expected launches: {launched}")
-        result = _measure(_ops(odc, st, out, grad, src), runs_, calls)
-        transport.kernels = real  # type: ignore[attr-defined]
-        return result
-    finally:
-        odc.finalize()
+            st = odc.shard(torch.zeros(NUMEL), name="hostcost")
+            out, grad, src = torch.empty(NUMEL), torch.ones(NUMEL), torch.randn(NUMEL)
+            for _ in range(2):  # the first launch of each kernel compiles (sm_90) through Triton's binder
+                odc.fetch(st, out=out)
+                odc.push(st, grad)
+            before = peer.launches()
+            odc.fetch(st, out=out)
+            odc.push(st, grad)
+            after = peer.launches()
+            fast = {k: after[k][1] - before[k][1] for k in ("fetch_kernel", "push_kernel")}
+            if fast != {"fetch_kernel": 1, "push_kernel": 1}:
+                raise RuntimeError(f"the symm kernels did not launch through their cached runners: {before} {after}")
+            # The last two stubbed launches: the fetch's and the push's runners, grid (1, 1, 1), descriptor pointers
+            # of one row (peer 0, the shard's offset, the caller's buffer, NUMEL) from the plans' caches.
+            plans = {p.kind: p for p in st._plans.plans()}  # type: ignore[attr-defined]
+            for (kind, tensor, buf), args in zip(
+                (("fetch", out, st._param), ("push", grad, st._grad)), launched[-2:], strict=True  # type: ignore[attr-defined]
+            ):
+                desc = plans[kind]._desc_of(tensor)  # type: ignore[attr-defined]
+                if args[:3] != (1, 1, 1) or args[10] != desc.data_ptr() or desc.tolist() != [
+                    [0, buf.handle, tensor.data_ptr(), NUMEL]
+                ]:
+                    raise RuntimeError(f"the {kind} launch did not carry its plan's descriptor: {args[:12]}")
+            return _measure(_ops(odc, st, out, grad, src), runs_, calls)
+        finally:
+            testing.uninstall()
+            transport.finalize()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -279,7 +297,7 @@ def main() -> None:
         }
         symm = _symm_stubbed(args.runs, args.calls)
         if symm is not None:
-            results["symm (stubbed launches)"] = symm
+            results["symm (triton path, launch stubbed)"] = symm
         else:
             print("hostcost: no symm row: odc_runtime.transport.symm.transport is not installed")
     finally:
@@ -298,7 +316,7 @@ def main() -> None:
             "fetch/copy_": "ratio, measured side by side in the same runs",
             "push/copy_": "ratio, measured side by side in the same runs",
             "transport": "nvshmem: fake extension (Plan.run a no-op, CPU tensors); host: shared memory, world 1; "
-                         "symm: symm-cpu, world 1, kernel launches stubbed",
+                         "symm: world 1, Triton's launch path with the driver's launch stubbed",
         },
         title=f"host cost per call ({args.runs} runs x {args.calls} calls, medians)",
     )

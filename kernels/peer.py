@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import CachedKernel
+
 INTERPRET = bool(getattr(getattr(triton, "knobs", None), "runtime", None) and triton.knobs.runtime.interpret)
 
 # Push and copy rows: (peer, symmetric byte offset in the peer's heap, local address, numel).
@@ -156,7 +158,7 @@ def put_signal_kernel(table_ptr, desc_ptr, sig_ptr, count_ptr, DT: tl.constexpr,
         tl.atomic_add(word, 1, sem="release", scope="sys")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["target"])  # a running count: one compiled kernel for every value
 def wait_kernel(word_ptr, target, abort_ptr, status_ptr):
     """Spin until the local signal word reaches ``target`` or the abort word is raised; one program.
 
@@ -174,7 +176,8 @@ def wait_kernel(word_ptr, target, abort_ptr, status_ptr):
     tl.store(status_ptr + 1, seen)
 
 
-@triton.jit
+# Round numbers and row offsets change from call to call: one compiled kernel for every value.
+@triton.jit(do_not_specialize=["nmembers", "rank", "row_offset", "epoch"])
 def barrier_kernel(table_ptr, members_ptr, nmembers, rank, row_offset, epoch, abort_ptr, status_ptr):
     """Barrier ``epoch`` among ``members`` on the words of one row (byte ``row_offset`` of every heap; word ``q``
     is the last epoch member ``q`` announced there). One program.
@@ -233,9 +236,18 @@ def word_dtype(dtype: torch.dtype):
         raise TypeError(f"odc copy kernels do not move {dtype}") from None
 
 
+# Compiled: each kernel through its cached runner once compiled for an argument signature (kernels/launch.py).
+_CACHED = {k: CachedKernel(k) for k in (push_kernel, fetch_kernel, put_signal_kernel, wait_kernel, barrier_kernel)}
+
+
+def launches() -> dict[str, list[int]]:
+    """Per kernel, how many launches went through Triton's binder and how many through the cached runner."""
+    return {k.fn.__name__: list(c.launches) for k, c in _CACHED.items()}
+
+
 def _launch(kernel, grid, *args, **kwargs) -> None:
     if _LAUNCH is None:
-        kernel[grid](*args, **kwargs)
+        _CACHED[kernel](grid, *args, **kwargs)
         return
     with _LAUNCH:
         kernel[grid](*args, **kwargs)

@@ -9,6 +9,9 @@ The transport returned by :func:`transport` follows the contract of :mod:`odc_ru
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from odc_runtime import state
 from odc_runtime.errors import OdcError, OdcUsageError
 from odc_runtime.sharded import ShardedTensor
@@ -64,3 +67,57 @@ def plans(st: ShardedTensor) -> list[TransferPlan]:
 def in_forked_child() -> bool:
     """Whether this process is a fork of an initialised rank (where the runtime refuses every mutating call)."""
     return state.in_forked_child
+
+
+@contextlib.contextmanager
+def stubbed_triton_launches(arch: int = 90) -> Iterator[list[tuple]]:
+    """Triton's real launch path on a machine without a GPU, only the driver's launch stubbed: within the block,
+    ``kernel[grid](...)`` binds, specialises and compiles for ``sm_<arch>`` (ptxas from the triton wheel) as on a
+    GPU, loading the binary does nothing, and the launcher records its arguments (the first 64 launches, in the
+    yielded list) instead of calling ``cuLaunchKernel``. For host-cost benchmarks and tests of launch paths;
+    tensors stay on the CPU and no kernel runs."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    launched: list[tuple] = []
+
+    class Launcher:  # what the driver builds per compiled kernel: the launch itself, here a recorder
+        def __init__(self, src: object, metadata: object) -> None:
+            pass
+
+        def __call__(self, *args: object) -> None:
+            if len(launched) < 64:
+                launched.append(args)
+
+    class Utils:
+        def load_binary(self, name: str, kernel: bytes, shared: int, device: int) -> tuple[int, int, int, int, int]:
+            return 1, 1, 0, 0, 1024  # module, function, registers, spills, max threads per block
+
+        def get_device_properties(self, device: int) -> dict[str, int]:
+            return {"max_shared_mem": 232448, "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32}
+
+        def unload_module(self, module: object) -> None:
+            pass
+
+    class Driver:
+        utils = Utils()
+        launcher_cls = Launcher
+
+        def is_active(self) -> bool:
+            return True
+
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device: int | None = None) -> int:
+            return 0
+
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", arch, 32)
+
+    previous = driver._active
+    driver.set_active(Driver())  # type: ignore[arg-type]
+    try:
+        yield launched
+    finally:
+        driver._active = previous

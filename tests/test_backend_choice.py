@@ -9,17 +9,19 @@ import odc_runtime as odc
 from odc_runtime import transport as registry
 from tests._dist import run_ranks
 
-GPU_NODE = ("symm", "nvshmem", "host")  # a CUDA node with triton, SymmetricMemory and the extension built
+GPU_NODE = ("nvshmem", "symm", "host")  # a CUDA node with triton, SymmetricMemory and the extension built
 
 
 @pytest.mark.parametrize(
     ("candidates", "hosts", "expected"),
     [
-        ([GPU_NODE, GPU_NODE], ["a", "a"], "symm"),  # one node: the Triton transport, no extension needed
+        ([GPU_NODE, GPU_NODE], ["a", "a"], "nvshmem"),  # one node with the extension: the faster one, as measured
+        ([("symm", "host")] * 2, ["a", "a"], "symm"),  # one node, extension not built (or not working)
         ([GPU_NODE, GPU_NODE], ["a", "b"], "nvshmem"),  # across nodes: the only transport that spans hosts
         ([("nvshmem", "host")] * 2, ["a", "a"], "nvshmem"),  # one node without triton / SymmetricMemory
         ([("host",)] * 2, ["a", "a"], "host"),  # CPU ranks
-        ([GPU_NODE, ("nvshmem", "host")], ["a", "a"], "nvshmem"),  # what every rank has, not what rank 0 has
+        ([GPU_NODE, ("symm", "host")], ["a", "a"], "symm"),  # what every rank has, not what rank 0 has
+        ([GPU_NODE, ("nvshmem", "host")], ["a", "a"], "nvshmem"),
         ([GPU_NODE, ("host",)], ["a", "a"], "host"),
     ],
 )
@@ -34,6 +36,7 @@ def test_no_transport_spans_the_hosts() -> None:
 
 def test_a_requested_backend_overrides_the_rule() -> None:
     assert registry.choose(["host", "host"], [(), ()], ["a", "a"]) == "host"
+    assert registry.choose(["symm", "symm"], [GPU_NODE, GPU_NODE], ["a", "a"]) == "symm"  # over nvshmem's priority
     assert registry.choose(["symm-cpu"], [()], ["a"]) == "symm-cpu"  # never chosen automatically, but selectable
     with pytest.raises(odc.OdcMismatchError, match="rank 0: host; rank 1: automatic"):
         registry.choose(["host", None], [(), ("host",)], ["a", "a"])
@@ -44,8 +47,31 @@ def test_candidates_are_the_available_automatic_transports(monkeypatch: pytest.M
     monkeypatch.setattr(registry.TransportSpec, "is_available", lambda self: avail[self.name])
     assert registry.auto_candidates() == ("symm", "host")  # symm-cpu: available, never automatic
     assert registry.auto_select().name == "symm"
-    avail["symm"] = False
+    avail["nvshmem"] = True  # the extension built and working: preferred on one node
+    assert registry.auto_candidates() == ("nvshmem", "symm", "host")
+    assert registry.auto_select().name == "nvshmem"
+    avail["nvshmem"] = avail["symm"] = False
     assert registry.auto_select().name == "host"
+
+
+@pytest.mark.parametrize(
+    ("built", "running", "expected"), [((3, 4, 5), (3, 4, 5), True), ((3, 3, 0), (3, 4, 5), False)]
+)
+def test_nvshmem_is_available_only_where_its_extension_works(
+    monkeypatch: pytest.MonkeyPatch, built: tuple, running: tuple, expected: bool
+) -> None:
+    """An extension built against another NVSHMEM than the one loaded (init would refuse it) is not available, so
+    the automatic choice falls back to symm instead of failing init."""
+    import types
+
+    from odc_runtime.transport.nvshmem import extension
+
+    fake = types.SimpleNamespace(nvshmem_version_compiled=lambda: built, nvshmem_version_runtime=lambda: running)
+    monkeypatch.setattr(extension.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(extension, "load_extension", lambda: fake)
+    assert extension.is_available() is expected
+    monkeypatch.setattr(extension, "load_extension", lambda: (_ for _ in ()).throw(odc.OdcBackendError("not built")))
+    assert extension.is_available() is False
 
 
 def _init_auto(rank: int, world: int) -> str:

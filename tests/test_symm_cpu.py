@@ -268,3 +268,158 @@ def _rank_plan_addresses(rank: int, world: int, numel: int) -> None:
 
 def test_plan_descriptors_follow_the_caller_tensor() -> None:
     run_on_symm(_rank_plan_addresses, 2, 37, timeout=120)
+
+
+# -- sync without a thread per call, and the GPU's deferred settling (symm/watch.py) ---------------------------------
+def _rank_syncs_start_no_thread(rank: int, world: int, calls: int) -> int:
+    """``calls`` syncs (with a push each, so every round carries data) start no thread: the one watchdog thread
+    of the transport watches them all; the pushes still land exactly."""
+    import threading
+
+    import torch
+
+    import odc_runtime as odc
+    from odc_runtime import testing
+
+    odc.init()
+    st = odc.shard(torch.zeros(8), name="threads")
+    odc.sync()  # anything started once (the watchdog with the transport) is started by now
+    watchdog = testing.transport()._watchdog.thread  # type: ignore[attr-defined]
+    assert watchdog.is_alive()
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        started.append(self.name)
+        real_start(self)
+
+    threading.Thread.start = start  # type: ignore[method-assign]
+    try:
+        for _ in range(calls):
+            odc.push(st, torch.ones(8))
+            odc.sync()
+    finally:
+        threading.Thread.start = real_start  # type: ignore[method-assign]
+    assert started == [], started
+    assert torch.equal(st.grad, torch.full_like(st.grad, float(calls * world)))
+    odc.finalize()
+    watchdog.join(5)
+    assert not watchdog.is_alive(), "finalize did not stop the watchdog"
+    return len(started)
+
+
+@pytest.mark.timeout(300)
+def test_hundred_syncs_start_no_thread() -> None:
+    assert run_on_symm(_rank_syncs_start_no_thread, 2, 100, timeout=280) == [0, 0]
+
+
+def _rank_deferred_mismatch(rank: int, world: int) -> str:
+    """With the GPU's stream-ordered barriers turned on, a round where rank 0 is in ``sync`` and rank 1 in another
+    collective returns on both ranks (the kernels met); the next call that settles raises the mismatch on every
+    rank, and since every rank completed the round the transport stays usable."""
+    import odc_runtime as odc
+    from odc_runtime import testing
+
+    odc.init()
+    t = testing.transport()
+    t.ordered_barriers = True  # type: ignore[attr-defined]
+    t.barrier("sync" if rank == 0 else "other")  # returns: the outcome is settled by the next call
+    assert t._pending is not None  # type: ignore[attr-defined]
+    with pytest.raises(odc.OdcMismatchError, match=r"rank 0 is in 'sync' but rank 1 is in 'other'|"
+                                                   r"rank 1 is in 'other' but rank 0 is in 'sync'"):
+        t.barrier("sync")
+    assert t.failure is None
+    t.barrier("sync")  # the rounds stayed aligned
+    t.settle()
+    odc.finalize()
+    return "ok"
+
+
+def test_a_mismatched_stream_ordered_sync_is_raised_by_the_next_call_on_every_rank() -> None:
+    assert run_on_symm(_rank_deferred_mismatch, 2, timeout=110) == ["ok", "ok"]
+
+
+def _rank_deferred_free(rank: int, world: int) -> str:
+    """``free`` settles its own barrier before it frees: a free met by a sync frees nothing, even with
+    stream-ordered barriers."""
+    import torch
+
+    import odc_runtime as odc
+    from odc_runtime import testing
+
+    odc.init()
+    t = testing.transport()
+    t.ordered_barriers = True  # type: ignore[attr-defined]
+    buf = t.alloc(4, torch.float32, tag="kept")
+    used = t.heap_used()
+    if rank == 0:
+        with pytest.raises(odc.OdcMismatchError):
+            t.free(buf)
+        assert not buf.freed and t.heap_used() == used
+    else:
+        t.barrier("sync")
+        with pytest.raises(odc.OdcMismatchError):
+            t.settle()
+    t.free(buf)  # the retry, on both ranks
+    assert buf.freed
+    odc.finalize()
+    return "ok"
+
+
+def test_a_mismatched_free_frees_nothing_with_stream_ordered_barriers() -> None:
+    assert run_on_symm(_rank_deferred_free, 2, timeout=110) == ["ok", "ok"]
+
+
+# -- copy-engine fetch (symm/heap.py COPY_MIN_BYTES): large pieces copied from the peer's heap view ----------------
+def _rank_copy_engine_fetch(rank: int, world: int, numel: int, threshold: int) -> dict[str, int]:
+    """With the threshold between the two ranks' piece sizes (17 and 16 fp32 of 33), a fetch copies rank 0's piece
+    from its heap view and launches the copy kernel for rank 1's only; planned (``out=``) and generic fetches
+    return the exact shard values, as do fetches with every piece copied and none."""
+    import torch
+
+    import odc_runtime as odc
+    from odc_runtime import testing
+    from odc_runtime.transport.symm import heap as heaps
+
+    odc.init()
+    t = testing.transport()
+    full = torch.arange(numel, dtype=torch.float32) * 7 - 3
+    st = odc.shard(full.clone(), name="copies")
+    counts = {"kernel_rows": 0, "views": 0}
+    kernels, real_view = t.kernels, t.heap.peer_view  # type: ignore[attr-defined]
+
+    class Spy:  # the kernels module, its fetch launches counted
+        def __getattr__(self, name: str) -> object:
+            return getattr(kernels, name)
+
+        def fetch(self, table: torch.Tensor, desc: torch.Tensor, *rest: object) -> None:
+            counts["kernel_rows"] += desc.shape[0]
+            kernels.fetch(table, desc, *rest)
+
+    def peer_view(peer: int) -> torch.Tensor:
+        counts["views"] += 1
+        return real_view(peer)
+
+    t.kernels = Spy()  # type: ignore[attr-defined]
+    t.heap.peer_view = peer_view  # type: ignore[attr-defined]
+    result = {}
+    for label, limit in (("mixed", threshold), ("all", 1), ("none", 1 << 40)):
+        heaps.COPY_MIN_BYTES = limit
+        st._plans = type(st._plans)()  # plans decide at creation: start from none  # type: ignore[attr-defined]
+        counts.update(kernel_rows=0, views=0)
+        out = torch.full((numel,), -1.0)
+        odc.fetch(st, out=out)  # planned
+        assert torch.equal(out, full), (label, out)
+        assert torch.equal(odc.fetch(st), full), label  # generic path
+        result[label] = counts["kernel_rows"]
+        result[label + "_views"] = counts["views"]
+    odc.finalize()
+    return result
+
+
+def test_copy_engine_fetch_for_large_pieces_a_kernel_for_the_rest() -> None:
+    results = run_on_symm(_rank_copy_engine_fetch, 2, 33, 17 * 4, timeout=120)
+    for r in results:
+        # mixed: one kernel row per fetch (rank 1's 16 elements), both fetches; all: none; none: two per fetch
+        assert (r["mixed"], r["all"], r["none"]) == (1 * 2, 0, 2 * 2), r
+        assert r["none_views"] == 0 and r["all_views"] >= 2 and r["mixed_views"] >= 1, r

@@ -202,7 +202,7 @@ def test_transport_contract(name: str) -> None:
 
 def test_registry_lists_every_transport_and_refuses_unknown_names() -> None:
     assert set(registry.names()) >= {"host", "nvshmem"}
-    assert registry.names()[:2] == ("symm", "nvshmem")  # preferred when available (symm: one node only)
+    assert registry.names()[:2] == ("nvshmem", "symm")  # preferred when available (docs/gpu.md: the faster one)
     assert "host" in registry.available()
     assert registry.auto_select().name in registry.available()
     with pytest.raises(odc.OdcUsageError, match=r"unknown ODC backend 'tcp'; choose one of .*host"):

@@ -10,9 +10,11 @@ Which transport ``odc.init()`` uses (:func:`choose`, the one place this is decid
 1. ``init(backend=...)``, else ``ODC_BACKEND``: that transport, the same on every rank (else OdcMismatchError).
 2. Otherwise the transport with the highest ``priority`` among those with ``auto`` set that are available on every
    rank and, when the ranks run on more than one host, that span hosts (``multi_node``). With the registrations
-   below: ``symm`` on the GPUs of one node (a CUDA torch with SymmetricMemory and triton), else ``nvshmem`` (the
-   compiled extension; the only one across nodes), else ``host`` (CPU ranks of one machine). ``symm-cpu`` is never
-   chosen automatically (the host transport is faster on CPU; it exists to execute the GPU kernels in CI).
+   below: ``nvshmem`` where its compiled extension is built and works on every rank (on one node too: the faster
+   transport as measured, docs/gpu.md "Which transport on one node"; the only one across nodes), else ``symm`` on
+   the GPUs of one node (a CUDA torch with SymmetricMemory and triton), else ``host`` (CPU ranks of one machine).
+   ``symm-cpu`` is never chosen automatically (the host transport is faster on CPU; it exists to execute the GPU
+   kernels in CI).
 """
 
 from __future__ import annotations
@@ -168,9 +170,12 @@ def nvshmem_available() -> bool:
 
 
 register(TransportSpec("host", "odc_runtime.transport.host", device_type="cpu", priority=0))
-register(TransportSpec("nvshmem", "odc_runtime.transport.nvshmem", device_type="cuda", priority=10, multi_node=True))
-# The one-node Triton transport: on the GPUs of one node over PyTorch's SymmetricMemory (preferred there: no
-# compiled extension), and on CPU ranks under the Triton interpreter (never automatic: it executes the GPU data
-# plane in CI).
-register(TransportSpec("symm", "odc_runtime.transport.symm.cuda", device_type="cuda", priority=20))
+# nvshmem above symm on one node too: on the first GPU run (one H200, docs/gpu.md "Which transport on one node")
+# symm reached 0.48x / 0.51x of copy_ / add_ at 64 MiB against nvshmem's 1.02x / 0.96x, and a sync of 470 us against
+# 36 us. Swap the two once a GPU run shows symm at nvshmem's rows.
+register(TransportSpec("nvshmem", "odc_runtime.transport.nvshmem", device_type="cuda", priority=20, multi_node=True))
+# The one-node Triton transport: on the GPUs of one node over PyTorch's SymmetricMemory (no compiled extension
+# needed: the choice where nvshmem is not built), and on CPU ranks under the Triton interpreter (never automatic:
+# it executes the GPU data plane in CI).
+register(TransportSpec("symm", "odc_runtime.transport.symm.cuda", device_type="cuda", priority=10))
 register(TransportSpec("symm-cpu", "odc_runtime.transport.symm.cpu", device_type="cpu", priority=-10, auto=False))

@@ -163,6 +163,7 @@ class HostTransport(Transport):
         if self.failure is None:
             # Nobody may still read or add into the region when it is handed out again.
             self.barrier(f"free({buf.tag})")
+            self.settle()  # its outcome (a mismatch) before anything is freed
         # else: the runtime is dead (a peer was lost); release locally without waiting for anyone
         self._allocator.free(buf.handle)  # type: ignore[arg-type]
         buf.freed = True
@@ -339,6 +340,10 @@ class HostTransport(Transport):
 
     def barrier(self, op: str = "barrier") -> None:
         self._quiet_then_meet(lambda: self.exchange(op, b""))
+
+    def settle(self) -> None:
+        """Complete the outcome of a barrier that returned before its round completed (a stream-ordered one, see
+        the symm transport); this transport's barriers are synchronous, so there is nothing to do."""
 
     def exchange(self, op: str, payload: bytes) -> list[bytes]:
         """Collective: one barrier round that also carries ``payload`` (at most about 1.9 KB) from every rank.

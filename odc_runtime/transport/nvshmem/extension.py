@@ -101,11 +101,13 @@ def check_version(C: ModuleType) -> tuple[int, int, int]:
 
 
 def is_available() -> bool:
-    """CUDA is present and ``odc_runtime._C`` imports. Never raises."""
+    """CUDA is present, ``odc_runtime._C`` imports and runs the NVSHMEM release it was built for (what
+    ``odc.init(backend="nvshmem")`` would refuse is not available: the automatic choice falls back to ``symm``).
+    Never raises."""
     try:
         if not torch.cuda.is_available():
             return False
-        load_extension()
+        check_version(load_extension())
         return True
     except Exception:
         return False

@@ -7,9 +7,10 @@ fail-stop that ``symm-cpu`` executes in CI). What differs on a GPU, and only tha
   the host segments keep only the control pages (they are sparse: the heap part is never reserved);
 * buffers are views of that heap, zeroed on the device before the allocation's agreement round;
 * kernels launch on the caller's current CUDA stream; ``async_op=True`` launches there too and returns a
-  :class:`StreamWork` (an event: ``wait`` orders the caller's current stream after it, the host does not block).
-  Waits (``barrier``, group fences, ``wait_signal``) still block the host on an event under the watchdog
-  (docs/design.md, "One-node Triton transport": known limit).
+  :class:`StreamWork` (an event: ``wait`` orders the caller's current stream after it, the host does not block);
+* a world ``barrier`` (``sync``) is stream-ordered (:attr:`ordered_barriers`): it returns after the launch and the
+  next call settles it; group fences and ``wait_signal`` wait for their kernel's event under the same persistent
+  watchdog (docs/design.md, "Stream-ordered ``sync`` with one persistent watchdog").
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class CudaSymmTransport(SymmTransport):
 
     name = "symm"
     device_type = "cuda"
+    ordered_barriers = True
 
     def __init__(self, rank: int, world_size: int, job: str, **kwargs: object) -> None:
         # Runs inside bootstrap's "host segments" round: a rank that cannot run symm fails every rank together.

@@ -16,6 +16,11 @@ import torch
 
 from odc_runtime.transport.host.segments import CONTROL_BYTES, Segments
 
+# A fetch piece of at least this many bytes is copied from the peer's heap view (:meth:`PeerHeap.peer_view`: the
+# copy engines on a GPU, leaving the SMs to the model); smaller pieces go together in one copy-kernel launch (one
+# launch costs the host less than a copy each).
+COPY_MIN_BYTES = 1 << 20
+
 
 class PeerHeap(Protocol):
     """One symmetric heap per rank, mapped into every peer's address space."""

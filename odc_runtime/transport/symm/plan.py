@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from odc_runtime.transport.base import Piece, SymmetricBuffer, TransferPlan, Work, as_failure
+from odc_runtime.transport.symm import heap as heaps
 
 if TYPE_CHECKING:
     from odc_runtime.transport.symm.transport import SymmTransport
@@ -27,19 +28,26 @@ _KEEP = 4  # descriptors per plan (one per caller address), the oldest dropped f
 class SymmPlan(TransferPlan):
     """A :class:`TransferPlan` that launches the kernel with a cached descriptor (see the module docstring)."""
 
-    __slots__ = ("_descs", "_fast", "_longest", "_rows")
+    __slots__ = ("_copies", "_descs", "_fast", "_longest", "_rows")
 
     def __init__(
         self, transport: SymmTransport, buf: SymmetricBuffer, kind: str, pieces: Sequence[Piece], stream_key: object
     ) -> None:
         super().__init__(transport, buf, kind, pieces, stream_key)
         live = [p for p in self.pieces if p.numel]
+        # Fetch pieces of COPY_MIN_BYTES or more are copied by the copy engines from the peer's heap view (their
+        # sources resolved here, once); the rest go in one kernel launch.
+        self._copies: list[tuple[int, int, torch.Tensor]] = []  # (start in the caller's tensor, numel, source)
+        if kind == "fetch":
+            big = [p for p in live if p.numel * buf.dtype.itemsize >= heaps.COPY_MIN_BYTES]
+            self._copies = [(p.start, p.numel, transport.peer_region(buf, p.peer, p.offset, p.numel)) for p in big]
+            live = [p for p in live if p.numel * buf.dtype.itemsize < heaps.COPY_MIN_BYTES]
         # (peer, byte offset at the peer, element offset in the caller's flat tensor, numel)
         self._rows = [(p.peer, buf.handle + p.offset * buf.dtype.itemsize, p.start, p.numel) for p in live]  # type: ignore[operator]
         self._longest = max((p.numel for p in live), default=0)
         # The caller's tensors have one dtype, shape and device per plan (the plan cache's key); a push into a
         # non-fp32 buffer takes the generic path, which refuses it.
-        self._fast = bool(live) and (kind == "fetch" or buf.dtype == torch.float32)
+        self._fast = bool(live or self._copies) and (kind == "fetch" or buf.dtype == torch.float32)
         self._descs: dict[int, torch.Tensor] = {}  # caller's data_ptr -> descriptor
 
     def _desc(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -56,7 +64,12 @@ class SymmPlan(TransferPlan):
         if async_op or not self._fast or not transport.fast_path_ok():
             return super().run(tensor, scale, async_op=async_op)  # the generic path raises what it must
         if self.kind == "fetch":
-            transport.kernels.fetch(transport._table, self._desc_of(tensor), self._longest, self.buf.dtype)
+            if self._copies:
+                flat = tensor.view(-1)
+                for start, n, source in self._copies:
+                    flat[start : start + n].copy_(source)
+            if self._rows:
+                transport.kernels.fetch(transport._table, self._desc_of(tensor), self._longest, self.buf.dtype)
             return None
         self._push(tensor, scale, torch.float32, 0)
         return None

@@ -13,9 +13,11 @@ In short:
 * The host side is the host transport's control plane, inherited: the control pages carry rounds (epoch, op
   digest), liveness (pid, start time) and status; :meth:`HostTransport.exchange` is the payload round of
   ``shard`` / ``alloc``; allocation is the host transport's (same offsets on every rank). Every kernel wait runs
-  under a host **watchdog** (the host transport's own bounded wait, :meth:`HostTransport._wait_for_peers`, on a
-  thread): it names a dead or failed peer within a liveness period, a crossed collective, or the missing ranks at
-  ``ODC_TIMEOUT``, and then raises the abort word that ends the kernel's spin.
+  under the transport's one persistent **watchdog** thread (:mod:`.watch`: the host transport's own bounded wait,
+  :meth:`HostTransport._wait_for_peers`): it names a dead or failed peer within a liveness period, a crossed
+  collective, or the missing ranks at ``ODC_TIMEOUT``, and then raises the abort word that ends the kernel's spin.
+  On a GPU a world barrier is stream-ordered (:attr:`SymmTransport.ordered_barriers`): the call returns after the
+  launch and the next call that needs the round's outcome *settles* it (:meth:`SymmTransport.settle`).
 
 Symmetric control words at heap offset 0 (allocated first, so at the same offset on every rank): the abort word,
 then one row of ``world`` int64 barrier words for the world and one per group index.
@@ -46,14 +48,17 @@ from odc_runtime.transport.host.control import NAME_BYTES
 from odc_runtime.transport.host.fences import MAX_GROUPS
 from odc_runtime.transport.host.segments import CONTROL_BYTES
 from odc_runtime.transport.host.transport import HostTransport
+from odc_runtime.transport.symm import heap as heaps
 from odc_runtime.transport.symm.heap import PeerHeap, SegmentHeap
 from odc_runtime.transport.symm.plan import SymmPlan
+from odc_runtime.transport.symm.watch import Entry, Watchdog
 
 log = logging.getLogger("odc_runtime.transport.symm")
 
 _DONE = 1  # kernel status word: the wait completed (else it was aborted)
 _BARRIER_MARK = b"\0odc-kernel-barrier"  # control-page payload of a world round that is a kernel barrier
 _ABORT_BYTES = 64  # the abort word, alone in its line
+_KEEP_DESCS = 64  # generic-path descriptors kept (a training loop repeats a few patterns and addresses)
 
 
 class RoundMismatch(OdcMismatchError):
@@ -67,6 +72,10 @@ class SymmTransport(HostTransport):
     name = "symm-cpu"
     device_type = "cpu"
     capabilities = Capabilities(signals=True, group_fences=True, nodes=False, deterministic=True)
+    # Whether a world barrier returns right after its launch, settled by the next call (GPU: the host does not
+    # wait for the stream). On the CPU a launch is synchronous, so symm-cpu settles at once unless a test turns
+    # this on to run the GPU's deferred settling.
+    ordered_barriers = False
 
     def __init__(self, rank: int, world_size: int, job: str, **kwargs: object) -> None:
         super().__init__(rank, world_size, job, **kwargs)
@@ -79,6 +88,12 @@ class SymmTransport(HostTransport):
         self._words = self._allocator.alloc(self._words_bytes, "the transport's signal and abort words")
         self.heap: PeerHeap | None = None
         self._abort_lock = threading.Lock()
+        self._pending: Entry | None = None  # the stream-ordered barrier not settled yet (at most one)
+        # Descriptors of the generic (unplanned) fetch/push path by their rows, oldest dropped first: a descriptor is
+        # read by kernels queued on a stream, so it is never rewritten, only dropped (the caching allocator keeps
+        # its memory until those kernels ran).
+        self._descs: dict[tuple, torch.Tensor] = {}
+        self._watchdog: Watchdog | None = None
 
     # -- setup ----------------------------------------------------------------------------------------
     def create_segment(self) -> tuple[int, int]:
@@ -92,7 +107,12 @@ class SymmTransport(HostTransport):
         self.heap = self.open_heap()
         self._table = self.heap.peer_bases
         self._members = torch.arange(self.world_size, dtype=torch.int32, device=self.heap.device)
+        self._group_members: dict[int, torch.Tensor] = {}  # group index -> its members, on the device
         self._abort = self._int64(self._words, 1)
+        # What every waiting kernel writes (status word, last value or member words): one block, reused, since one
+        # wait at a time is outstanding (each settles the previous first); read only on an abort.
+        self._status = torch.zeros(2 + self.world_size, dtype=torch.int64, device=self.heap.device)
+        self._watchdog = Watchdog(self)
 
     def open_heap(self) -> PeerHeap:
         """The symmetric heap the kernels work on (called once every rank mapped every segment): here the
@@ -117,8 +137,13 @@ class SymmTransport(HostTransport):
         itemsize = buf.dtype.itemsize
         if any(t.device != self.device for _, _, t in peers_offsets_tensors):
             raise OdcUsageError(f"symm: local tensors must be on {self.device} (the kernels read them there)")
-        rows = [(p, buf.handle + off * itemsize, t.data_ptr(), t.numel()) for p, off, t in peers_offsets_tensors]  # type: ignore[operator]
-        desc = torch.tensor(rows, dtype=torch.int64, device=self.device).reshape(-1, 4)
+        rows = tuple((p, buf.handle + off * itemsize, t.data_ptr(), t.numel()) for p, off, t in peers_offsets_tensors)  # type: ignore[operator]
+        desc = self._descs.get(rows)
+        if desc is None:  # a new pattern or caller address: one host-to-device copy, then reused
+            desc = torch.tensor(rows, dtype=torch.int64, device=self.device).reshape(-1, 4)
+            if len(self._descs) >= _KEEP_DESCS:
+                del self._descs[next(iter(self._descs))]
+            self._descs[rows] = desc
         return desc, max((r[3] for r in rows), default=0)
 
     def _fetch_now(self, buf: SymmetricBuffer, requests: Sequence[FetchRequest]) -> None:
@@ -128,8 +153,24 @@ class SymmTransport(HostTransport):
             return
         if any(not t.is_contiguous() or t.dtype != buf.dtype for _, _, t in work):
             raise OdcUsageError(f"symm fetch: destinations must be contiguous {buf.dtype} tensors")
-        desc, longest = self._rows(buf, work)
-        self.kernels.fetch(self._table, desc, longest, buf.dtype)
+        if any(t.device != self.device for _, _, t in work):
+            raise OdcUsageError(f"symm: local tensors must be on {self.device} (the kernels read them there)")
+        small = []
+        for peer, off, t in work:
+            if t.numel() * buf.dtype.itemsize >= heaps.COPY_MIN_BYTES:
+                t.view(-1).copy_(self.peer_region(buf, peer, off, t.numel()))  # the copy engines, stream-ordered
+            else:
+                small.append((peer, off, t))
+        if small:
+            desc, longest = self._rows(buf, small)
+            self.kernels.fetch(self._table, desc, longest, buf.dtype)
+
+    def peer_region(self, buf: SymmetricBuffer, peer: int, offset: int, numel: int) -> torch.Tensor:
+        """Elements ``[offset, offset + numel)`` of ``peer``'s part of ``buf``: a view of its heap in this process
+        (what the copy engines read from)."""
+        assert self.heap is not None
+        start = buf.handle + offset * buf.dtype.itemsize  # type: ignore[operator]
+        return self.heap.peer_view(peer)[start : start + numel * buf.dtype.itemsize].view(buf.dtype)
 
     def _push_now(self, buf: SymmetricBuffer, requests: Sequence[PushRequest], scale: float) -> None:
         self.check_usable("push")
@@ -188,18 +229,19 @@ class SymmTransport(HostTransport):
 
     def wait_signal(self, signal: SymmetricBuffer, index: int, value: int, op: str, peers: Sequence[int]) -> None:
         self.check_usable(shorten(op))
+        self.settle()
         self.quiet()  # as on a stream: this rank's earlier asynchronous operations come first
         word = self._int64(self._signal_offset(signal, index), 1)
-        status = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._watched(
             op, list(peers) or [self.rank], lambda _: int(word.item()) >= value, lambda _: None,
             f" (their puts did not arrive: signal word {index} stayed below {value})",
-            lambda: self.kernels.wait(word, value, self._abort, status), status,
+            lambda: self.kernels.wait(word, value, self._abort, self._status),
         )
 
     # -- barriers -------------------------------------------------------------------------------------
     def barrier(self, op: str = "barrier") -> None:
         self.check_usable(shorten(op))
+        self.settle()
         self._quiet_then_meet(lambda: self.fail_stop(shorten(op), "this rank announced its arrival",
                                                      lambda: self._world_round(op), aligned=(RoundMismatch,)))
 
@@ -210,11 +252,16 @@ class SymmTransport(HostTransport):
         self.control.announce(digest, op.encode()[:NAME_BYTES], _BARRIER_MARK)
         epoch = self.control.epoch
         peers = [p for p in range(self.world_size) if p != self.rank]
-        self._kernel_barrier(op, 0, self._members, peers, epoch, lambda p: self._watch_world(op, digest, p))
-        for p in peers:  # the kernel met every peer in this round: it must have been the same collective
-            other = self._other_op(digest, p)
-            if other is not None:  # every rank completed the round, so the rounds stay aligned: an ordinary error
-                raise RoundMismatch(self._mismatch(op, p, other))
+
+        def same_collective() -> None:  # the kernel met every peer in this round: it must have been the same one
+            assert self.control.epoch == epoch  # settled before the next round is announced
+            for p in peers:
+                other = self._other_op(digest, p)
+                if other is not None:  # every rank completed the round, so the rounds stay aligned: an ordinary error
+                    raise RoundMismatch(self._mismatch(op, p, other))
+
+        self._kernel_barrier(op, 0, self._members, peers, epoch, lambda p: self._watch_world(op, digest, p),
+                             after=same_collective, ordered=self.ordered_barriers)
 
     def _other_op(self, digest: bytes, peer: int) -> tuple[str, bytes] | None:
         """``(name, payload)`` of the collective ``peer`` announced at this round if it is not ours, else ``None``
@@ -249,60 +296,88 @@ class SymmTransport(HostTransport):
         """One group fence (the host transport's ``group_barrier`` validates and wraps it): the kernel barrier on
         the group's row, its fence number published on the control page for crossed-collective detection."""
         epoch = self.fences.enter(group)
-        members = torch.tensor(group.ranks, dtype=torch.int32, device=self.device)
+        members = self._group_members.get(group.index)
+        if members is None or members.numel() != len(group.ranks):
+            members = torch.tensor(group.ranks, dtype=torch.int32, device=self.device)
+            self._group_members[group.index] = members  # a group index names one set of ranks for the run
         peers = [p for p in group.ranks if p != self.rank]
         self._kernel_barrier(op, 1 + group.index, members, peers, epoch, lambda p: self._check_not_crossed(op, p),
-                             what=f" (group fence #{epoch} of ranks {list(group.ranks)})")
-        self.fences.leave(group, epoch)
+                             what=f" (group fence #{epoch} of ranks {list(group.ranks)})",
+                             after=lambda: self.fences.leave(group, epoch))
 
     def _kernel_barrier(self, op: str, row: int, members: torch.Tensor, peers: list[int], epoch: int,
-                        watch: Callable[[int], None], what: str = "") -> None:
+                        watch: Callable[[int], None], what: str = "", *, after: Callable[[], None] | None = None,
+                        ordered: bool = False) -> None:
         offset = self._row_offset(row)
         words = self._int64(offset, self.world_size)
-        status = torch.zeros(1 + members.numel(), dtype=torch.int64, device=self.device)
         self._watched(
             op, peers, lambda p: int(words[p]) >= epoch, watch, what,
-            lambda: self.kernels.barrier(self._table, members, self.rank, offset, epoch, self._abort, status),
-            status,
+            lambda: self.kernels.barrier(self._table, members, self.rank, offset, epoch, self._abort, self._status),
+            after=after, ordered=ordered,
         )
 
-    # -- the watchdog -----------------------------------------------------------------------------------
+    # -- the watchdog and settling ----------------------------------------------------------------------
     def _watched(self, op: str, peers: list[int], arrived: Callable[[int], bool], watch: Callable[[int], None],
-                 what: str, launch: Callable[[], None], status: torch.Tensor) -> None:
-        """Run a waiting kernel (``launch``) under the host's bounded wait on a watchdog thread.
+                 what: str, launch: Callable[[], None], *, after: Callable[[], None] | None = None,
+                 ordered: bool = False) -> None:
+        """Run a waiting kernel (``launch``) under the watchdog (:mod:`.watch`), then settle it, or leave it
+        pending when ``ordered`` (the next call settles it).
 
-        The watchdog polls what the kernel waits for (``arrived``; on a GPU only the kernel's completion, since a
-        read of device memory would queue behind the spinning kernel), checks liveness, peer status and ``watch``
-        every liveness period, and at the first error (dead or failed peer, crossed collective, ``ODC_TIMEOUT``)
-        records it and raises the abort word, which ends the kernel's spin; the error is raised here."""
-        done = threading.Event()
-        errors: list[BaseException] = []
+        The watchdog polls what the kernel waits for (``arrived``; on a GPU only the kernel's event, since a read of
+        device memory would queue behind the spinning kernel), checks liveness, peer status and ``watch`` every
+        liveness period, and at the first error (dead or failed peer, crossed collective, ``ODC_TIMEOUT``) finishes
+        the entry with it, records the failure and raises the abort word, which ends the kernel's spin. ``after``
+        runs once the kernel completed (the round's mismatch check, a fence's bookkeeping)."""
+        assert self._watchdog is not None and self._pending is None
         on_host = self.device.type == "cpu"
-
-        def guard() -> None:
+        entry = Entry(op, peers, arrived if on_host else None, watch, what, after)
+        if on_host:
+            self._watchdog.arm(entry)  # the launch below runs the kernel to its end: watched from before it
             try:
-                self._wait_for_peers(op, peers, lambda p: done.is_set() or (on_host and arrived(p)), watch, what)
-            except BaseException as e:  # typed OdcError (recorded as the failure) or anything unexpected
-                errors.append(e)
-                self._raise_abort()
-
-        thread = threading.Thread(target=guard, name="odc-symm-watchdog", daemon=True)
-        thread.start()
-        try:
+                launch()
+            except BaseException as e:
+                self._watchdog.finish(entry, e)  # the kernel is not spinning any more: stop watching it
+                raise
+        else:
             launch()
-            if not on_host:  # the kernel leaves its spin when the watchdog raises the abort word
-                event = torch.cuda.Event()
-                event.record()
-                event.synchronize()
-        finally:
-            done.set()
-            thread.join()
-        if int(status[0]) != _DONE:
-            if errors:
-                raise errors[0]
-            raise self.fail(OdcBackendError(f"odc {shorten(op)}: the wait was aborted (the abort word is raised)"))
-        if errors:  # the kernel finished just as the deadline passed: the transport is failed anyway
-            raise errors[0]
+            import torch.cuda
+
+            entry.event = torch.cuda.Event()
+            entry.event.record(torch.cuda.current_stream(self.device))
+            self._watchdog.arm(entry)
+        if ordered:
+            self._pending = entry
+            return
+        self._settle(entry)
+
+    def settle(self) -> None:
+        """Complete the stream-ordered barrier still pending, if any: wait (bounded by the watchdog's deadline)
+        until it is finished and raise its error or the round's mismatch. Every call that needs a round's outcome
+        calls this first; on the CPU nothing is ever pending unless :attr:`ordered_barriers` is set."""
+        entry, self._pending = self._pending, None
+        if entry is not None:
+            self._settle(entry)
+
+    def _settle(self, entry: Entry) -> None:
+        assert self._watchdog is not None
+        if entry.event is None:  # CPU: the launch returned, so the kernel completed or was aborted
+            self._watchdog.finish(entry)
+        else:
+            self._watchdog.wait_finished(entry, entry.complete)
+        if entry.error is not None:
+            raise entry.error
+        if entry.event is None and int(self._status[0]) != _DONE:
+            raise self.fail(OdcBackendError(f"odc {shorten(entry.op)}: the wait was aborted (the abort word is up)"))
+        if entry.after is not None:
+            entry.after()
+
+    def exchange(self, op: str, payload: bytes) -> list[bytes]:
+        self.settle()  # an exchange round follows the barrier round before it: that one's outcome first
+        return super().exchange(op, payload)
+
+    def group_barrier(self, op: str, group: Group) -> None:
+        self.settle()
+        super().group_barrier(op, group)
 
     def _raise_abort(self) -> None:
         """Raise this rank's abort word: every waiting kernel of this rank leaves its spin. Never lowered. On a GPU
@@ -318,9 +393,18 @@ class SymmTransport(HostTransport):
 
     # -- teardown -------------------------------------------------------------------------------------
     def finalize(self) -> None:
+        """Settle the last barrier (a finalize round: peers must not see this rank leave before it completed),
+        then stop the watchdog and release everything; the settled error, if any, is raised after the release."""
         heap, self.heap = self.heap, None
         try:
-            super().finalize()
+            if self.failure is None and not self._closed:
+                self.settle()
         finally:
-            if heap is not None:
-                heap.close()
+            self._pending = None
+            if self._watchdog is not None:
+                self._watchdog.stop()
+            try:
+                super().finalize()
+            finally:
+                if heap is not None:
+                    heap.close()

@@ -1,0 +1,115 @@
+"""Launching a Triton kernel at a compiled kernel's host cost (installed as ``odc_runtime.kernels.launch``).
+
+``kernel[grid](*args, **constexprs)`` runs Triton's whole binder on every call (knobs, device and stream queries,
+argument specialisation, the cache key, the globals check): 9-31 µs of host time per launch, measured. A
+:class:`CachedKernel` pays that once per *argument signature*: the first launch goes through ``kernel[grid]``
+(which compiles and returns the ``CompiledKernel``), later launches with the same signature call that kernel's
+runner directly with raw pointers and the current stream.
+
+The signature is what Triton specialises a compiled kernel on, so the fast path never runs code compiled for a
+specialisation its arguments do not have: each tensor's dtype and 16-byte alignment, each int's width (i32, i64,
+u64) and whether it is 1 or a multiple of 16 (kept even for ``do_not_specialize`` arguments: a few more entries,
+never a wrong one), each float as a float, and the constexprs. Triton's own ``kernel[grid]`` is used on every call
+instead where the fast path does not apply: under the interpreter, while a launch hook is set (profilers hook
+Triton's path), and on a Triton line whose runner convention is not the one below (:func:`runner_supported`).
+
+The runner convention, read from the sources of triton 3.5.1, 3.6.0 and 3.9.0 (``CompiledKernel.run`` as
+``JITFunction.run`` calls it)::
+
+    compiled.run(grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
+                 launch_metadata, launch_enter_hook, launch_exit_hook, *every_bound_argument)
+
+where the bound arguments are every parameter in order, constexprs included (the launcher skips them), and a
+pointer may be a Python int (the launcher takes an int as the device address).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+
+__all__ = ["RUNNER_LINES", "CachedKernel", "runner_supported"]
+
+RUNNER_LINES = ((3, 5), (3, 6), (3, 7), (3, 8), (3, 9))  # triton lines whose runner takes the convention above
+_LINE = tuple(int(x) for x in triton.__version__.split(".")[:2])
+_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
+INTERPRET = bool(_KNOBS is not None and _KNOBS.interpret)
+_I32 = (-(2**31), 2**31)
+_I64 = (-(2**63), 2**63)
+
+
+def runner_supported(line: tuple[int, ...] = _LINE) -> bool:
+    """Whether the fast path may call compiled kernels' runners on this Triton line (else ``kernel[grid]``)."""
+    return line in RUNNER_LINES and _KNOBS is not None and not INTERPRET
+
+
+def _hooked(hook: object) -> bool:
+    """Whether a launch hook is installed (triton 3.6+ keep an empty ``HookChain`` there; older lines ``None``)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _kind(a: object) -> object:
+    """What Triton specialises a compiled kernel on for one runtime argument (see the module docstring)."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, bool):
+        return bool, a
+    if isinstance(a, int):
+        width = 32 if _I32[0] <= a < _I32[1] else 64 if _I64[0] <= a < _I64[1] else 65
+        return width, a == 1, a % 16 == 0
+    if isinstance(a, float):
+        return float
+    return type(a), a  # None and the like: specialised by value
+
+
+class CachedKernel:
+    """One ``@triton.jit`` kernel launched through its compiled runner once compiled for a signature."""
+
+    __slots__ = ("_cache", "_fast", "_order", "_stream", "kernel", "launches")
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self._fast = runner_supported()
+        self._cache: dict[tuple, tuple[Callable[..., Any], Any, Any, tuple]] = {}
+        self._order: tuple[str, ...] = tuple(getattr(kernel, "arg_names", ()))
+        self._stream: Callable[[], int] | None = None
+        self.launches = [0, 0]  # (through triton's binder, through the cached runner): for tests and benchmarks
+
+    def __call__(self, grid: tuple[int, ...], *args: object, **constexprs: object) -> None:
+        """``kernel[grid](*args, **constexprs)``: ``args`` are the runtime parameters in order, ``constexprs`` the
+        rest by name."""
+        if not self._fast or _hooked(_KNOBS.launch_enter_hook) or _hooked(_KNOBS.launch_exit_hook):
+            self.launches[0] += 1
+            self.kernel[grid](*args, **constexprs)
+            return
+        key = (*map(_kind, args), *constexprs.items())
+        hit = self._cache.get(key)
+        if hit is None:
+            self.launches[0] += 1
+            self._remember(key, self.kernel[grid](*args, **constexprs), len(args), constexprs)
+            return
+        run, function, metadata, tail = hit
+        raw = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+        self.launches[1] += 1
+        run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, self._stream(),  # type: ignore[misc]
+            function, metadata, None, None, None, *raw, *tail)
+
+    def _remember(self, key: tuple, compiled: Any, nargs: int, constexprs: dict[str, object]) -> None:
+        """Keep ``compiled``'s runner for ``key`` if it has the runner convention; else launch through Triton's
+        binder from now on (a Triton whose compiled kernels differ)."""
+        try:
+            run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+            tail = tuple(constexprs[name] for name in self._order[nargs:])
+        except (AttributeError, KeyError):
+            self._fast = False
+            return
+        if self._stream is None:
+            from triton.runtime import driver
+
+            active = driver.active
+            get_device, get_stream = active.get_current_device, active.get_current_stream
+            self._stream = lambda: get_stream(get_device())
+        self._cache[key] = (run, function, metadata, tail)

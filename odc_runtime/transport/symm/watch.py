@@ -1,0 +1,136 @@
+"""The one-node Triton transport's watchdog: one persistent thread per transport that holds every waiting kernel
+(barrier, group fence, signal wait) against its deadline, so that no call creates a thread.
+
+Protocol (docs/design.md, "Stream-ordered ``sync`` with one persistent watchdog"): the caller *arms* an
+:class:`Entry` and launches its kernel; the thread runs the host transport's bounded wait
+(``HostTransport._wait_for_peers``: liveness every period, crossed collectives, ``ODC_TIMEOUT``) over the entry's
+completion. An entry is *finished* exactly once, under the watchdog's lock, by whoever sees it first: the thread
+(the kernel completed, or an error) or the caller (it saw the kernel complete). On an error the thread finishes the
+entry with it and records the transport's failure *before* it raises the abort word, so a caller that finishes an
+entry itself knows its kernel was not released by an abort. The thread never waits for a caller, and a caller
+waits only for an entry to be finished, which the thread guarantees within the deadline plus one liveness
+period: no cycle, so no deadlock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from odc_runtime.errors import OdcError
+from odc_runtime.transport.base import as_failure
+
+if TYPE_CHECKING:
+    from odc_runtime.transport.symm.transport import SymmTransport
+
+log = logging.getLogger("odc_runtime.transport.symm")
+
+
+class Entry:
+    """One waiting kernel: what it waits for, and how it ended (``finished``, ``error``)."""
+
+    __slots__ = ("after", "arrived", "error", "event", "finished", "op", "peers", "watch", "what")
+
+    def __init__(self, op: str, peers: list[int], arrived: Callable[[int], bool] | None,
+                 watch: Callable[[int], None], what: str, after: Callable[[], None] | None = None) -> None:
+        self.op, self.peers, self.watch, self.what, self.after = op, peers, watch, what, after
+        self.arrived = arrived  # CPU: what the kernel waits for, read from the host; GPU: None (the event decides)
+        self.event: Any = None  # GPU: the CUDA event recorded after the kernel
+        self.finished = False
+        self.error: BaseException | None = None
+
+    def complete(self) -> bool:
+        """Whether the kernel completed (GPU: its event; CPU: never known here, the caller finishes the entry)."""
+        return self.event is not None and bool(self.event.query())
+
+
+class Watchdog:
+    """The persistent watchdog thread of one :class:`~.transport.SymmTransport` (see the module docstring)."""
+
+    def __init__(self, transport: SymmTransport) -> None:
+        self._transport = weakref.ref(transport)
+        self._cond = threading.Condition()
+        self._queue: deque[Entry] = deque()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="odc-symm-watchdog", daemon=True)
+        self._thread.start()
+
+    def arm(self, entry: Entry) -> None:
+        """Watch ``entry`` from now on (its kernel is launched, or about to be)."""
+        with self._cond:
+            self._queue.append(entry)
+            self._cond.notify_all()
+
+    def finish(self, entry: Entry, error: BaseException | None = None) -> bool:
+        """Finish ``entry`` (with ``error``) unless it already is; whether this call finished it."""
+        with self._cond:
+            if entry.finished:
+                return False
+            entry.finished, entry.error = True, error
+            self._cond.notify_all()
+            return True
+
+    def wait_finished(self, entry: Entry, poll: Callable[[], bool] | None = None) -> None:
+        """Block until ``entry`` is finished. ``poll`` (GPU: the event query) may finish it from here first; the
+        thread finishes it by the deadline in any case."""
+        with self._cond:
+            while not entry.finished:
+                if poll is not None and poll():
+                    entry.finished = True
+                    self._cond.notify_all()
+                    return
+                self._cond.wait(50e-6 if poll is not None else 0.1)
+
+    def stop(self) -> None:
+        """Stop the thread once the entries armed before are finished (finalize)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    def _loop(self) -> None:
+        device = None
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopped:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                entry = self._queue[0]
+            transport = self._transport()
+            if transport is None:
+                return
+            if device is None and transport.device.type == "cuda":
+                import torch
+
+                device = transport.device
+                torch.cuda.set_device(device)  # event queries and the abort's side stream on the transport's GPU
+            self._watch(transport, entry)
+            with self._cond:
+                self._queue.popleft()
+            del transport
+
+    def _watch(self, transport: SymmTransport, entry: Entry) -> None:
+        arrived = entry.arrived
+
+        def done(p: int) -> bool:
+            return entry.finished or entry.complete() or (arrived is not None and arrived(p))
+
+        try:
+            transport._wait_for_peers(entry.op, entry.peers or [transport.rank], done, entry.watch, entry.what)
+        except BaseException as e:  # a typed OdcError, or anything unexpected: the kernel must not spin on
+            if self.finish(entry, e):
+                if transport.failure is None:
+                    transport.fail(as_failure(entry.op, e, "the watchdog raised the abort word") if not
+                                   isinstance(e, OdcError) else e)
+                log.debug("odc symm watchdog: %s: %s", entry.op, e)
+                transport._raise_abort()
+            return
+        self.finish(entry)
