@@ -2,8 +2,9 @@
 # Triton matrix: every kernel compiled and its ordering checked under each Triton a supported torch pins (the
 # table in docs/fsdp.md, "The Triton each torch pins"), with no GPU. Per line:
 #   - tests/test_ptx.py: the PTX ordering check of every kernel for sm_80/90/100 (those the line can target), the
-#     mutation check, and every kernel compiled the way its launcher calls it (odc_runtime.kernels.launch_check: Triton's
-#     own argument specialization, a fake driver whose launch does nothing);
+#     mutation check, and every kernel compiled the way its launcher calls it (odc_runtime.kernels.launch_check:
+#     Triton's own argument specialization, a fake driver whose launch does nothing); tests/test_launch.py: the
+#     cached launch path (kernels/launch.py) against this line's runner, or its fallback to Triton's own path;
 #   - on the oldest and the newest line, also the kernels under the Triton interpreter: tests/test_kernels.py and a
 #     short symm-cpu subset (fetch/push/barrier, put_signal/wait, the quantising push).
 #
@@ -65,7 +66,7 @@ for v in "${all[@]}"; do
   got=$(version_at "$overlay")
   [[ $got == "$v" ]] || { echo "triton: expected $v, imported $got" >&2; exit 1; }
   echo "triton: $v (${overlay:-this venv})"
-  python -m pytest -q -p no:cacheprovider tests/test_ptx.py
+  python -m pytest -q -p no:cacheprovider tests/test_ptx.py tests/test_launch.py
   if [[ $v == "$oldest" || $v == "$newest" ]]; then
     python -m pytest -q -p no:cacheprovider tests/test_kernels.py
     python -m pytest -q -p no:cacheprovider tests/test_symm_cpu.py \
