@@ -277,14 +277,17 @@ def make_record(
 
 
 class TraceWriter:
-    """Appends trace lines to ``<directory>/rank<rank>.jsonl``, each flushed as written."""
+    """Appends trace lines to ``<directory>/rank<rank>.jsonl`` (the directory made if missing), each flushed as
+    written."""
 
     def __init__(self, directory: str, rank: int) -> None:
         self.path = os.path.join(directory, f"rank{rank}.jsonl")
         try:
+            os.makedirs(directory, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115  (held until close())
         except OSError as e:
-            raise OdcUsageError(f"cannot open the trace file {self.path!r} ({e}); check ODC_TRACE_DIR") from None
+            raise OdcUsageError(f"cannot open the trace file {self.path!r} ({e}); point the trace (ODC_TRACE_DIR) "
+                                "at a writable directory") from None
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
