@@ -449,7 +449,7 @@ def scenario(rank: int, world: int) -> dict:
         gathered = [None] * world
         dist.all_gather_object(gathered, {k: (m.aggregation.value, m.values) for k, m in metrics.items()})
         out["odc_metrics"].append(gathered)
-        out["last"].append(odc_fsdp.last_minibatch(actor.module))
+        out["last"].append(odc_fsdp.stats(actor.module)["last_minibatch"])
         # reference: one process, every rank's samples, the same token-mean loss
         everyone = data[step]
         tokens = float(sum(d["response_mask"].sum() for d in everyone))

@@ -3,7 +3,7 @@
 - the counters count each call that returned, exactly (bytes from the tensors' sizes), not the refused ones;
   ``reset``, ``init`` zeroes them, readable after ``finalize``;
 - a 2-rank FSDP ODC job with unequal micro-batch counts (modelled compute: a sleep per micro-batch) shows more
-  ``sync_wait_s`` on the rank with less work, in ``odc.stats()``, in ``odc_runtime.fsdp.last_minibatch`` and in its
+  ``sync_wait_s`` on the rank with less work, in ``odc.stats()``, in ``odc_runtime.fsdp.stats(model)`` and in its
   trace files, which ``python -m odc_runtime.report`` reads and draws;
 - a ``torch.profiler`` trace of a 2-rank job holds the ``odc.fetch`` / ``odc.push`` / ``odc.sync`` and
   ``odc.gang.*`` ranges;
@@ -124,7 +124,7 @@ def _fsdp_rank(rank: int, world: int) -> dict:
     fully_shard(model, mesh=mesh)
     odc.init("host")
     odc_fsdp.enable(model)
-    assert odc_fsdp.last_minibatch(model) is None
+    assert odc_fsdp.stats(model)["last_minibatch"] is None
     odc.stats(reset=True)
     lasts = []
     for _ in range(STEPS):
@@ -132,7 +132,7 @@ def _fsdp_rank(rank: int, world: int) -> dict:
             for _ in range(COUNTS[rank]):
                 time.sleep(SLEEP_S)  # the modelled compute of one micro-batch
                 model(torch.randn(4, 8)).square().mean().backward()
-        lasts.append(odc_fsdp.last_minibatch(model))
+        lasts.append(odc_fsdp.stats(model)["last_minibatch"])
     figures = odc.stats()
     units = odc_fsdp.stats(model)
     odc_fsdp.disable(model)

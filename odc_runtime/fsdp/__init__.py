@@ -93,10 +93,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import odc_runtime as odc
-from odc_runtime import telemetry
 from odc_runtime.errors import OdcUsageError
 
-from . import _compat, _grads, _hooks
+from . import _compat, _grads, _hooks, _telemetry
 from ._compat import CAPABILITIES, has_capability
 from ._layout import OWNER as _OWNER
 from ._layout import STATES as _STATES
@@ -121,7 +120,6 @@ __all__ = [
     "end_minibatch",
     "has_capability",
     "is_enabled",
-    "last_minibatch",
     "minibatch",
     "stats",
 ]
@@ -444,8 +442,7 @@ def begin_minibatch(model: nn.Module) -> None:
                 f"odc_runtime.fsdp: set_requires_gradient_sync(False) is active on {unit.fqn!r}; ODC accumulates "
                 "across micro-batches itself, keep gradient sync on"
             )
-    state.window = telemetry.begin_minibatch()  # the minibatch's figures: its publishing and S1 included
-    state.rs_base = [unit.reduce_scatters for unit in state.units]
+    _telemetry.open_window(state)  # the minibatch's figures (stats()["last_minibatch"]): its publishing and S1 included
     try:
         if state.aborted_backward and _compat.has_capability("reset_iter_state"):
             state.model.reset_iter_state()  # the refused backward left FSDP mid-iteration
@@ -469,7 +466,7 @@ def begin_minibatch(model: nn.Module) -> None:
             raise type(e)(f"{e}\n{_MISSING_AT_BEGIN}") from e
     except BaseException as e:
         state.broken = f"begin_minibatch: {type(e).__name__}: {e}"
-        _close_window(state)
+        _telemetry.close_window(state)
         raise
     _grads.hold(state)  # .grad holds no gradient until end_minibatch: using it inside raises (._grads)
     state.in_minibatch = True
@@ -503,13 +500,13 @@ def end_minibatch(model: nn.Module, *, divide_factor: float | None = None) -> No
         if problem is None:
             _write_grads(state, factor)
     except odc.OdcOverflowError:  # deterministic mode: every rank discarded the minibatch; a retry is clean
-        _close_window(state)
+        _telemetry.close_window(state)
         raise
     except BaseException as e:
         state.broken = f"end_minibatch: {type(e).__name__}: {e}"
-        _close_window(state)
+        _telemetry.close_window(state)
         raise
-    _close_window(state, ended=True)  # ended (its closing sync passed) even when its gradients are refused below
+    _telemetry.close_window(state, ended=True)  # its closing sync passed, even if its gradients are refused below
     if problem is not None:  # every rank raises it together; the accumulators are zeroed, nothing was written
         for unit in state.units:
             if unit.st_rs is not None:
@@ -677,44 +674,22 @@ def minibatch(model: nn.Module, *, divide_factor: float | None = None) -> Iterat
             state.in_minibatch = False
             state.broken = f"{type(e).__name__}: {e}"
             _grads.release(state)
-            _close_window(state)
+            _telemetry.close_window(state)
         raise
     end_minibatch(model, divide_factor=divide_factor)
 
 
-def stats(model: nn.Module) -> dict[str, int]:
-    """Counters: minibatches, ODC all-gathers (fetches) and reduce-scatters (pushes) since :func:`enable`."""
+def stats(model: nn.Module) -> dict[str, object]:
+    """Counters: minibatches, ODC all-gathers (fetches) and reduce-scatters (pushes) since :func:`enable`; and
+    ``last_minibatch``: this rank's figures of its last minibatch (``None`` before one; ``._telemetry``)."""
     state = _state(model, "stats")
     return {
         "minibatches": state.minibatches,
         "all_gathers": sum(u.all_gathers for u in state.units),
         "reduce_scatters": sum(u.reduce_scatters for u in state.units),
         "row_numel": sum(u.ag_numel for u in state.units),
+        "last_minibatch": None if state.last_minibatch is None else dict(state.last_minibatch),
     }
-
-
-def last_minibatch(model: nn.Module) -> dict[str, object] | None:
-    """This rank's figures of the last minibatch that ended on ``model`` (``None`` before the first), measured
-    from :func:`begin_minibatch` to the end of :func:`end_minibatch` without any communication: ``micro_batches``
-    (backward passes), ``sync_wait_s`` (host seconds in its two ``odc.sync`` calls: waiting for the other ranks),
-    ``fetches``, ``pushes``, ``syncs``, ``fetch_bytes``, ``push_bytes``, ``start`` / ``end`` (wall-clock seconds) and
-    the rest of a trace line (``odc_runtime.telemetry.make_record``). With ``ODC_TRACE_DIR`` set, the same record
-    is the trace's line for this minibatch."""
-    record = _state(model, "last_minibatch").last_minibatch
-    return None if record is None else dict(record)
-
-
-def _close_window(state: _State, *, ended: bool = False) -> None:
-    """Close the minibatch's telemetry: ``ended``, a record (trace line, :func:`last_minibatch`); else none."""
-    window, state.window = state.window, None
-    if window is None:
-        return
-    if not ended:
-        telemetry.abandon_minibatch(window)
-        return
-    # a micro-batch is a backward pass: each reduce-scatters every unit it reached once (a frozen unit never)
-    micro_batches = max((u.reduce_scatters - b for u, b in zip(state.units, state.rs_base, strict=True)), default=0)
-    state.last_minibatch = telemetry.end_minibatch(window, micro_batches)
 
 
 def _device_sync(state: _State) -> None:

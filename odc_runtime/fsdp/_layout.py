@@ -99,7 +99,7 @@ class State:
     handles: list[RemovableHandle] = field(default_factory=list)  # model-level hooks removed by disable()
     window: Minibatch | None = None  # the open minibatch's telemetry (odc_runtime.telemetry)
     rs_base: list[int] = field(default_factory=list)  # every unit's reduce_scatters when the minibatch began
-    last_minibatch: dict[str, Any] | None = None  # the figures of the last minibatch that ended (last_minibatch())
+    last_minibatch: dict[str, Any] | None = None  # the last minibatch's figures (._telemetry)
 
 
 STATES: weakref.WeakKeyDictionary[nn.Module, State] = weakref.WeakKeyDictionary()

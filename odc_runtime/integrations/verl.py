@@ -47,12 +47,12 @@ What ODC changes (see the README's "With veRL" section and ``examples/verl_odc.p
    per-rank sample counts suggest. Padding the lists to a common length instead would need a collective and would
    change ``mean``/``min``.
 6. ODC's figures in veRL's metrics: every training ``forward_backward_batch`` (a PPO mini-batch) adds this rank's
-   :func:`odc_runtime.fsdp.last_minibatch` figures to its ``metrics`` as veRL ``Metric`` objects, which veRL
-   gathers over the data-parallel group with the other metrics (no collective of ours) and reduces with
-   ``Metric.aggregate_dp``: ``odc/sync_wait_s/max`` and ``odc/sync_wait_s/mean`` (seconds the ranks waited in
-   ``odc.sync``: max and mean over ranks), ``odc/micro_batches/min`` and ``odc/micro_batches/max`` (over ranks),
-   ``odc/push_bytes`` (bytes a rank pushed, mean over ranks). They reach whatever logger the trainer set up, per
-   PPO mini-batch like ``loss`` (:data:`METRICS`).
+   figures of that minibatch (``odc_runtime.fsdp.stats(module)["last_minibatch"]``) to its ``metrics`` as veRL
+   ``Metric`` objects, which veRL gathers over the data-parallel group with the other metrics (no collective of
+   ours) and reduces with ``Metric.aggregate_dp``: ``odc/sync_wait_s/max`` and ``odc/sync_wait_s/mean`` (seconds
+   the ranks waited in ``odc.sync``: max and mean over ranks), ``odc/micro_batches/min`` and
+   ``odc/micro_batches/max`` (over ranks), ``odc/push_bytes`` (bytes a rank pushed, mean over ranks). They reach
+   whatever logger the trainer set up, per PPO mini-batch like ``loss`` (:data:`METRICS`).
 
 :func:`attach_engine` does 1 and 3 on a veRL FSDP engine object (anything with ``.module`` and
 ``.forward_backward_batch(data, loss_function, forward_only)``), and :func:`install` routes veRL's
@@ -316,7 +316,7 @@ def attach_engine(engine: Any, *, backend: str | None = None, cost: balance.Cost
         finally:
             _ACTIVE.reset(token)
         if not forward_only:
-            add_metrics(output, odc_fsdp.last_minibatch(module))
+            add_metrics(output, odc_fsdp.stats(module)["last_minibatch"])
         return output
 
     engine.forward_backward_batch = forward_backward_batch
@@ -329,8 +329,9 @@ def attach_engine(engine: Any, *, backend: str | None = None, cost: balance.Cost
 
 
 def add_metrics(output: Any, figures: dict[str, Any] | None) -> None:
-    """Add :data:`METRICS` from ``figures`` (:func:`odc_runtime.fsdp.last_minibatch`) to ``output["metrics"]`` as
-    veRL ``Metric`` objects, where the engine's output has a metrics dict (veRL's ``forward_backward_batch``)."""
+    """Add :data:`METRICS` from ``figures`` (``odc_runtime.fsdp.stats(module)["last_minibatch"]``) to
+    ``output["metrics"]`` as veRL ``Metric`` objects, where the engine's output has a metrics dict (veRL's
+    ``forward_backward_batch``)."""
     metrics = output.get("metrics") if isinstance(output, dict) else None
     if figures is None or not isinstance(metrics, dict):
         return
