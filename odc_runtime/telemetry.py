@@ -3,7 +3,9 @@
 * **Counters** (:func:`stats`, also ``odc_runtime.stats``): calls of ``fetch``, ``push`` and ``sync`` that
   returned, the bytes they moved, the host seconds spent in ``sync`` and the minibatches ended, since ``init`` (or the
   last ``stats(reset=True)``). Counted on the calling thread by the wrappers below, with no collective and no lock:
-  two attribute adds per call (``bench/hostcost.py`` measures what they cost).
+  two attribute adds per call (``bench/hostcost.py`` measures what they cost). Unlocked, so two threads calling at
+  the same instant could lose a count; ODC's own callers (FSDP's hooks included: autograd's device thread runs
+  while the trainer's thread waits in ``backward``) call from one thread at a time.
 * **Profiler ranges.** While a ``torch.profiler`` records, every ``fetch``, ``push`` and ``sync`` runs inside a
   ``record_function`` range named ``odc.fetch``, ``odc.push``, ``odc.sync``; the gang exchange's steps inside
   ``odc.gang.*`` ranges (:func:`span`). On GPUs the kernels and copies a call launches are attributed to its range
