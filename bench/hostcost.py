@@ -11,7 +11,7 @@ a bare ``out.copy_(src)`` of the same 4 KiB, measured side by side in one proces
 
 The third table is what ``odc.stats()``'s counters and the profiler check (``odc_runtime.telemetry``) cost per call:
 ``odc.fetch`` / ``odc.push`` against the same API functions without their telemetry wrapper (``api.fetch.__wrapped__``),
-interleaved in the same runs, next to the run-to-run spread of the call itself (the noise of the first table).
+interleaved in the same runs, next to the interquartile range of the call's runs (its run-to-run noise).
 
 Results are verified before timing (the fetch returns the shard, the push accumulates, the fake plan is called
 with the caller's buffer). Each figure is the median over ``--runs`` runs of ``--calls`` calls, the three
@@ -49,7 +49,8 @@ def _per_call_us(fn: Callable[[], object], calls: int) -> float:
 
 
 def _measure(ops: dict[str, Callable[[], object]], runs: int, calls: int) -> dict[str, float]:
-    """Median per-call microseconds of each op; ``"<op> spread"``: the max - min of its runs (fetch and push)."""
+    """Median per-call microseconds of each op; ``"<op> spread"``: the interquartile range of its runs (fetch and
+    push), the run-to-run noise."""
     for fn in ops.values():  # warm-up: plan caches, allocator
         _per_call_us(fn, max(100, calls // 10))
     samples: dict[str, list[float]] = {k: [] for k in ops}
@@ -57,7 +58,8 @@ def _measure(ops: dict[str, Callable[[], object]], runs: int, calls: int) -> dic
         for name, fn in ops.items():
             samples[name].append(_per_call_us(fn, calls))
     result = {k: statistics.median(v) for k, v in samples.items()}
-    result.update({f"{k} spread": max(samples[k]) - min(samples[k]) for k in ("fetch", "push") if k in samples})
+    quartiles = {k: statistics.quantiles(samples[k], n=4) for k in ("fetch", "push") if k in samples and runs > 1}
+    result.update({f"{k} spread": q[2] - q[0] for k, q in quartiles.items()})
     return result
 
 
@@ -327,7 +329,7 @@ def main() -> None:
     )
     _common.print_table(
         ["transport", "call", "us", "no telemetry us", "telemetry us", "spread us"],
-        [[name, op, r[op], r[f"{op}, no telemetry"], r[op] - r[f"{op}, no telemetry"], r[f"{op} spread"]]
+        [[name, op, r[op], r[f"{op}, no telemetry"], r[op] - r[f"{op}, no telemetry"], r.get(f"{op} spread", 0.0)]
          for name, r in results.items() for op in ("fetch", "push")],
         {
             "transport": "as in the first table",
@@ -336,7 +338,7 @@ def main() -> None:
             "no telemetry us": "the same API function without its telemetry wrapper (api.fetch.__wrapped__), "
                                "interleaved in the same runs",
             "telemetry us": "the difference: what odc.stats()'s counters and the profiler-range check cost per call",
-            "spread us": "max - min over the runs of the call itself: the run-to-run noise of the first table",
+            "spread us": "interquartile range over the runs of the call itself: the run-to-run noise",
         },
         title="what the counters cost per call (odc_runtime.telemetry)",
     )
