@@ -350,6 +350,20 @@ def run_minibatch(
     return MinibatchRecord(start, end, busy, wait, end - t0, ok and kv_ok, events, kv_calls, kv_bytes)
 
 
+def trace_waits(rec: MinibatchRecord) -> list[tuple[float, float, str]]:
+    """A recorded minibatch's waiting time as trace intervals: all of ``[start, end]`` outside compute, as
+    ``"comm"`` before the end-of-minibatch work and ``"sync"`` in it, so a trace's busy time is the record's
+    ``busy_s`` and its idle time the table's ("idle s/rank")."""
+    sync_at = next((t0 for kind, t0, _ in rec.events if kind == "sync"), rec.end)
+    out, t = [], rec.start
+    for t0, t1 in [*sorted((a, b) for kind, a, b in rec.events if kind == "compute"), (rec.end, rec.end)]:
+        for a, b, kind in ((t, min(t0, sync_at), "comm"), (max(t, sync_at), t0, "sync")):
+            if b > a:
+                out.append((a, b, kind))
+        t = max(t, t1)
+    return out
+
+
 def expected_grad(schedule: Schedule, k: int) -> int:
     """Non-empty micro-batches of all ranks in minibatch ``k`` (each pushes a gradient of ones)."""
     return sum(1 for mbs in schedule.minibatches[k].ranks for mb in mbs if not mb.empty)

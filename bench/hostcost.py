@@ -11,6 +11,10 @@ a bare ``out.copy_(src)`` of the same 4 KiB, measured side by side in one proces
   figure is what the host pays per call up to ``cuLaunchKernel`` (the real launch adds about 2-5 µs of driver
   time). Shown where triton is installed.
 
+The third table is what ``odc.stats()``'s counters and the profiler check (``odc_runtime.telemetry``) cost per call:
+``odc.fetch`` / ``odc.push`` against the same API functions without their telemetry wrapper (``api.fetch.__wrapped__``),
+interleaved in the same runs, next to the interquartile range of the call's runs (its run-to-run noise).
+
 Results are verified before timing (the fetch returns the shard, the push accumulates, the fake plan is called
 with the caller's buffer). Each figure is the median over ``--runs`` runs of ``--calls`` calls, the three
 operations interleaved run by run so that machine noise hits them alike.
@@ -47,21 +51,32 @@ def _per_call_us(fn: Callable[[], object], calls: int) -> float:
 
 
 def _measure(ops: dict[str, Callable[[], object]], runs: int, calls: int) -> dict[str, float]:
+    """Median per-call microseconds of each op; ``"<op> spread"``: the interquartile range of its runs (fetch and
+    push), the run-to-run noise."""
     for fn in ops.values():  # warm-up: plan caches, allocator
         _per_call_us(fn, max(100, calls // 10))
     samples: dict[str, list[float]] = {k: [] for k in ops}
     for _ in range(runs):
         for name, fn in ops.items():
             samples[name].append(_per_call_us(fn, calls))
-    return {k: statistics.median(v) for k, v in samples.items()}
+    result = {k: statistics.median(v) for k, v in samples.items()}
+    quartiles = {k: statistics.quantiles(samples[k], n=4) for k in ("fetch", "push") if k in samples and runs > 1}
+    result.update({f"{k} spread": q[2] - q[0] for k, q in quartiles.items()})
+    return result
 
 
 def _ops(odc: object, st: object, out: object, grad: object, src: object) -> dict[str, Callable]:
-    """The three timed calls: bare copy_ (the reference), fetch into a preallocated buffer, push."""
+    """The timed calls: bare copy_ (the reference), fetch into a preallocated buffer, push; and both without the
+    telemetry wrapper (counters and profiler check, ``odc_runtime.telemetry``)."""
+    from odc_runtime import api
+
+    fetch, push = api.fetch.__wrapped__, api.push.__wrapped__
     return {
         "copy_": lambda: out.copy_(src),  # type: ignore[attr-defined]
         "fetch": lambda: odc.fetch(st, out=out),  # type: ignore[attr-defined]
         "push": lambda: odc.push(st, grad),  # type: ignore[attr-defined]
+        "fetch, no telemetry": lambda: fetch(st, out=out),
+        "push, no telemetry": lambda: push(st, grad),
     }
 
 
@@ -329,6 +344,21 @@ def main() -> None:
             "x copy_": "ratio to a bare out.copy_(src) of 4 KiB in the same runs",
         },
         title="where odc.fetch's host time goes (nvshmem, fake extension)",
+    )
+    _common.print_table(
+        ["transport", "call", "us", "no telemetry us", "telemetry us", "spread us"],
+        [[name, op, r[op], r[f"{op}, no telemetry"], r[op] - r[f"{op}, no telemetry"], r.get(f"{op} spread", 0.0)]
+         for name, r in results.items() for op in ("fetch", "push")],
+        {
+            "transport": "as in the first table",
+            "call": "odc.fetch(st, out=out) / odc.push(st, grad), 4 KiB, as in the first table",
+            "us": "host microseconds per call (median of runs), counters and profiler check included",
+            "no telemetry us": "the same API function without its telemetry wrapper (api.fetch.__wrapped__), "
+                               "interleaved in the same runs",
+            "telemetry us": "the difference: what odc.stats()'s counters and the profiler-range check cost per call",
+            "spread us": "interquartile range over the runs of the call itself: the run-to-run noise",
+        },
+        title="what the counters cost per call (odc_runtime.telemetry)",
     )
     _common.write_outputs(args, "hostcost", {
         "fetch_breakdown_us": parts,

@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"also run odc + {' and odc + '.join(OUTLIER_POLICIES)} on minibatches of "
                         f"{OUTLIER_SAMPLES_PER_RANK} samples per rank, where outliers exist and the split runs "
                         "(default: with --quick on the host backend, unless --hsdp or without odc in --comms)")
+    p.add_argument("--trace-dir", default=None, metavar="DIR",
+                   help="write every configuration's minibatches as ODC traces (DIR/rank<r>.jsonl, one label per "
+                        "configuration, the outlier phase left out): python -m odc_runtime.report DIR draws them")
     p.add_argument("--timeline-minibatch", type=int, default=None,
                    help="minibatch shown in the timeline plot (default: the one with the median imbalance)")
     _common.add_output_args(p, "imbalance")
@@ -355,9 +358,10 @@ def same_schedules(schedules: Schedules, world: int) -> None:
 
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
-    from executor import CollectiveComm, GangKV, OdcComm, expected_grad, run_minibatch, warm_up
+    from executor import CollectiveComm, GangKV, OdcComm, expected_grad, run_minibatch, trace_waits, warm_up
 
     import odc_runtime as odc
+    from odc_runtime import telemetry
 
     rank, world, device = init_ranks(args)
     load_before = os.getloadavg()
@@ -386,13 +390,24 @@ def worker(args: argparse.Namespace) -> None:
         gang.warm_up()
     records: dict = {key: [] for key in schedules}
     steps = [(k, key) for k in range(len(batches)) for key in schedules]
+    trace = telemetry.TraceWriter(args.trace_dir, rank) if args.trace_dir else None
+    run_id, to_wall = f"{time.time():.6f}-{os.getpid()}", time.time() - time.perf_counter()
     t_run = time.perf_counter()
     for k, key in progress(steps, enabled=rank == 0, desc="minibatch × config"):
         sched = schedules[key]
+        before = odc.stats() if trace and key[0] == "odc" else None
         rec = run_minibatch(comms[key[0]], sched.program(k, rank), expected_grad=expected_grad(sched, k),
-                            time_scale=args.time_scale, compute=args.compute, record=k == timeline_k,
+                            time_scale=args.time_scale, compute=args.compute, record=k == timeline_k or bool(trace),
                             gang=gang if key[0] == "odc" else None)
         records[key].append(rec)
+        if trace:  # the runtime's line format: busy = modelled compute, the rest waits (comm, then sync)
+            figures = {n: v - before[n] for n, v in odc.stats().items() if n != "minibatches"} if before else {}
+            trace.write(telemetry.make_record(
+                rank=rank, world=world, minibatch=k, start=rec.start + to_wall, end=rec.end + to_wall,
+                micro_batches=len(sched.minibatches[k].ranks[rank]), label=f"{key[0]} + {key[1]}", run=run_id,
+                waits=[(t0 + to_wall, t1 + to_wall, kind) for t0, t1, kind in trace_waits(rec)], **figures))
+    if trace:
+        trace.close()
     run_s = time.perf_counter() - t_run
     gathered: list = [None] * world
     dist.all_gather_object(gathered, {key: [vars(r) for r in recs] for key, recs in records.items()})

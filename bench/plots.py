@@ -10,6 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
+from odc_runtime.report import draw_timelines  # the timelines of `python -m odc_runtime.report` too
+
 COLORS = {
     "copy": "#999999", "add": "#cccccc", "all_gather": "#d62728", "fetch": "#1f77b4",
     "red_scatter": "#ff7f0e", "push": "#2ca02c",
@@ -67,28 +69,10 @@ def plot_imbalance(runs: list[dict], timelines: dict[str, list[list[tuple]]], pa
     ax.set_ylim(0, max(tps) * 1.3 if tps else 1)
     ax.set_title(title or "throughput (speedup over collective + local_sort)")
     ax.grid(True, axis="y", alpha=0.3)
-    kinds = {"compute": "#2ca02c", "comm": "#ff7f0e", "sync": "#7f7f7f"}
-    # One time axis for all timelines, so their lengths compare directly.
-    spans = []
-    for per_rank in timelines.values():
-        t0 = min((ev[1] for evs in per_rank for ev in evs), default=0.0)
-        spans.append((t0, max((ev[2] - t0 for evs in per_rank for ev in evs), default=0.0)))
-    xmax = max((s for _, s in spans), default=1.0) * 1.01 or 1.0
-    for k, ((name, per_rank), (t0, _)) in enumerate(zip(timelines.items(), spans, strict=True)):
-        tax = fig.add_subplot(grid[1 + k])
-        for rank, events in enumerate(per_rank):
-            spans_by_kind: dict[str, list[tuple[float, float]]] = {}
-            for kind, start, stop in events:
-                spans_by_kind.setdefault(kind, []).append((start - t0, stop - start))
-            for kind, xranges in spans_by_kind.items():  # one artist per rank and kind: fast with many events
-                tax.broken_barh(xranges, (rank - 0.35, 0.7), facecolors=kinds.get(kind, "#000000"), linewidth=0)
-        tax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))], fontsize=8)
-        tax.invert_yaxis()
-        tax.set_xlim(0, xmax)
-        which = f", minibatch {minibatch}" if minibatch is not None else ""
-        tax.set_title(f"{name}{which}: green = compute, orange = waiting (communication, slower ranks), grey = end "
-                      "of minibatch (sync, optimizer)", fontsize=9)
-        tax.set_xlabel("seconds")
+    which = f", minibatch {minibatch}" if minibatch is not None else ""
+    draw_timelines(fig, [grid[1 + k] for k in range(n_tl)], {f"{name}{which}": tl for name, tl in timelines.items()},
+                   "green = compute, orange = waiting (communication, slower ranks), grey = end of minibatch (sync, "
+                   "optimizer)")
     _save(fig, path)
 
 

@@ -35,7 +35,10 @@ GPU (start it first: ``nvidia-cuda-mps-control -d``; without it ``odc.init`` ref
     python examples/sft.py --comm odc --pes-per-gpu 4       # 4 ranks on one GPU (MPS running)
 
 Logs one line per step (rank 0): loss, tokens/s, the number of non-empty
-micro-batches per rank (in collective mode the ranks with fewer also run empty ones, as the log line says).
+micro-batches per rank (in collective mode the ranks with fewer also run empty ones, as the log line says), and in
+ODC mode what ODC measured on each rank (``odc_runtime.fsdp.stats(model)["last_minibatch"]``): the seconds it
+waited in ``odc.sync`` and the MiB it pushed. ``ODC_TRACE_DIR=DIR`` also writes every rank's minibatches there;
+``python -m odc_runtime.report DIR`` draws them (docs/seeing-the-imbalance.md).
 
 ``--check``: after the run rank 0 replays every step in one process without FSDP (same initial weights, samples and
 optimizer, every sample whole and alone in its forward pass, fp32) and compares the run's losses, gradient norms
@@ -424,6 +427,16 @@ def train(args: argparse.Namespace) -> None:
         dt = time.perf_counter() - t0
 
         dist.all_reduce(loss_sum)
+        odc_line = ""
+        if args.comm == "odc":  # what ODC measured on each rank in this minibatch (odc_runtime.telemetry)
+            last = odc_fsdp.stats(model)["last_minibatch"]
+            mine_figures = torch.tensor([last["sync_wait_s"], last["push_bytes"], last["micro_batches"]],
+                                        dtype=torch.float64, device=device)
+            figures = [torch.empty_like(mine_figures) for _ in range(world)]
+            dist.all_gather(figures, mine_figures)
+            waits, pushed, ran = zip(*(f.tolist() for f in figures), strict=True)
+            odc_line = (f"  sync wait s/rank [{' '.join(f'{w:.2f}' for w in waits)}]  push MiB/rank "
+                        f"[{' '.join(f'{b / 2**20:.1f}' for b in pushed)}]")
         counts = [len([mb for mb in r if mb]) for r in plan]  # non-empty ones (a gang's chunk counts on each member)
         padded = ""
         if args.comm == "collective" and len(set(counts)) > 1:  # the collectives made every rank run as many
@@ -437,12 +450,15 @@ def train(args: argparse.Namespace) -> None:
             "tokens_per_s": sum(lengths) / dt,
             "micro_batches": counts,
         }
+        if odc_line:  # ODC's own figures, per rank: seconds waited in sync, bytes pushed, backward passes run
+            rec.update(odc_sync_wait_s=list(waits), odc_push_bytes=[int(b) for b in pushed],
+                       odc_micro_batches=[int(n) for n in ran])
         records.append(rec)
         if rank == 0:
             print(
                 f"step {step:3d}  loss {rec['loss']:.5f}  grad_norm {rec['grad_norm']:.4f}  "
                 f"tokens {rec['tokens']:6d}  {dt:6.2f}s  {rec['tokens_per_s']:8.0f} tok/s  "
-                f"micro-batches/rank {counts}{padded}",
+                f"micro-batches/rank {counts}{padded}{odc_line}",
                 flush=True,
             )
     if rank == 0:

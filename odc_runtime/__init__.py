@@ -86,6 +86,11 @@ def __getattr__(name: str) -> Any:
 
         globals().update({n: getattr(api, n) for n in _API_NAMES})
         return globals()[name]
+    if name == "stats":  # torch-free, like the counters it reads
+        from odc_runtime.telemetry import stats
+
+        globals()["stats"] = stats
+        return stats
     raise AttributeError(f"module 'odc_runtime' has no attribute {name!r}")
 
 
@@ -113,6 +118,7 @@ if TYPE_CHECKING:
         sync,
         world_size,
     )
+    from odc_runtime.telemetry import stats
 
 __all__ = [
     "Handle",
@@ -137,6 +143,7 @@ __all__ = [
     "push",
     "rank",
     "shard",
+    "stats",
     "sync",
     "world_size",
 ]

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from odc_runtime import checks, config, layout, state
+from odc_runtime import checks, config, layout, state, telemetry
 from odc_runtime import transport as registry
 from odc_runtime.agree import StoreExchange, gather_checked, op_digest, require_same, shorten
 from odc_runtime.deterministic import FixedPointAccumulators, check_supported
@@ -111,6 +111,7 @@ def init(
     def local_checks() -> tuple[str, float, int | None, int | None, bool]:
         if heap_size is not None:
             config.parse_size(heap_size, what="heap_size")
+        telemetry.check_trace_dir()  # ODC_TRACE_DIR: agreed here, so a bad one fails every rank together
         nodes = config.node_size(node_size, dist.get_world_size())
         return (_backend_facts(backend), config.resolve_timeout(timeout), nodes, config.node_slots(node_slots),
                 config.deterministic(deterministic))
@@ -144,6 +145,7 @@ def init(
         transport.finalize()  # deterministic on every rank (agreed inputs), so every rank gets here together
         raise
     state.start(transport, hierarchy=hierarchy, fixed=FixedPointAccumulators(transport, hierarchy) if exact else None)
+    telemetry.start(transport.rank, config.trace_dir())
     log.info(
         "odc_runtime initialised: backend=%s rank=%d world=%d node_size=%d deterministic=%s", name, transport.rank,
         transport.world_size, nodes, exact,
@@ -167,6 +169,7 @@ def finalize() -> None:
         return
     transport = state.require("finalize").transport
     state.take()
+    telemetry.stop()
     try:
         # A transport that saw a peer die or a collective time out records it (``failure``): the error was
         # raised once already, and waiting for the peers again would only add another ODC_TIMEOUT.
@@ -379,6 +382,7 @@ def _issue(
 # Python call costs about a tenth of a 4 KiB copy. A plan is taken only from a ShardedTensor of the live runtime
 # (its generation) in the process that owns it, under a key that an earlier call passed every check with
 # (odc_runtime.plans); the PlanCache refuses plans of freed buffers. Anything else takes the checked path.
+@telemetry.counted_fetch  # counters and the profiler range (odc_runtime.telemetry)
 def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool = False) -> torch.Tensor | Handle:
     """Gather the full tensor (original shape) by reading every owner's shard; the owners do nothing.
 
@@ -423,6 +427,7 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
     return _issue(plan, out, 1.0, async_op, out)  # type: ignore[return-value]
 
 
+@telemetry.counted_push
 def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op: bool = False) -> Handle | None:
     """Add ``grad.flatten()[range_r] * scale`` into every owner r's accumulator; the owners do nothing.
 
@@ -460,6 +465,7 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     return _issue(plan, src, value, async_op, None)  # type: ignore[return-value]
 
 
+@telemetry.counted_sync
 def sync(group: dist.ProcessGroup | None = None, *, gradients: bool = True, parameters: bool = True) -> None:
     """Collective fence, once per minibatch.
 

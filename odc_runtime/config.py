@@ -146,6 +146,20 @@ def host_heap_bytes(arg: str | int | None) -> int:
     )
 
 
+def trace_dir() -> str | None:
+    """``ODC_TRACE_DIR``: the directory of the per-minibatch trace (``odc_runtime.telemetry``), as an absolute path;
+    ``None`` when unset (no trace). Raises OdcUsageError when it names something that exists and is not a
+    directory."""
+    directory = env("ODC_TRACE_DIR")
+    if directory is None:
+        return None
+    directory = os.path.abspath(os.path.expanduser(directory))
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise OdcUsageError(f"ODC_TRACE_DIR={directory!r} is not a directory; point it at a directory (created if "
+                            "missing) to get one trace file per rank")
+    return directory
+
+
 def backend_name(arg: str | None) -> str | None:
     """The requested transport: ``arg``, else ``ODC_BACKEND``, else ``None`` (``odc_runtime.transport.choose``).
 

@@ -63,6 +63,7 @@ import torch
 from odc_runtime import state
 from odc_runtime.errors import OdcBackendError, OdcError, OdcMismatchError, OdcUsageError
 from odc_runtime.split import Chunk
+from odc_runtime.telemetry import span
 from odc_runtime.transport.base import PutRequest, SymmetricBuffer, Transport, as_failure
 
 __all__ = ["GangExchange", "GangStep", "active_step", "exchange_kv", "gang_attention"]
@@ -336,12 +337,13 @@ class GangStep:
         peers = self._peers
         word = ex.stage_words.local[ex.tag_words :]
         word.fill_(1)
-        ex.transport.put_signal(ex.acks, [PutRequest(p, word, w + me, 2 * w + me) for p in peers], ex.signal)
-        self._joined = True  # delivered: from here on, an exception ending this step is fatal
-        for p in peers:
-            ex._joined[p] += 1
-            what = self._what(layer, pass_, p).replace(" from rank ", ": join (it started the gang) from rank ")
-            self._wait(2 * w + p, ex._joined[p], what, p)
+        with span("odc.gang.join"):
+            ex.transport.put_signal(ex.acks, [PutRequest(p, word, w + me, 2 * w + me) for p in peers], ex.signal)
+            self._joined = True  # delivered: from here on, an exception ending this step is fatal
+            for p in peers:
+                ex._joined[p] += 1
+                what = self._what(layer, pass_, p).replace(" from rank ", ": join (it started the gang) from rank ")
+                self._wait(2 * w + p, ex._joined[p], what, p)
 
     def _send(self, pass_: int, layer: int, rows: torch.Tensor | dict[int, torch.Tensor]) -> None:
         """Put the rows (one tensor for every peer, or one per peer) into every peer's next slot of this rank's
@@ -379,7 +381,8 @@ class GangStep:
 
     def _wait(self, index: int, value: int, what: str, peer: int) -> None:
         """A bounded wait on this rank's signal word ``index``."""
-        self.exchange.transport.wait_signal(self.exchange.signal, index, value, what, [peer])
+        with span("odc.gang.wait"):
+            self.exchange.transport.wait_signal(self.exchange.signal, index, value, what, [peer])
 
     def _exchange(self, run: Callable[[], T]) -> T:
         """Run one layer's exchange. When a transport error ends it (a wait that timed out, a peer whose runtime
@@ -484,14 +487,16 @@ class _ExchangeKV(torch.autograd.Function):
                 recorded: bool) -> tuple[torch.Tensor, ...]:
         ctx.step, ctx.layer = step, layer
         first = step._next_layer < step.exchange.num_layers
-        out = step._exchange(lambda: step._forward(layer, k.detach(), v.detach()))
+        with span("odc.gang.forward"):  # the layer's K/V exchange (recomputations included)
+            out = step._exchange(lambda: step._forward(layer, k.detach(), v.detach()))
         if first and recorded:  # autograd records this first-pass exchange: the backward pass reaches it
             step._backward_end = min(step._backward_end, layer)
         return out
 
     @staticmethod
     def backward(ctx, dk_all: torch.Tensor, dv_all: torch.Tensor) -> tuple:  # noqa: ANN001
-        dk, dv = ctx.step._exchange(lambda: ctx.step._backward(ctx.layer, dk_all, dv_all))
+        with span("odc.gang.backward"):  # the layer's dK/dV exchange
+            dk, dv = ctx.step._exchange(lambda: ctx.step._backward(ctx.layer, dk_all, dv_all))
         return dk, dv, None, None, None
 
 

@@ -53,6 +53,7 @@ class ShardedTensor:
         grad: this rank's gradient accumulator shard (1-D, ``accum_dtype``); ``None`` for a tensor sharded with
             ``requires_grad=False`` (no accumulator is allocated; pushing into it is an error).
         shard_range: ``(start, stop)`` of the flattened full tensor owned by this rank.
+        nbytes: bytes of the full tensor (what a fetch returns; ``odc_runtime.stats()`` counts them).
         group: the ``torch.distributed`` process group passed to :func:`shard` (``None``: all ranks).
         group_ranks: global ranks of the owners, in group-rank order.
         rank, world_size: this rank's rank in the group and the group's size (the world's without a group).
@@ -77,6 +78,7 @@ class ShardedTensor:
         self.dtype = dtype
         self.accum_dtype = accum_dtype
         self.numel = math.prod(shape)
+        self.nbytes = self.numel * dtype.itemsize  # of the full tensor: what a fetch returns
         if group_ranks is None:
             group_ranks = tuple(range(runtime.transport.world_size))
         self.group = group

@@ -174,10 +174,22 @@ def test_imbalance_end_to_end_two_ranks(tmp_path):
     plot_arg = str(plot) if _has_matplotlib() else "none"
     proc = _run([str(BENCH / "imbalance.py"), "--nproc", "2", "--minibatches", "2", "--minibatch-size", "8",
                  "--time-scale", "0.002", "--layers", "2", "--layer-mb", "0.0625", "--outliers", "--json", str(out),
-                 "--plot", plot_arg], tmp_path)
+                 "--plot", plot_arg, "--trace-dir", str(tmp_path / "trace")], tmp_path)
     data = json.loads(out.read_text())
     got = {(r["comm"], r["policy"]) for r in data["runs"]}
     assert got == set(sch.grid())
+    # --trace-dir: the runtime's trace format, one label per configuration; the report's idle seconds per rank are
+    # the table's (wall − compute), its busy seconds the modelled compute
+    from odc_runtime import report
+
+    traced = {run.label: report.summarize(run) for run in report.load(str(tmp_path / "trace"))}
+    assert set(traced) == {f"{c} + {p}" for c, p in got}
+    for r in data["runs"]:
+        s = traced[f"{r['comm']} + {r['policy']}"]
+        assert s["minibatches"] == 2 and s["wall_s"] == pytest.approx(r["wall_s"], abs=1e-3)
+        assert s["idle_s"] == pytest.approx(r["idle_s_per_rank"], abs=1e-3)
+        assert s["busy_s"] == pytest.approx(r["busy_s_per_rank"], abs=1e-3)
+        assert sum(s["micro_batches"]) >= 2 and (sum(s["push_bytes"]) > 0) == (r["comm"] == "odc")
     for r in data["runs"]:
         assert r["tokens_per_s"] > 0
         assert all(r[f"speedup_vs_collective_{p}"] > 0 for p in ("local_sort", "verl_lb_micro", "lb_micro"))

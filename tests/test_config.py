@@ -22,6 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
         ("ODC_HEAP_SIZE", lambda: config.host_heap_bytes(None)),
         ("ODC_HOST_CHUNK_BYTES", config.host_chunk_bytes),
         ("ODC_SHM_DIR", config.shm_dir),
+        ("ODC_TRACE_DIR", config.trace_dir),
         ("ODC_BACKEND", lambda: config.backend_name(None)),
         ("ODC_REQUIRE_EXTENSION", config.require_extension),
         ("ODC_REQUIRE_VERL", config.require_verl),

@@ -75,6 +75,10 @@ def test_sft_example_explicit_prefetch_with_a_rank_without_micro_batches() -> No
     small = ["--steps", "2", "--samples", "1", "--layers", "2", "--dim", "64", "--prefetch", "--nproc", "2"]
     logs = {comm: _run(["examples/sft.py", "--comm", comm, *small]) for comm in ("collective", "odc")}
     assert "micro-batches/rank [1, 0]" in logs["odc"], logs["odc"]
+    # ODC's own figures per rank: rank 1 ran nothing, so pushed nothing (and waited in sync for rank 0)
+    pushed = [[float(x) for x in m.split()] for m in re.findall(r"push MiB/rank \[([^\]]*)\]", logs["odc"])]
+    assert len(pushed) == 2 and all(p[0] > 0 and p[1] == 0.0 for p in pushed), logs["odc"]
+    assert len(re.findall(r"sync wait s/rank \[\d+\.\d+ \d+\.\d+\]", logs["odc"])) == 2, logs["odc"]
     for key in ("loss", "grad_norm"):
         values = {comm: [float(v) for v in re.findall(rf"{key} (\d+\.\d+)", out)] for comm, out in logs.items()}
         assert len(values["odc"]) == 2, logs["odc"]

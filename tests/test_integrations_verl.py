@@ -195,11 +195,11 @@ class FakeMetric:
     """veRL's ``Metric`` reduced to what :func:`aggregate_dp` reads: ``values``, ``aggregation`` (an enum whose
     ``.value`` is the name) and a classmethod ``aggregate_dp`` that refuses unequal counts, as veRL 0.9.1's does."""
 
-    def __init__(self, aggregation: str, values: list[float]) -> None:
+    def __init__(self, aggregation: str, value=None) -> None:  # veRL's signature
         import enum
 
         self.aggregation = enum.Enum("AggregationType", {aggregation.upper(): aggregation})[aggregation.upper()]
-        self.values = list(values)
+        self.values = [] if value is None else list(value) if isinstance(value, list) else [value]
 
     @classmethod
     def aggregate_dp(cls, metric_lists):
@@ -296,6 +296,7 @@ class FakeEngine:
         return ctx()
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
+        """Returns veRL's output structure: ``{"model_output", "loss", "metrics"}`` (per-sample log-probs)."""
         import contextlib
 
         import torch.distributed as dist
@@ -321,7 +322,7 @@ class FakeEngine:
         order = torch.tensor([i for p in indices for i in p])
         out = torch.empty(len(order), RESP)
         out[order] = torch.cat(outputs)
-        return out
+        return {"model_output": {"log_probs": out}, "loss": [], "metrics": {}}
 
     def train_batch(self, data, loss_function):
         self.optimizer.zero_grad()
@@ -427,11 +428,15 @@ def scenario(rank: int, world: int) -> dict:
     data = [[verl_batch(rank_lengths(r, s), seed=10 * s + r) for r in range(world)] for s in range(3)]
     for d in (x for row in data for x in row):
         d["max_token_len_per_gpu"] = 24
-    out = {"logp_diff": [], "param_diff": [], "critic_counts": []}
+    import odc_runtime.fsdp as odc_fsdp
+
+    out = {"logp_diff": [], "param_diff": [], "critic_counts": [], "odc_metrics": [], "last": []}
     for step in range(3):
         mine = data[step][rank]
         # compute_log_prob: forward only, unequal counts, inside an ODC minibatch
-        logp = actor.forward_backward_batch(mine, pg_loss, forward_only=True)
+        inferred = actor.forward_backward_batch(mine, pg_loss, forward_only=True)
+        logp = inferred["model_output"]["log_probs"]
+        assert inferred["metrics"] == {}  # ODC's figures go to training passes only
         with torch.no_grad():
             ref_logp = response_logp(ref, mine)
         out["logp_diff"].append((logp - ref_logp).abs().max().item())
@@ -439,7 +444,12 @@ def scenario(rank: int, world: int) -> dict:
         n_calls = len(calls)
         critic_like.forward_backward_batch(mine, pg_loss, forward_only=True)
         out["critic_counts"].append(calls[n_calls:])
-        actor.train_batch(mine, pg_loss)
+        metrics = actor.train_batch(mine, pg_loss)["metrics"]
+        # ODC's figures, as veRL gathers them over the data-parallel group (its allgather_dict_into_dict)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, {k: (m.aggregation.value, m.values) for k, m in metrics.items()})
+        out["odc_metrics"].append(gathered)
+        out["last"].append(odc_fsdp.stats(actor.module)["last_minibatch"])
         # reference: one process, every rank's samples, the same token-mean loss
         everyone = data[step]
         tokens = float(sum(d["response_mask"].sum() for d in everyone))
@@ -464,8 +474,6 @@ def scenario(rank: int, world: int) -> dict:
     out["restored"] = engine_utils.rearrange_micro_batches.__name__ == "rearrange_micro_batches" and not hasattr(
         engine_utils.rearrange_micro_batches, "__odc_original__"
     )
-    import odc_runtime.fsdp as odc_fsdp
-
     odc_fsdp.disable(actor.module)
     return out
 
@@ -484,6 +492,16 @@ def test_attached_engine_runs_unequal_counts_and_matches_reference():
             assert [c[0] for c in calls] == ["verl"], calls
     for k in range(len(results[0]["critic_counts"])):
         assert len({res["critic_counts"][k][0][1] for res in results}) == 1
+    # ODC's figures in each training pass's metrics, one value per rank with the documented aggregation; the
+    # micro-batch counts are the engine's own (the train pass is the second forward_backward_batch of a step)
+    for step in range(3):
+        gathered = results[0]["odc_metrics"][step]
+        for name, (aggregation, key) in ov.METRICS.items():
+            per_rank = [g[name] for g in gathered]
+            assert [a for a, _ in per_rank] == [aggregation] * 3, name
+            assert [v for _, v in per_rank] == [[res["last"][step][key]] for res in results], name
+        assert [g["odc/micro_batches/max"][1][0] for g in gathered] == [c[2 * step + 1] for c in counts]
+        assert all(g["odc/push_bytes"][1][0] > 0 and g["odc/sync_wait_s/max"][1][0] > 0 for g in gathered)
 
 
 def test_attach_engine_rejects_non_engines_and_sequence_parallelism():

@@ -121,6 +121,19 @@ def test_verl_actor_in_odc_mode_matches_stock(tmp_path):
     for r in res["odc"]:
         assert r["ckpt_params_equal"] and r["ckpt_logp_equal"], r
 
+    # ODC's figures reach update_actor's metrics, one value per PPO mini-batch, reduced by veRL over the ranks; the
+    # micro-batch counts are those the planner made (per step: the log-prob pass, then one per mini-batch)
+    n = len(_series(odc, "loss"))
+    for name in ("odc/sync_wait_s/max", "odc/sync_wait_s/mean", "odc/micro_batches/min", "odc/micro_batches/max",
+                 "odc/push_bytes"):
+        assert len(_series(odc, name)) == n, name
+    assert not any(k.startswith("odc/") for step in stock["metrics"] for k in step)
+    per_pass = [[c for i, c in enumerate(r["counts"]) if i % 3] for r in res["odc"]]  # drop the log-prob passes
+    assert list(_series(odc, "odc/micro_batches/min")) == [min(c) for c in zip(*per_pass, strict=True)][:n]
+    assert list(_series(odc, "odc/micro_batches/max")) == [max(c) for c in zip(*per_pass, strict=True)][:n]
+    assert (_series(odc, "odc/sync_wait_s/max") >= _series(odc, "odc/sync_wait_s/mean")).all()
+    assert (_series(odc, "odc/push_bytes") > 0).all()
+
     # full_determinism + ODC's deterministic mode: the same bits whatever the arrival order
     det0, det1 = res["det_rank0_pushes_last"][0], res["det_rank1_pushes_last"][0]
     assert det0["counts"] == odc["counts"][: len(det0["counts"])]  # the unequal micro-batches of the ODC run

@@ -95,7 +95,7 @@ import torch.nn as nn
 import odc_runtime as odc
 from odc_runtime.errors import OdcUsageError
 
-from . import _compat, _grads, _hooks
+from . import _compat, _grads, _hooks, _telemetry
 from ._compat import CAPABILITIES, has_capability
 from ._layout import OWNER as _OWNER
 from ._layout import STATES as _STATES
@@ -442,6 +442,7 @@ def begin_minibatch(model: nn.Module) -> None:
                 f"odc_runtime.fsdp: set_requires_gradient_sync(False) is active on {unit.fqn!r}; ODC accumulates "
                 "across micro-batches itself, keep gradient sync on"
             )
+    _telemetry.open_window(state)  # the minibatch's figures (stats()["last_minibatch"]): its publishing and S1 included
     try:
         if state.aborted_backward and _compat.has_capability("reset_iter_state"):
             state.model.reset_iter_state()  # the refused backward left FSDP mid-iteration
@@ -465,6 +466,7 @@ def begin_minibatch(model: nn.Module) -> None:
             raise type(e)(f"{e}\n{_MISSING_AT_BEGIN}") from e
     except BaseException as e:
         state.broken = f"begin_minibatch: {type(e).__name__}: {e}"
+        _telemetry.close_window(state)
         raise
     _grads.hold(state)  # .grad holds no gradient until end_minibatch: using it inside raises (._grads)
     state.in_minibatch = True
@@ -498,10 +500,13 @@ def end_minibatch(model: nn.Module, *, divide_factor: float | None = None) -> No
         if problem is None:
             _write_grads(state, factor)
     except odc.OdcOverflowError:  # deterministic mode: every rank discarded the minibatch; a retry is clean
+        _telemetry.close_window(state)
         raise
     except BaseException as e:
         state.broken = f"end_minibatch: {type(e).__name__}: {e}"
+        _telemetry.close_window(state)
         raise
+    _telemetry.close_window(state, ended=True)  # its closing sync passed, even if its gradients are refused below
     if problem is not None:  # every rank raises it together; the accumulators are zeroed, nothing was written
         for unit in state.units:
             if unit.st_rs is not None:
@@ -669,18 +674,21 @@ def minibatch(model: nn.Module, *, divide_factor: float | None = None) -> Iterat
             state.in_minibatch = False
             state.broken = f"{type(e).__name__}: {e}"
             _grads.release(state)
+            _telemetry.close_window(state)
         raise
     end_minibatch(model, divide_factor=divide_factor)
 
 
-def stats(model: nn.Module) -> dict[str, int]:
-    """Counters: minibatches, ODC all-gathers (fetches) and reduce-scatters (pushes) since :func:`enable`."""
+def stats(model: nn.Module) -> dict[str, object]:
+    """Counters: minibatches, ODC all-gathers (fetches) and reduce-scatters (pushes) since :func:`enable`; and
+    ``last_minibatch``: this rank's figures of its last minibatch (``None`` before one; ``._telemetry``)."""
     state = _state(model, "stats")
     return {
         "minibatches": state.minibatches,
         "all_gathers": sum(u.all_gathers for u in state.units),
         "reduce_scatters": sum(u.reduce_scatters for u in state.units),
         "row_numel": sum(u.ag_numel for u in state.units),
+        "last_minibatch": None if state.last_minibatch is None else dict(state.last_minibatch),
     }
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,8 @@ if TYPE_CHECKING:  # annotations only
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.utils.hooks import RemovableHandle
+
+    from odc_runtime.telemetry import Minibatch
 
 
 @dataclass
@@ -95,6 +97,9 @@ class State:
     aborted_backward: bool = False  # a backward outside a minibatch was refused: begin_minibatch resets FSDP
     param_ids: frozenset[int] = frozenset()  # ids of the sharded parameters (the optimizer step guard)
     handles: list[RemovableHandle] = field(default_factory=list)  # model-level hooks removed by disable()
+    window: Minibatch | None = None  # the open minibatch's telemetry (odc_runtime.telemetry)
+    rs_base: list[int] = field(default_factory=list)  # every unit's reduce_scatters when the minibatch began
+    last_minibatch: dict[str, Any] | None = None  # the last minibatch's figures (._telemetry)
 
 
 STATES: weakref.WeakKeyDictionary[nn.Module, State] = weakref.WeakKeyDictionary()

@@ -46,6 +46,13 @@ What ODC changes (see the README's "With veRL" section and ``examples/verl_odc.p
    same value however a rank's samples were split; ``mean`` metrics weight each rank equally, as veRL's equal
    per-rank sample counts suggest. Padding the lists to a common length instead would need a collective and would
    change ``mean``/``min``.
+6. ODC's figures in veRL's metrics: every training ``forward_backward_batch`` (a PPO mini-batch) adds this rank's
+   figures of that minibatch (``odc_runtime.fsdp.stats(module)["last_minibatch"]``) to its ``metrics`` as veRL
+   ``Metric`` objects, which veRL gathers over the data-parallel group with the other metrics (no collective of
+   ours) and reduces with ``Metric.aggregate_dp``: ``odc/sync_wait_s/max`` and ``odc/sync_wait_s/mean`` (seconds
+   the ranks waited in ``odc.sync``: max and mean over ranks), ``odc/micro_batches/min`` and
+   ``odc/micro_batches/max`` (over ranks), ``odc/push_bytes`` (bytes a rank pushed, mean over ranks). They reach
+   whatever logger the trainer set up, per PPO mini-batch like ``loss`` (:data:`METRICS`).
 
 :func:`attach_engine` does 1 and 3 on a veRL FSDP engine object (anything with ``.module`` and
 ``.forward_backward_batch(data, loss_function, forward_only)``), and :func:`install` routes veRL's
@@ -75,7 +82,9 @@ from odc_runtime.errors import OdcUsageError
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "METRICS",
     "SUPPORTED_VERL",
+    "add_metrics",
     "aggregate_dp",
     "attach_engine",
     "cost_model_from_hf_config",
@@ -96,6 +105,15 @@ VERL_METRIC_SITE = "verl.utils.metric.utils"
 
 #: Where veRL keeps a module-level reference to ``rearrange_micro_batches`` (``from ... import`` copies it).
 VERL_PLANNER_SITES = ("verl.utils.seqlen_balancing", "verl.workers.engine.utils")
+
+#: The metrics :func:`attach_engine` adds per training pass: name -> (veRL aggregation, last_minibatch key).
+METRICS = {
+    "odc/sync_wait_s/max": ("max", "sync_wait_s"),
+    "odc/sync_wait_s/mean": ("mean", "sync_wait_s"),
+    "odc/micro_batches/min": ("min", "micro_batches"),
+    "odc/micro_batches/max": ("max", "micro_batches"),
+    "odc/push_bytes": ("mean", "push_bytes"),
+}
 
 # Inside an attached engine's forward_backward_batch: the cost model to plan with (or True for the default).
 _ACTIVE: contextvars.ContextVar[object] = contextvars.ContextVar("odc_verl_active", default=False)
@@ -264,7 +282,8 @@ def attach_engine(engine: Any, *, backend: str | None = None, cost: balance.Cost
     - ``engine.forward_backward_batch`` runs inside ``odc_runtime.fsdp.minibatch(engine.module)``, forward-only
       calls (``compute_log_prob``) included, and while it runs :func:`install`'s hook plans micro-batches with
       :func:`rearrange_micro_batches` (``cost`` orders and packs them; default from ``engine.module.config``);
-    - ``engine._gradient_sync_context`` (deferred gradient sync, newer veRL) becomes a no-op.
+    - ``engine._gradient_sync_context`` (deferred gradient sync, newer veRL) becomes a no-op;
+    - a training pass's output ``metrics`` (a dict) gets ODC's figures (:data:`METRICS`, see the module docstring).
 
     The engine's ``optimizer_step`` runs after ``forward_backward_batch`` returns, i.e. after the minibatch's
     closing sync has written the gradients. Returns ``engine``.
@@ -293,9 +312,12 @@ def attach_engine(engine: Any, *, backend: str | None = None, cost: balance.Cost
         token = _ACTIVE.set(cost or True)
         try:
             with odc_fsdp.minibatch(module):
-                return original(data, loss_function, forward_only=forward_only)
+                output = original(data, loss_function, forward_only=forward_only)
         finally:
             _ACTIVE.reset(token)
+        if not forward_only:
+            add_metrics(output, odc_fsdp.stats(module)["last_minibatch"])
+        return output
 
     engine.forward_backward_batch = forward_backward_batch
     engine._gradient_sync_context = _no_deferred_grad_sync
@@ -304,6 +326,18 @@ def attach_engine(engine: Any, *, backend: str | None = None, cost: balance.Cost
     if not _ORIGINALS:
         log.warning("odc verl: attach_engine() without install(): veRL still plans equal micro-batch counts")
     return engine
+
+
+def add_metrics(output: Any, figures: dict[str, Any] | None) -> None:
+    """Add :data:`METRICS` from ``figures`` (``odc_runtime.fsdp.stats(module)["last_minibatch"]``) to
+    ``output["metrics"]`` as veRL ``Metric`` objects, where the engine's output has a metrics dict (veRL's
+    ``forward_backward_batch``)."""
+    metrics = output.get("metrics") if isinstance(output, dict) else None
+    if figures is None or not isinstance(metrics, dict):
+        return
+    metric_cls = importlib.import_module(VERL_METRIC_SITE).Metric
+    for name, (aggregation, key) in METRICS.items():
+        metrics[name] = metric_cls(aggregation=aggregation, value=figures[key])
 
 
 def _routed(original: Callable) -> Callable:

@@ -1,0 +1,340 @@
+"""What ODC shows of a run: ``odc.stats()`` counters, profiler ranges, the ``ODC_TRACE_DIR`` trace, the report.
+
+- the counters count each call that returned, exactly (bytes from the tensors' sizes), not the refused ones;
+  ``reset``, ``init`` zeroes them, readable after ``finalize``;
+- a 2-rank FSDP ODC job with unequal micro-batch counts (modelled compute: a sleep per micro-batch) shows more
+  ``sync_wait_s`` on the rank with less work, in ``odc.stats()``, in ``odc_runtime.fsdp.stats(model)`` and in its
+  trace files, which ``python -m odc_runtime.report`` reads and draws;
+- a ``torch.profiler`` trace of a 2-rank job holds the ``odc.fetch`` / ``odc.push`` / ``odc.sync`` and
+  ``odc.gang.*`` ranges;
+- the report's figures against hand-computed ones; a bad ``ODC_TRACE_DIR`` fails ``init`` on every rank.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _dist import run_ranks
+
+import odc_runtime as odc
+from odc_runtime import report, telemetry
+from odc_runtime.errors import OdcUsageError
+
+
+def _has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+# --------------------------------------------------------------------------------------------------- counters
+
+
+def _counting_rank(rank: int, world: int) -> dict:
+    import torch
+
+    before = odc.stats()
+    odc.init("host")
+    fresh = odc.stats()
+    st = odc.shard(torch.randn(10, 7), name="w")  # fp32: 280 bytes
+    half = odc.shard(torch.randn(5, 3, dtype=torch.bfloat16), name="h")  # bf16: 30 bytes
+    odc.fetch(st)
+    odc.fetch(st, async_op=True).wait()
+    odc.fetch(half, out=torch.empty(5, 3, dtype=torch.bfloat16))
+    odc.push(st, torch.ones(10, 7))  # 280 bytes
+    odc.push(st, torch.ones(10, 7, dtype=torch.bfloat16), async_op=True).wait()  # 140 bytes
+    odc.push(half, torch.ones(3, 5).t())  # non-contiguous fp32 gradient: 60 bytes
+    refused = []
+    for call in (lambda: odc.fetch(st, out=torch.empty(3)), lambda: odc.push(st, torch.ones(3)),
+                 lambda: odc.push(st, torch.ones(10, 7), scale=float("nan")), lambda: odc.sync(gradients=1)):
+        with pytest.raises(OdcUsageError):
+            call()
+        refused.append(odc.stats())
+    odc.sync()
+    odc.sync()
+    got = odc.stats(reset=True)
+    after_reset = odc.stats()
+    odc.fetch(st)
+    odc.finalize()
+    after_finalize = odc.stats()
+    odc.init("host")
+    again = odc.stats()
+    return {"before": before, "fresh": fresh, "refused": refused, "got": got, "after_reset": after_reset,
+            "after_finalize": after_finalize, "again": again}
+
+
+@pytest.mark.timeout(120)
+def test_counters_count_every_call_that_returned_exactly():
+    zeros = dict.fromkeys(telemetry.FIELDS, 0)
+    for res in run_ranks(_counting_rank, 2, timeout=100):
+        assert res["fresh"] == res["after_reset"] == res["again"] == zeros
+        assert res["before"] == zeros  # a fresh process: nothing counted before init
+        got = res["got"]
+        want = {"fetches": 3, "pushes": 3, "syncs": 2, "fetch_bytes": 280 + 280 + 30,
+                "push_bytes": 280 + 140 + 60, "minibatches": 0}
+        assert {k: got[k] for k in want} == want, got
+        assert got["sync_wait_s"] > 0
+        # the refused calls changed nothing (the counts before the two syncs, four times)
+        assert all({k: r[k] for k in want} == {**want, "syncs": 0} for r in res["refused"]), res["refused"]
+        assert res["after_finalize"]["fetches"] == 1 and res["after_finalize"]["fetch_bytes"] == 280
+
+
+def test_the_wrappers_keep_the_api_signatures():
+    from odc_runtime import api
+
+    for name in ("fetch", "push"):
+        wrapper = inspect.signature(getattr(api, name), follow_wrapped=False).parameters
+        inner = inspect.signature(getattr(api, name).__wrapped__).parameters
+        assert [(p.name, p.kind, p.default) for p in wrapper.values()] == \
+               [(p.name, p.kind, p.default) for p in inner.values()], name
+    assert odc.fetch is api.fetch and odc.push is api.push and odc.sync is api.sync
+
+
+def test_stats_rejects_a_non_bool_reset():
+    with pytest.raises(OdcUsageError, match="reset must be a bool"):
+        odc.stats(reset=1)
+
+
+# ---------------------------------------------------------------------------------- unequal work, FSDP ODC mode
+SLEEP_S = 0.25
+COUNTS = (1, 4)  # micro-batches of rank 0 and rank 1
+STEPS = 3
+
+
+def _fsdp_rank(rank: int, world: int) -> dict:
+    import time
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import odc_runtime.fsdp as odc_fsdp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(2)))
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    odc.init("host")
+    odc_fsdp.enable(model)
+    assert odc_fsdp.stats(model)["last_minibatch"] is None
+    odc.stats(reset=True)
+    lasts = []
+    for _ in range(STEPS):
+        with odc_fsdp.minibatch(model):
+            for _ in range(COUNTS[rank]):
+                time.sleep(SLEEP_S)  # the modelled compute of one micro-batch
+                model(torch.randn(4, 8)).square().mean().backward()
+        lasts.append(odc_fsdp.stats(model)["last_minibatch"])
+    figures = odc.stats()
+    units = odc_fsdp.stats(model)
+    odc_fsdp.disable(model)
+    return {"stats": figures, "lasts": lasts, "fsdp": units}
+
+
+@pytest.mark.timeout(150)
+def test_the_rank_with_less_work_waits_more_in_stats_trace_and_report(tmp_path):
+    trace = tmp_path / "trace"
+    results = run_ranks(_fsdp_rank, 2, timeout=130, env={"ODC_TRACE_DIR": str(trace)})
+    light, heavy = results
+    gap = (COUNTS[1] - COUNTS[0]) * SLEEP_S * STEPS  # what the light rank waits for, at least
+    assert light["stats"]["sync_wait_s"] > heavy["stats"]["sync_wait_s"] + gap / 2, (light["stats"], heavy["stats"])
+    for res, count in zip(results, COUNTS, strict=True):
+        assert res["stats"]["minibatches"] == STEPS and res["stats"]["syncs"] == 2 * STEPS
+        assert [m["micro_batches"] for m in res["lasts"]] == [count] * STEPS
+        assert res["stats"]["pushes"] == res["fsdp"]["reduce_scatters"] == sum(m["pushes"] for m in res["lasts"])
+        assert res["stats"]["fetches"] == sum(m["fetches"] for m in res["lasts"])
+    for a, b in zip(light["lasts"], heavy["lasts"], strict=True):  # every minibatch: the light rank waits longer
+        assert a["sync_wait_s"] > b["sync_wait_s"] + (COUNTS[1] - COUNTS[0]) * SLEEP_S / 2, (a, b)
+
+    # the trace: one line per minibatch and rank, the same records last_minibatch returned
+    for rank, res in enumerate(results):
+        lines = list(telemetry.records(str(trace / f"rank{rank}.jsonl")))
+        assert [x["minibatch"] for x in lines] == list(range(STEPS))
+        assert lines == res["lasts"]
+        assert all(x["rank"] == rank and x["world"] == 2 and x["label"] is None for x in lines)
+        assert sum(x["sync_wait_s"] for x in lines) == pytest.approx(res["stats"]["sync_wait_s"], rel=1e-9)
+        assert sum(x["push_bytes"] for x in lines) == res["stats"]["push_bytes"] > 0
+
+    # the report reads it: the light rank idles more, and the picture is drawn
+    out = tmp_path / "report.png"
+    (summary,) = report.main([str(trace), "--out", str(out) if _has_matplotlib() else "none"])
+    assert summary["micro_batches"] == [c * STEPS for c in COUNTS]
+    assert summary["idle_share"][0] > summary["idle_share"][1]
+    assert summary["sync_wait_s"] == [pytest.approx(r["stats"]["sync_wait_s"], rel=1e-9) for r in results]
+    if _has_matplotlib():
+        assert out.stat().st_size > 10_000
+
+
+# --------------------------------------------------------------------------------------------- profiler ranges
+
+
+def _profiled_rank(rank: int, world: int, path: str) -> list[str]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from odc_runtime.gang import GangExchange, exchange_kv
+    from odc_runtime.split import Chunk
+
+    odc.init("host")
+    st = odc.shard(torch.randn(6, 4), name="w")
+    ex = GangExchange(num_layers=1, max_chunk_tokens=4, kv_features=3, dtype=torch.float32)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        full = odc.fetch(st)
+        odc.push(st, torch.ones_like(full))
+        odc.sync()
+        # one gang micro-batch of one layer: a 6-token sample in chunks of 3 on both ranks
+        k = torch.randn(3, 3, requires_grad=True)
+        v = torch.randn(3, 3, requires_grad=True)
+        with ex.step(Chunk(0, rank, 2, 6, 0, (0, 1))) as step:
+            k_all, v_all = exchange_kv(step, 0, k, v)
+        (k_all.sum() + v_all.sum()).backward()
+    out = os.path.join(path, f"trace{rank}.json")
+    prof.export_chrome_trace(out)
+    ex.free()
+    with open(out) as f:
+        return sorted({e["name"] for e in json.load(f)["traceEvents"] if str(e.get("name", "")).startswith("odc.")})
+
+
+@pytest.mark.timeout(120)
+def test_a_profiler_trace_holds_the_odc_ranges(tmp_path):
+    for names in run_ranks(_profiled_rank, 2, str(tmp_path), timeout=100):
+        assert {"odc.fetch", "odc.push", "odc.sync", "odc.gang.forward", "odc.gang.backward", "odc.gang.join",
+                "odc.gang.wait"} <= set(names), names
+
+
+# ----------------------------------------------------------------------------------------------- the report
+
+
+def _line(rank: int, k: int, start: float, end: float, waits: list, **extra) -> dict:
+    return telemetry.make_record(rank=rank, world=2, minibatch=k, start=start, end=end, micro_batches=extra.pop(
+        "micro_batches", 1), waits=waits, run=extra.pop("run", "r"), label=extra.pop("label", None), **extra)
+
+
+def _write(directory, lines_by_rank: list[list[dict]]) -> None:
+    directory.mkdir(exist_ok=True)
+    for rank, lines in enumerate(lines_by_rank):
+        with open(directory / f"rank{rank}.jsonl", "a") as f:
+            for line in lines:
+                f.write(json.dumps(line) + "\n")
+
+
+def test_report_figures_against_hand_computed_ones(tmp_path):
+    # minibatch 0: rank 0 in [0, 10] waits 6 s in sync; rank 1 in [1, 10] waits 1 s; wall 10 s.
+    # minibatch 1: rank 0 in [20, 24] waits 1; rank 1 in [20, 25] waits 0; wall 5 s (an unmatched k=2 is dropped).
+    ranks = [
+        [_line(0, 0, 0.0, 10.0, [(4.0, 10.0, "sync")], micro_batches=1, push_bytes=100),
+         _line(0, 1, 20.0, 24.0, [(23.0, 24.0, "sync")], micro_batches=2, push_bytes=50),
+         _line(0, 2, 30.0, 31.0, [], micro_batches=9)],
+        [_line(1, 0, 1.0, 10.0, [(9.0, 10.0, "sync")], micro_batches=3, push_bytes=300),
+         _line(1, 1, 20.0, 25.0, [(21.0, 22.0, "comm")], micro_batches=4, push_bytes=60)],
+    ]
+    _write(tmp_path / "t", ranks)
+    (run,) = report.load(str(tmp_path / "t"))
+    s = report.summarize(run)
+    busy = [4.0 + 3.0, 8.0 + 4.0]
+    assert s["minibatches"] == 2 and s["wall_s"] == 15.0
+    assert s["busy_s"] == busy and s["idle_s"] == [15.0 - b for b in busy]
+    assert s["idle_share"] == [(15.0 - b) / 15.0 for b in busy]
+    assert s["utilization"] == sum(busy) / 30.0
+    assert s["micro_batches"] == [3, 7] and s["push_bytes"] == [150, 360]
+    assert s["sync_wait_s"] == [7.0, 1.0]  # the collective's wait is not a sync wait
+    assert report.timeline(run)[1] == [("compute", 1.0, 9.0), ("sync", 9.0, 10.0), ("compute", 20.0, 21.0),
+                                       ("comm", 21.0, 22.0), ("compute", 22.0, 25.0)]
+    # a second run appended to the files: --run picks it (default: the last); labels make panels
+    _write(tmp_path / "t", [[_line(0, 0, 0.0, 2.0, [], run="q", label="a"), _line(0, 0, 0.0, 1.0, [], run="q",
+                                                                                    label="b")],
+                            [_line(1, 0, 0.0, 2.0, [], run="q", label="a"), _line(1, 0, 0.0, 3.0, [], run="q",
+                                                                                    label="b")]])
+    assert [r.label for r in report.load(str(tmp_path / "t"))] == ["a", "b"]
+    assert [r.label for r in report.load(str(tmp_path / "t"), run=0)] == ["odc"]
+    b = report.summarize(report.load(str(tmp_path / "t"))[1])
+    assert b["wall_s"] == 3.0 and b["idle_s"] == [2.0, 0.0]
+    if _has_matplotlib():
+        out = tmp_path / "p.png"
+        report.main([str(tmp_path / "t"), "--out", str(out), "--run", "0"])
+        assert out.stat().st_size > 10_000
+
+
+def test_report_refuses_what_is_not_a_trace(tmp_path):
+    with pytest.raises(OdcUsageError, match=r"no rank<r>\.jsonl"):
+        report.load(str(tmp_path))
+    _write(tmp_path / "gap", [[], [_line(1, 0, 0.0, 1.0, [])]])
+    (tmp_path / "gap" / "rank0.jsonl").unlink()
+    with pytest.raises(OdcUsageError, match=r"no trace of rank\(s\) \[0\]"):
+        report.load(str(tmp_path / "gap"))
+    _write(tmp_path / "one", [[_line(0, 0, 0.0, 1.0, [])]])
+    with pytest.raises(OdcUsageError, match="holds 1 run"):
+        report.load(str(tmp_path / "one"), run=1)
+    # a torn last line (a crash while writing) is skipped; a bad line elsewhere is an error
+    with open(tmp_path / "one" / "rank0.jsonl", "a") as f:
+        f.write('{"v": 1, "run"')
+    assert len(report.load(str(tmp_path / "one"))[0].ranks[0]) == 1
+    with open(tmp_path / "one" / "rank0.jsonl", "a") as f:
+        f.write('\n{"v": 1}\n')
+    with pytest.raises(OdcUsageError, match="not a trace line"):
+        report.load(str(tmp_path / "one"))
+
+
+# ------------------------------------------------------------------------------------------ settings and misuse
+
+
+def _bad_trace_dir_rank(rank: int, world: int, a_file: str) -> str:
+    if rank == 1:
+        os.environ["ODC_TRACE_DIR"] = a_file
+    try:
+        odc.init("host")
+    except odc.OdcError as e:
+        return type(e).__name__ + ": " + str(e)
+    return "initialised"
+
+
+def test_a_bad_trace_dir_fails_init_on_every_rank(tmp_path):
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    first, second = run_ranks(_bad_trace_dir_rank, 2, str(a_file), timeout=60)
+    assert second.startswith("OdcUsageError") and "ODC_TRACE_DIR" in second, second
+    assert first.startswith("OdcMismatchError") and "ODC_TRACE_DIR" in first, first
+
+
+def _minibatch_misuse_rank(rank: int, world: int) -> list[str]:
+    odc.init("host")
+    errors = []
+    window = telemetry.begin_minibatch("x")
+    for call in (lambda: telemetry.end_minibatch(window, -1), lambda: telemetry.end_minibatch(window, True)):
+        with pytest.raises(OdcUsageError, match="micro_batches must be an int"):
+            call()
+    record = telemetry.end_minibatch(window, 2)
+    with pytest.raises(OdcUsageError, match="not open"):
+        telemetry.end_minibatch(window, 2)
+    errors.append(record["label"])
+    assert odc.stats()["minibatches"] == 1
+    odc.finalize()
+    with pytest.raises(odc.OdcNotInitializedError):
+        telemetry.begin_minibatch()
+    return errors
+
+
+def test_minibatch_markers_check_their_use():
+    assert run_ranks(_minibatch_misuse_rank, 2, timeout=60) == [["x"], ["x"]]
+
+
+def test_trace_dir_setting(monkeypatch, tmp_path):
+    from odc_runtime import config
+
+    monkeypatch.delenv("ODC_TRACE_DIR", raising=False)
+    assert config.trace_dir() is None
+    monkeypatch.setenv("ODC_TRACE_DIR", str(tmp_path / "new" / "dir"))
+    assert config.trace_dir() == str(tmp_path / "new" / "dir")
+    assert telemetry.check_trace_dir() == str(tmp_path / "new" / "dir") and (tmp_path / "new" / "dir").is_dir()
+    (tmp_path / "f").write_text("x")
+    monkeypatch.setenv("ODC_TRACE_DIR", str(tmp_path / "f"))
+    with pytest.raises(OdcUsageError, match="not a directory"):
+        config.trace_dir()
