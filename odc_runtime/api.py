@@ -426,7 +426,8 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
 def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op: bool = False) -> Handle | None:
     """Add ``grad.flatten()[range_r] * scale`` into every owner r's accumulator; the owners do nothing.
 
-    ``grad`` has ``st``'s full shape, a float dtype (fp32/bf16/fp16) and lives on the transport's device. The sum
+    ``grad`` has ``st``'s full shape, a float dtype (fp32/bf16/fp16) and lives on the transport's device; any
+    strided layout is taken element by element (a non-contiguous one is copied to a contiguous one first). The sum
     is visible in the owners' ``st.grad`` after the next :func:`sync`. With ``async_op=True`` do not modify
     ``grad`` until the returned handle's ``wait()`` returned.
     """
@@ -437,8 +438,8 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     ):  # fast path, see fetch
         key = tensor_key("push", grad, runtime.transport.stream_key())
         plan = st._plans.get(key)
-        if plan is not None:  # plans take contiguous tensors of any shape
-            src = grad if key[CONTIGUOUS] else grad.detach().reshape(-1)  # type: ignore[index]
+        if plan is not None:  # plans take contiguous tensors of any shape (see below)
+            src = grad if key[CONTIGUOUS] else grad.detach().contiguous()  # type: ignore[index]
             # the scale can change from call to call: checked every time, before any remote effect
             value = checks.scale_value(scale)
             if async_op:
@@ -456,7 +457,10 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     key = tensor_key("push", grad, transport.stream_key())
     plan = _make_plan(runtime, st, "push")
     st._plans.put(key, plan)
-    src = grad if grad.is_contiguous() else grad.detach().reshape(-1)
+    # Not reshape(-1): it returns a *view* of a tensor whose strides collapse to one (big[::2], an expand, a 2-D
+    # view of a strided 1-D one), and a pointer-based plan (symm, nvshmem) reads numel consecutive elements from
+    # its address. contiguous() copies exactly the tensors is_contiguous() rejects, the check the plan key makes.
+    src = grad if grad.is_contiguous() else grad.detach().contiguous()
     return _issue(plan, src, value, async_op, None)  # type: ignore[return-value]
 
 
