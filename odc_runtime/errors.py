@@ -25,6 +25,19 @@ class OdcMismatchError(OdcError):
     different collectives (e.g. ``free`` in different orders)."""
 
 
+class OdcRoundMismatchError(OdcMismatchError):
+    """Ranks met at one barrier round from different collectives (rank 0 in ``sync``, rank 1 in ``finalize``), or,
+    with ``ODC_DEBUG=1``, from different call sites of the program. Raised on every rank at that round, naming each
+    side; every rank completed the round, so the runtime stays usable, but the ranks' collectives are out of step
+    (fix the program)."""
+
+
+class OdcCrossedCollectivesError(OdcMismatchError):
+    """Two ranks wait for each other in different collectives (a ``sync(group=...)`` crossed with another fence or a
+    world collective, directly or around a cycle of ranks), so neither can complete. Raised by the ranks that see
+    it; the runtime is unusable afterwards (restart the job)."""
+
+
 class OdcMemoryError(OdcError, MemoryError):
     """The symmetric heap, or the filesystem that backs it, cannot hold an allocation."""
 

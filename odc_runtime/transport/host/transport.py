@@ -22,9 +22,10 @@ import torch
 
 from odc_runtime.agree import gather_checked, op_digest, process_alive, process_start_time, require_same, shorten
 from odc_runtime.errors import (
+    OdcCrossedCollectivesError,
     OdcError,
-    OdcMismatchError,
     OdcPeerLostError,
+    OdcRoundMismatchError,
     OdcTimeoutError,
     OdcUsageError,
 )
@@ -43,7 +44,7 @@ from odc_runtime.transport.base import (
 )
 from odc_runtime.transport.heap import HeapAllocator
 from odc_runtime.transport.host.control import FAILED, HEALTHY, LEFT, NAME_BYTES, SLOT_BYTES, ControlPage
-from odc_runtime.transport.host.fences import MAX_GROUPS, CrossedError, GroupFences, find_cycle
+from odc_runtime.transport.host.fences import MAX_GROUPS, GroupFences, find_cycle
 from odc_runtime.transport.host.locks import ByteRangeLocks
 from odc_runtime.transport.host.plan import HostPlan
 from odc_runtime.transport.host.segments import CONTROL_BYTES, Segments
@@ -57,11 +58,6 @@ _TOO_BIG = b"\0odc-payload-too-big"
 # One chunk of a push: (lo, hi) of the pushed elements, the locked byte range (start, length) in the owner's segment
 # file, and the owner's elements it adds into.
 Chunk = tuple[int, int, int, int, torch.Tensor]
-
-
-class _RoundMismatch(OdcMismatchError):
-    """Ranks in different collectives at the same round: each raises, and their round counts stay aligned (every
-    rank announced the round), so this alone leaves the transport usable."""
 
 
 class HostTransport(Transport):
@@ -388,9 +384,9 @@ class HostTransport(Transport):
             # operation at it, so every rank raises, and none can run ahead into the next round while a rank still
             # waits in this one (which would break "at most one round ahead" for that rank).
             if mismatch:
-                raise _RoundMismatch(mismatch[0])
+                raise OdcRoundMismatchError(mismatch[0])
 
-        self.fail_stop(shorten(op), "this rank announced its arrival", meet, aligned=(_RoundMismatch,))
+        self.fail_stop(shorten(op), "this rank announced its arrival", meet, aligned=(OdcRoundMismatchError,))
         if _TOO_BIG in payloads:
             big = [r for r, p in enumerate(payloads) if p == _TOO_BIG]
             raise OdcUsageError(f"odc {shorten(op)}: the arguments of rank(s) {big} are too large to compare")
@@ -427,7 +423,7 @@ class HostTransport(Transport):
         """Raise if ``peer``, whom we wait for, waits itself in a collective that needs us first."""
         state = self.control.read(peer)
         if state.epoch > self.control.epoch:  # it waits in a world collective that needs us first
-            raise CrossedError(
+            raise OdcCrossedCollectivesError(
                 f"odc collective mismatch: rank {self.rank} is in {shorten(op)!r} but rank {peer} is "
                 f"in the collective {state.name.decode(errors='replace')!r} (barrier #{state.epoch}) "
                 f"that rank {self.rank} has not reached; ranks must call sync(group=...) and the "
@@ -469,13 +465,14 @@ class HostTransport(Transport):
                     self._describe_missing(op, missing, lost=[], waited=waited) + what
                 ),
             )
-        except (OdcTimeoutError, CrossedError) as e:  # timeouts include OdcPeerLostError
+        except (OdcTimeoutError, OdcCrossedCollectivesError) as e:  # timeouts include OdcPeerLostError
             self.fail(e)  # the ranks' rounds are no longer aligned: every later operation raises at once
             raise
 
     def _check_no_cycle(self, op: str, previous: list[tuple]) -> None:
-        """Raise CrossedError if this rank waits (directly or through others) on a cycle of ranks that each wait for
-        the next in different collectives, seen unchanged in two reads (``previous`` holds the last one)."""
+        """Raise OdcCrossedCollectivesError if this rank waits (directly or through others) on a cycle of ranks that
+        each wait for the next in different collectives, seen unchanged in two reads (``previous`` holds the last
+        one)."""
         state, edges, where = self.fences.wait_graph(self.world_size, lambda q: self.control.read(q).epoch)
         seen_before = bool(previous) and previous[0] == state
         previous[:] = [state]
@@ -486,7 +483,7 @@ class HostTransport(Transport):
             return
         steps = "; ".join(f"rank {q} in {where[q]} waits for rank {cycle[(i + 1) % len(cycle)]}"
                           for i, q in enumerate(cycle))
-        raise CrossedError(
+        raise OdcCrossedCollectivesError(
             f"odc collective mismatch: rank {self.rank} in {shorten(op)!r} waits on a cycle of ranks in different "
             f"collectives that can never complete ({steps}); ranks must call sync(group=...) and the collectives "
             "they share with other ranks in the same order"

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from odc_runtime.agree import op_digest, shorten
-from odc_runtime.errors import OdcBackendError, OdcMismatchError, OdcUsageError
+from odc_runtime.errors import OdcBackendError, OdcCrossedCollectivesError, OdcRoundMismatchError, OdcUsageError
 from odc_runtime.transport.base import (
     Capabilities,
     FetchRequest,
@@ -54,11 +54,6 @@ log = logging.getLogger("odc_runtime.transport.symm")
 _DONE = 1  # kernel status word: the wait completed (else it was aborted)
 _BARRIER_MARK = b"\0odc-kernel-barrier"  # control-page payload of a world round that is a kernel barrier
 _ABORT_BYTES = 64  # the abort word, alone in its line
-
-
-class RoundMismatch(OdcMismatchError):
-    """Ranks met in a kernel barrier from different collectives: each raises, and every rank completed the round,
-    so the rounds stay aligned and the transport stays usable."""
 
 
 class SymmTransport(HostTransport):
@@ -201,7 +196,7 @@ class SymmTransport(HostTransport):
     def barrier(self, op: str = "barrier") -> None:
         self.check_usable(shorten(op))
         self._quiet_then_meet(lambda: self.fail_stop(shorten(op), "this rank announced its arrival",
-                                                     lambda: self._world_round(op), aligned=(RoundMismatch,)))
+                                                     lambda: self._world_round(op), aligned=(OdcRoundMismatchError,)))
 
     def _world_round(self, op: str) -> None:
         digest = op_digest(op)
@@ -214,7 +209,7 @@ class SymmTransport(HostTransport):
         for p in peers:  # the kernel met every peer in this round: it must have been the same collective
             other = self._other_op(digest, p)
             if other is not None:  # every rank completed the round, so the rounds stay aligned: an ordinary error
-                raise RoundMismatch(self._mismatch(op, p, other))
+                raise OdcRoundMismatchError(self._mismatch(op, p, other))
 
     def _other_op(self, digest: bytes, peer: int) -> tuple[str, bytes] | None:
         """``(name, payload)`` of the collective ``peer`` announced at this round if it is not ours, else ``None``
@@ -242,7 +237,7 @@ class SymmTransport(HostTransport):
         this one) at this round, or it waits in a group fence for this rank."""
         other = self._other_op(digest, peer)
         if other is not None and other[1] != _BARRIER_MARK:
-            raise OdcMismatchError(self._mismatch(op, peer, other))
+            raise OdcCrossedCollectivesError(self._mismatch(op, peer, other))  # neither can ever meet the other
         self.fences.check_not_waiting_for_us(op, peer)
 
     def _fence(self, op: str, group: Group) -> None:
