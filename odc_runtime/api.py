@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from odc_runtime import checks, config, layout, state
+from odc_runtime import checks, config, debug, layout, state
 from odc_runtime import transport as registry
 from odc_runtime.agree import StoreExchange, gather_checked, op_digest, require_same, shorten
 from odc_runtime.deterministic import FixedPointAccumulators, check_supported
@@ -108,12 +108,12 @@ def init(
     except OdcUsageError:
         exchange_timeout = config.DEFAULT_TIMEOUT_S
 
-    def local_checks() -> tuple[str, float, int | None, int | None, bool]:
+    def local_checks() -> tuple[str, float, int | None, int | None, bool, bool]:
         if heap_size is not None:
             config.parse_size(heap_size, what="heap_size")
         nodes = config.node_size(node_size, dist.get_world_size())
         return (_backend_facts(backend), config.resolve_timeout(timeout), nodes, config.node_slots(node_slots),
-                config.deterministic(deterministic))
+                config.deterministic(deterministic), config.debug())
 
     results = gather_checked("init", local_checks, exchange=StoreExchange(exchange_timeout))
     # The backend (chosen from every rank's facts, the same on all) and the node settings must match here; the
@@ -122,9 +122,10 @@ def init(
     name = registry.choose([f[0] for f in facts], [f[1] for f in facts], [f[2] for f in facts])
     for i, what in ((2, "node size (init(node_size=...) / ODC_NODE_SIZE)"),
                     (3, "inbox slots (init(node_slots=...) / ODC_NODE_SLOTS)"),
-                    (4, "accumulation mode (init(deterministic=...) / ODC_DETERMINISTIC)")):
+                    (4, "accumulation mode (init(deterministic=...) / ODC_DETERMINISTIC)"),
+                    (5, "debug setting (ODC_DEBUG)")):
         require_same("init", [r[i] for r in results], rule=f"needs the same {what} on every rank")
-    _, resolved_timeout, requested_nodes, slots, exact = results[dist.get_rank()]
+    _, resolved_timeout, requested_nodes, slots, exact, checked = results[dist.get_rank()]
     transport = registry.get(name).create(timeout=resolved_timeout, heap_size=heap_size)
     try:
         nodes = requested_nodes or transport.node_size()
@@ -143,10 +144,11 @@ def init(
     except BaseException:
         transport.finalize()  # deterministic on every rank (agreed inputs), so every rank gets here together
         raise
-    state.start(transport, hierarchy=hierarchy, fixed=FixedPointAccumulators(transport, hierarchy) if exact else None)
+    fixed = FixedPointAccumulators(transport, hierarchy) if exact else None
+    state.start(transport, hierarchy=hierarchy, fixed=fixed, debug=checked)
     log.info(
-        "odc_runtime initialised: backend=%s rank=%d world=%d node_size=%d deterministic=%s", name, transport.rank,
-        transport.world_size, nodes, exact,
+        "odc_runtime initialised: backend=%s rank=%d world=%d node_size=%d deterministic=%s debug=%s", name,
+        transport.rank, transport.world_size, nodes, exact, checked,
     )
 
 
@@ -165,13 +167,16 @@ def finalize() -> None:
     """
     if state.current is None:
         return
-    transport = state.require("finalize").transport
+    runtime = state.require("finalize")
+    transport = runtime.transport
     state.take()
     try:
         # A transport that saw a peer die or a collective time out records it (``failure``): the error was
         # raised once already, and waiting for the peers again would only add another ODC_TIMEOUT.
         failure = transport.failure  # every transport declares it (None while healthy)
         if failure is None:
+            if runtime.debug:
+                debug.check(runtime, "finalize()")
             transport.barrier("finalize")
         else:
             log.warning("odc_runtime.finalize(): not waiting for peers after an earlier failure: %s", failure)
@@ -235,6 +240,8 @@ def shard(
     on different ranks (pass ``name=`` to have names compared); values are never compared across ranks.
     """
     runtime = state.require("shard")
+    if runtime.debug:  # before anything changes (the sequence number): a mismatch leaves every rank as it was
+        debug.check(runtime, f"shard(name={shorten(repr(name), 60)})")
     seq = next(runtime.shards)
     if name is None:
         name = f"shard{seq}"
@@ -500,6 +507,9 @@ def sync(group: dist.ProcessGroup | None = None, *, gradients: bool = True, para
         )
     ranks = checks.group_ranks("sync(group=...)", group, transport.world_size, transport.rank)
     if ranks is None:
+        if runtime.debug:
+            debug.check(runtime, "sync()" if gradients and parameters else
+                        f"sync(gradients={gradients}, parameters={parameters})")
         if runtime.fixed is not None:
             runtime.fixed.sync("sync", gradients=gradients, parameters=parameters)
         elif runtime.hierarchy is None:

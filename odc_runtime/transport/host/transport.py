@@ -13,9 +13,13 @@ raises at once and every peer waiting for this rank raises OdcPeerLostError with
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import logging
 import os
+import sys
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -43,7 +47,16 @@ from odc_runtime.transport.base import (
     as_failure,
 )
 from odc_runtime.transport.heap import HeapAllocator
-from odc_runtime.transport.host.control import FAILED, HEALTHY, LEFT, NAME_BYTES, SLOT_BYTES, ControlPage
+from odc_runtime.transport.host.control import (
+    EXITED,
+    EXITED_RAISING,
+    FAILED,
+    HEALTHY,
+    LEFT,
+    NAME_BYTES,
+    SLOT_BYTES,
+    ControlPage,
+)
 from odc_runtime.transport.host.fences import MAX_GROUPS, GroupFences, find_cycle
 from odc_runtime.transport.host.locks import ByteRangeLocks
 from odc_runtime.transport.host.plan import HostPlan
@@ -97,6 +110,9 @@ class HostTransport(Transport):
         """Create this rank's segment (mode 0600); return the ``(pid, start time)`` that name it."""
         self.segments.create_own(self._pid, self._start)
         self.control.init_own()
+        # After the segment's own unlink hook: at exit this runs first (atexit is last in, first out).
+        self._exit_hook = functools.partial(_publish_exit, weakref.ref(self))
+        atexit.register(self._exit_hook)
         return self._pid, self._start
 
     def map_peers(self, identities: Sequence[tuple[int, int, str]]) -> None:
@@ -499,9 +515,14 @@ class HostTransport(Transport):
         self, op: str, missing: list[int], *, lost: list[int], failed: Sequence[int] = (), waited: float = 0.0
     ) -> str:
         parts = []
+        exited = []  # of the lost or failed ranks, those whose process exited without finalize (not a crash)
         for p in missing:
             state = self.control.read(p)
-            if p in lost:
+            if state.status in (EXITED, EXITED_RAISING) and (p in lost or p in failed):
+                exited.append(p)
+                how = "on an uncaught exception" if state.status == EXITED_RAISING else "normally"
+                status = f"EXITED {how} without odc_runtime.finalize()"
+            elif p in lost:
                 status = "DEAD"
             elif p in failed:
                 status = "FINALIZED" if state.status == LEFT else "FAILED"
@@ -511,6 +532,14 @@ class HostTransport(Transport):
                 status = "alive" if process_alive(state.pid, state.start or None) else "DEAD"
             where = state.name.decode(errors="replace")
             parts.append(f"rank {p} (pid {state.pid}, {status}, last at barrier #{state.epoch} in {where!r})")
+        if exited and set(exited) == set(lost) | set(failed):
+            return (
+                f"odc {shorten(op)}: rank {self.rank} waits for rank(s) {exited}, whose program ended without calling "
+                f"odc_runtime.finalize() while this rank waits in {shorten(op)!r}: {', '.join(parts)}. The ranks "
+                "did not make the same collective calls (e.g. fewer sync() calls or steps on those ranks, an early "
+                "return or sys.exit, or an exception there: see its log); ODC_DEBUG=1 names the first call that "
+                "differs. The runtime is unusable now (finalize() releases local resources without waiting)."
+            )
         if failed and not lost:
             return (
                 f"odc {shorten(op)}: rank {self.rank} waits for rank(s) {list(failed)}, which will not come: their "
@@ -535,9 +564,24 @@ class HostTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        hook = getattr(self, "_exit_hook", None)
+        if hook is not None:
+            atexit.unregister(hook)
         with contextlib.suppress(Exception):  # peers waiting for this rank in a later round stop waiting
             self.control.publish_status(LEFT)
         try:
             self.worker.shutdown()
         finally:
             self.segments.close()
+
+
+def _publish_exit(ref: weakref.ReferenceType[HostTransport]) -> None:
+    """At interpreter exit of a rank whose transport was not finalized: publish that its process is exiting, and
+    whether an uncaught exception ended it, so a peer waiting for it says so instead of "crashed or was killed".
+    Not in a forked child (it inherits the hook but is not the rank); never raises (the page may be gone)."""
+    transport = ref()
+    if transport is None or transport._closed or os.getpid() != transport._pid:
+        return
+    raised = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # set by an uncaught exception
+    with contextlib.suppress(Exception):
+        transport.control.publish_status(EXITED_RAISING if raised is not None else EXITED)
