@@ -6,6 +6,15 @@ is checked (and what is not).
 
 from __future__ import annotations
 
+# Part of every timeout message that names a rank which did not arrive: ODC sees only its own waits, and the commonest
+# cause of an alive rank that never comes is a collective of torch.distributed it waits in.
+ELSEWHERE_HINT = (
+    "An alive rank that does not come may be waiting in a torch.distributed collective, which ODC cannot see: e.g. "
+    "FSDP's all-gather of a forward outside odc_runtime.fsdp.minibatch that not every rank runs, or a collective of "
+    "the training loop (all_reduce, barrier, a checkpoint) that only some ranks reached; its own traceback "
+    "(py-spy dump, faulthandler) shows where"
+)
+
 
 class OdcError(RuntimeError):
     """Base class of every error odc_runtime raises on purpose."""

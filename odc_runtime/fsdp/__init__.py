@@ -27,8 +27,10 @@ all-gather input numel and ``R`` its per-rank reduce-scatter output numel (both 
 tensor serves both: its parameter buffer holds the published row and its fp32 accumulator the gradient row.
 
 - All-gather (in place; FSDP's input is row ``rank`` of the output): inside a minibatch the output rows are
-  fetched from the owners' published rows (one-sided; the owners do nothing). Outside a minibatch (e.g. an
-  evaluation forward run by all ranks together) it falls back to the ordinary collective all-gather.
+  fetched from the owners' published rows (one-sided; the owners do nothing). Outside a minibatch (an evaluation
+  forward run by all ranks together, under ``torch.no_grad()``) it falls back to the ordinary collective
+  all-gather; a forward with gradients enabled there is refused before FSDP's pre-forward (:class:`OdcUsageError`
+  naming ``odc_runtime.fsdp.minibatch``), as the ranks of a training step run different micro-batch counts.
 - Reduce-scatter (the input is laid out so ``input.view(W, -1)[r]`` is rank ``r``'s shard): one ``odc.push`` of
   the whole input adds row ``r`` into owner ``r``'s fp32 accumulator; the output is returned as zeros, so what
   FSDP adds into ``sharded_param.grad`` during the minibatch is zero (and FSDP's reduce op and post-division,
@@ -281,6 +283,9 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
             _hooks.install_unused_tracking(unit)
     state.param_ids = frozenset(id(p.sharded_param) for unit in units for p in unit.params)
     state.handles.append(model.register_load_state_dict_pre_hook(_refuse_load_inside(state)))
+    refuse_forward = _refuse_training_forward_outside(state)
+    for _, m in modules:  # first of each module's pre-hooks: before FSDP's, which all-gathers (a collective here)
+        state.handles.append(m.register_forward_pre_hook(refuse_forward, prepend=True))
     _install_step_guard()
     _STATES[model] = state
     for _, m in modules:
@@ -348,6 +353,28 @@ def _refuse_load_inside(state: _State) -> object:
                 "were published at begin_minibatch and must not change until end_minibatch. Load between "
                 "minibatches"
             )
+
+    return hook
+
+
+def _refuse_training_forward_outside(state: _State) -> object:
+    """A forward with gradients enabled outside a minibatch would all-gather through torch.distributed (ODC fetches
+    only inside one), a collective that ranks running different micro-batch counts never all meet: refused on every
+    rank that runs one, before FSDP's own pre-forward (nothing is entered). Inference (``torch.no_grad()``,
+    ``torch.inference_mode()``) outside a minibatch stays allowed: every rank runs it together."""
+    ref = weakref.ref(state)
+
+    def hook(module: nn.Module, args: object) -> None:
+        s = ref()
+        if s is None or s.in_minibatch or not torch.is_grad_enabled():
+            return
+        raise OdcUsageError(
+            "odc_runtime.fsdp: a forward with gradients enabled ran outside a minibatch on an ODC-enabled model; "
+            "wrap the training micro-batches in `with odc_runtime.fsdp.minibatch(model):` (or begin_minibatch / "
+            "end_minibatch), where any count per rank works. Outside a minibatch the all-gather is "
+            "torch.distributed's collective, so only inference under torch.no_grad() (or torch.inference_mode()) "
+            "run by every rank together is allowed there. Nothing ran: no collective was entered"
+        )
 
     return hook
 

@@ -26,6 +26,7 @@ import torch
 
 from odc_runtime.agree import gather_checked, op_digest, process_alive, process_start_time, require_same, shorten
 from odc_runtime.errors import (
+    ELSEWHERE_HINT,
     OdcCrossedCollectivesError,
     OdcError,
     OdcPeerLostError,
@@ -556,7 +557,7 @@ class HostTransport(Transport):
         return (
             f"odc {shorten(op)}: rank {self.rank} timed out after {self.timeout:g} s waiting at barrier "
             f"#{self.control.epoch} for {', '.join(parts)}. An alive rank is stuck or did not call the same "
-            "collective. Raise ODC_TIMEOUT if it is merely slow."
+            f"collective. {ELSEWHERE_HINT}. Raise ODC_TIMEOUT if it is merely slow."
         )
 
     # -- teardown -------------------------------------------------------------------------------------
