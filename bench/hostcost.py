@@ -15,6 +15,10 @@ The third table is what ``odc.stats()``'s counters and the profiler check (``odc
 ``odc.fetch`` / ``odc.push`` against the same API functions without their telemetry wrapper (``api.fetch.__wrapped__``),
 interleaved in the same runs, next to the interquartile range of the call's runs (its run-to-run noise).
 
+* ``sync per call``: ``odc.sync()`` on the host transport at world size 1 with ``ODC_DEBUG`` off and on: what the
+  debug mode's fingerprint (the caller's frame walk) and its extra exchange round cost the host per collective call,
+  without a peer to wait for (with peers the extra round also waits for the slowest one, as the sync itself does).
+
 Results are verified before timing (the fetch returns the shard, the push accumulates, the fake plan is called
 with the caller's buffer). Each figure is the median over ``--runs`` runs of ``--calls`` calls, the three
 operations interleaved run by run so that machine noise hits them alike.
@@ -100,6 +104,39 @@ def _host(runs: int, calls: int) -> dict[str, float]:
         return _measure(_ops(odc, st, out, grad, src), runs, calls)
     finally:
         odc.finalize()
+
+
+def _sync_cost(runs: int, calls: int) -> dict[str, float]:
+    """Host microseconds per ``odc.sync()`` (host transport, world 1) with ``ODC_DEBUG=0`` and ``=1``, the two
+    runtimes alternated run by run so that machine noise hits them alike."""
+    import torch
+
+    import odc_runtime as odc
+
+    samples: dict[str, list[float]] = {"0": [], "1": []}
+    saved = os.environ.get("ODC_DEBUG")
+    try:
+        for run in range(runs + 1):  # run 0 warms up (plan caches, the first page faults)
+            for flag in samples:
+                os.environ["ODC_DEBUG"] = flag
+                odc.init("host")
+                try:
+                    st = odc.shard(torch.zeros(NUMEL), name="hostcost-sync")
+                    odc.push(st, torch.ones(NUMEL))
+                    odc.sync()
+                    if not torch.equal(st.grad, torch.ones(NUMEL)):
+                        raise RuntimeError(f"host sync (ODC_DEBUG={flag}) did not deliver the push")
+                    us = _per_call_us(odc.sync, calls)
+                    if run:
+                        samples[flag].append(us)
+                finally:
+                    odc.finalize()
+    finally:
+        if saved is None:
+            os.environ.pop("ODC_DEBUG", None)
+        else:
+            os.environ["ODC_DEBUG"] = saved
+    return {"off": statistics.median(samples["0"]), "on": statistics.median(samples["1"])}
 
 
 class _Views:
@@ -310,6 +347,7 @@ def main() -> None:
             "nvshmem (fake ext)": _nvshmem_fake(args.runs, args.calls),
             "host (world 1)": _host(args.runs, args.calls),
         }
+        sync = _sync_cost(args.runs, args.calls)
         symm = _symm_stubbed(args.runs, args.calls)
         if symm is not None:
             results["symm (triton path, launch stubbed)"] = symm
@@ -334,6 +372,17 @@ def main() -> None:
                          "symm: world 1, Triton's launch path with the driver's launch stubbed",
         },
         title=f"host cost per call ({args.runs} runs x {args.calls} calls, medians)",
+    )
+    _common.print_table(
+        ["transport", "sync us", "ODC_DEBUG=1 us", "debug extra us"],
+        [["host (world 1)", sync["off"], sync["on"], sync["on"] - sync["off"]]],
+        {
+            "transport": "host: shared memory, world 1 (no peer to wait for)",
+            "sync us": "host microseconds per odc.sync() with ODC_DEBUG=0 (median of runs)",
+            "ODC_DEBUG=1 us": "the same with ODC_DEBUG=1: the call's fingerprint and its exchange round first",
+            "debug extra us": "what ODC_DEBUG=1 adds per sync (and per shard, free, finalize)",
+        },
+        title=f"sync per call ({args.runs} runs x {args.calls} calls, medians)",
     )
     parts = results["nvshmem (fake ext)"].pop("breakdown")  # type: ignore[call-overload]
     _common.print_table(
@@ -364,6 +413,7 @@ def main() -> None:
         "fetch_breakdown_us": parts,
         "machine": _common.machine_info(), "runs": args.runs, "calls": args.calls, "numel": NUMEL,
         "results_us": results,
+        "sync_us": sync,
         "ratios": {k: {"fetch": r["fetch"] / r["copy_"], "push": r["push"] / r["copy_"]} for k, r in results.items()},
     }, _draw(results))
 

@@ -29,12 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 from odc_runtime.errors import (
     OdcBackendError,
+    OdcCrossedCollectivesError,
     OdcError,
     OdcMemoryError,
     OdcMismatchError,
     OdcNotInitializedError,
     OdcOverflowError,
     OdcPeerLostError,
+    OdcRoundMismatchError,
     OdcTimeoutError,
     OdcUsageError,
 )
@@ -123,12 +125,14 @@ if TYPE_CHECKING:
 __all__ = [
     "Handle",
     "OdcBackendError",
+    "OdcCrossedCollectivesError",
     "OdcError",
     "OdcMemoryError",
     "OdcMismatchError",
     "OdcNotInitializedError",
     "OdcOverflowError",
     "OdcPeerLostError",
+    "OdcRoundMismatchError",
     "OdcTimeoutError",
     "OdcUsageError",
     "ShardedTensor",

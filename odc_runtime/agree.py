@@ -28,6 +28,7 @@ from typing import Protocol, TypeVar
 import torch.distributed as dist
 
 from odc_runtime.errors import (
+    ELSEWHERE_HINT,
     OdcBackendError,
     OdcError,
     OdcMemoryError,
@@ -211,7 +212,7 @@ class StoreExchange:
             return OdcTimeoutError(
                 f"odc {shorten(op)}: rank {rank} timed out after {self.timeout:g} s waiting for rank(s) "
                 f"{missing}, which did not reach this collective within that time: they are stuck, dead on another "
-                "machine, or in a different collective. Raise ODC_TIMEOUT if they are merely slow."
+                f"machine, or in a different collective. {ELSEWHERE_HINT}. Raise ODC_TIMEOUT if they are merely slow."
             )
 
         wait_for(

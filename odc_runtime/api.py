@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from odc_runtime import checks, config, layout, state, telemetry
+from odc_runtime import checks, config, debug, layout, state, telemetry
 from odc_runtime import transport as registry
 from odc_runtime.agree import StoreExchange, gather_checked, op_digest, require_same, shorten
 from odc_runtime.deterministic import FixedPointAccumulators, check_supported
@@ -108,13 +108,13 @@ def init(
     except OdcUsageError:
         exchange_timeout = config.DEFAULT_TIMEOUT_S
 
-    def local_checks() -> tuple[str, float, int | None, int | None, bool]:
+    def local_checks() -> tuple[str, float, int | None, int | None, bool, bool]:
         if heap_size is not None:
             config.parse_size(heap_size, what="heap_size")
         telemetry.check_trace_dir()  # ODC_TRACE_DIR: agreed here, so a bad one fails every rank together
         nodes = config.node_size(node_size, dist.get_world_size())
         return (_backend_facts(backend), config.resolve_timeout(timeout), nodes, config.node_slots(node_slots),
-                config.deterministic(deterministic))
+                config.deterministic(deterministic), config.debug())
 
     results = gather_checked("init", local_checks, exchange=StoreExchange(exchange_timeout))
     # The backend (chosen from every rank's facts, the same on all) and the node settings must match here; the
@@ -123,9 +123,10 @@ def init(
     name = registry.choose([f[0] for f in facts], [f[1] for f in facts], [f[2] for f in facts])
     for i, what in ((2, "node size (init(node_size=...) / ODC_NODE_SIZE)"),
                     (3, "inbox slots (init(node_slots=...) / ODC_NODE_SLOTS)"),
-                    (4, "accumulation mode (init(deterministic=...) / ODC_DETERMINISTIC)")):
+                    (4, "accumulation mode (init(deterministic=...) / ODC_DETERMINISTIC)"),
+                    (5, "debug setting (ODC_DEBUG)")):
         require_same("init", [r[i] for r in results], rule=f"needs the same {what} on every rank")
-    _, resolved_timeout, requested_nodes, slots, exact = results[dist.get_rank()]
+    _, resolved_timeout, requested_nodes, slots, exact, checked = results[dist.get_rank()]
     transport = registry.get(name).create(timeout=resolved_timeout, heap_size=heap_size)
     try:
         nodes = requested_nodes or transport.node_size()
@@ -144,11 +145,12 @@ def init(
     except BaseException:
         transport.finalize()  # deterministic on every rank (agreed inputs), so every rank gets here together
         raise
-    state.start(transport, hierarchy=hierarchy, fixed=FixedPointAccumulators(transport, hierarchy) if exact else None)
+    fixed = FixedPointAccumulators(transport, hierarchy) if exact else None
+    state.start(transport, hierarchy=hierarchy, fixed=fixed, debug=checked)
     telemetry.start(transport.rank, config.trace_dir())
     log.info(
-        "odc_runtime initialised: backend=%s rank=%d world=%d node_size=%d deterministic=%s", name, transport.rank,
-        transport.world_size, nodes, exact,
+        "odc_runtime initialised: backend=%s rank=%d world=%d node_size=%d deterministic=%s debug=%s", name,
+        transport.rank, transport.world_size, nodes, exact, checked,
     )
 
 
@@ -167,7 +169,8 @@ def finalize() -> None:
     """
     if state.current is None:
         return
-    transport = state.require("finalize").transport
+    runtime = state.require("finalize")
+    transport = runtime.transport
     state.take()
     telemetry.stop()
     try:
@@ -175,6 +178,8 @@ def finalize() -> None:
         # raised once already, and waiting for the peers again would only add another ODC_TIMEOUT.
         failure = transport.failure  # every transport declares it (None while healthy)
         if failure is None:
+            if runtime.debug:
+                debug.check(runtime, "finalize()")
             transport.barrier("finalize")
         else:
             log.warning("odc_runtime.finalize(): not waiting for peers after an earlier failure: %s", failure)
@@ -238,6 +243,8 @@ def shard(
     on different ranks (pass ``name=`` to have names compared); values are never compared across ranks.
     """
     runtime = state.require("shard")
+    if runtime.debug:  # before anything changes (the sequence number): a mismatch leaves every rank as it was
+        debug.check(runtime, f"shard(name={shorten(repr(name), 60)})")
     seq = next(runtime.shards)
     if name is None:
         name = f"shard{seq}"
@@ -431,7 +438,8 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
 def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op: bool = False) -> Handle | None:
     """Add ``grad.flatten()[range_r] * scale`` into every owner r's accumulator; the owners do nothing.
 
-    ``grad`` has ``st``'s full shape, a float dtype (fp32/bf16/fp16) and lives on the transport's device. The sum
+    ``grad`` has ``st``'s full shape, a float dtype (fp32/bf16/fp16) and lives on the transport's device; any
+    strided layout is taken element by element (a non-contiguous one is copied to a contiguous one first). The sum
     is visible in the owners' ``st.grad`` after the next :func:`sync`. With ``async_op=True`` do not modify
     ``grad`` until the returned handle's ``wait()`` returned.
     """
@@ -442,8 +450,8 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     ):  # fast path, see fetch
         key = tensor_key("push", grad, runtime.transport.stream_key())
         plan = st._plans.get(key)
-        if plan is not None:  # plans take contiguous tensors of any shape
-            src = grad if key[CONTIGUOUS] else grad.detach().reshape(-1)  # type: ignore[index]
+        if plan is not None:  # plans take contiguous tensors of any shape (see below)
+            src = grad if key[CONTIGUOUS] else grad.detach().contiguous()  # type: ignore[index]
             # the scale can change from call to call: checked every time, before any remote effect
             value = checks.scale_value(scale)
             if async_op:
@@ -461,7 +469,10 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     key = tensor_key("push", grad, transport.stream_key())
     plan = _make_plan(runtime, st, "push")
     st._plans.put(key, plan)
-    src = grad if grad.is_contiguous() else grad.detach().reshape(-1)
+    # Not reshape(-1): it returns a *view* of a tensor whose strides collapse to one (big[::2], an expand, a 2-D
+    # view of a strided 1-D one), and a pointer-based plan (symm, nvshmem) reads numel consecutive elements from
+    # its address. contiguous() copies exactly the tensors is_contiguous() rejects, the check the plan key makes.
+    src = grad if grad.is_contiguous() else grad.detach().contiguous()
     return _issue(plan, src, value, async_op, None)  # type: ignore[return-value]
 
 
@@ -502,6 +513,9 @@ def sync(group: dist.ProcessGroup | None = None, *, gradients: bool = True, para
         )
     ranks = checks.group_ranks("sync(group=...)", group, transport.world_size, transport.rank)
     if ranks is None:
+        if runtime.debug:
+            debug.check(runtime, "sync()" if gradients and parameters else
+                        f"sync(gradients={gradients}, parameters={parameters})")
         if runtime.fixed is not None:
             runtime.fixed.sync("sync", gradients=gradients, parameters=parameters)
         elif runtime.hierarchy is None:

@@ -213,6 +213,12 @@ def deterministic(arg: bool | None) -> bool:
     return arg
 
 
+def debug() -> bool:
+    """``ODC_DEBUG``: fingerprint every collective call of the core API and compare it across ranks
+    (:mod:`odc_runtime.debug`); off by default."""
+    return env_flag("ODC_DEBUG", False)
+
+
 def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
     """A boolean setting: ``1/true/yes/on`` or ``0/false/no/off`` (case-insensitive)."""
     raw = env(name, environ)

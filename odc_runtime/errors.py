@@ -6,6 +6,15 @@ is checked (and what is not).
 
 from __future__ import annotations
 
+# Part of every timeout message that names a rank which did not arrive: ODC sees only its own waits, and the commonest
+# cause of an alive rank that never comes is a collective of torch.distributed it waits in.
+ELSEWHERE_HINT = (
+    "An alive rank that does not come may be waiting in a torch.distributed collective, which ODC cannot see: e.g. "
+    "FSDP's all-gather of a forward outside odc_runtime.fsdp.minibatch that not every rank runs, or a collective of "
+    "the training loop (all_reduce, barrier, a checkpoint) that only some ranks reached; its own traceback "
+    "(py-spy dump, faulthandler) shows where"
+)
+
 
 class OdcError(RuntimeError):
     """Base class of every error odc_runtime raises on purpose."""
@@ -23,6 +32,19 @@ class OdcUsageError(OdcError, ValueError):
 class OdcMismatchError(OdcError):
     """Ranks disagree in a collective: different arguments, another rank rejected its arguments, or ranks are in
     different collectives (e.g. ``free`` in different orders)."""
+
+
+class OdcRoundMismatchError(OdcMismatchError):
+    """Ranks met at one barrier round from different collectives (rank 0 in ``sync``, rank 1 in ``finalize``), or,
+    with ``ODC_DEBUG=1``, from different call sites of the program. Raised on every rank at that round, naming each
+    side; every rank completed the round, so the runtime stays usable, but the ranks' collectives are out of step
+    (fix the program)."""
+
+
+class OdcCrossedCollectivesError(OdcMismatchError):
+    """Two ranks wait for each other in different collectives (a ``sync(group=...)`` crossed with another fence or a
+    world collective, directly or around a cycle of ranks), so neither can complete. Raised by the ranks that see
+    it; the runtime is unusable afterwards (restart the job)."""
 
 
 class OdcMemoryError(OdcError, MemoryError):

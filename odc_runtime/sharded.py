@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from odc_runtime import checks, layout, state
+from odc_runtime import checks, debug, layout, state
 from odc_runtime.errors import OdcNotInitializedError, OdcUsageError
 from odc_runtime.plans import PlanCache
 from odc_runtime.transport.base import SymmetricBuffer, Work
@@ -146,6 +146,8 @@ class ShardedTensor:
         delivered by a ``sync()`` are dropped with the tensor (across nodes they still sit in staging buffers).
         """
         runtime = self._check_alive("free")
+        if runtime.debug:
+            debug.check(runtime, f"free({self.name!r})")
         if runtime.hierarchy is not None:
             runtime.hierarchy.remove(self.seq)
         if runtime.fixed is not None:

@@ -30,6 +30,8 @@ class Runtime:
     groups: dict[tuple[int, ...], int] = field(default_factory=dict)
     hierarchy: Hierarchy | None = None  # nodes smaller than the world: routes world-sharded tensors' transfers
     fixed: FixedPointAccumulators | None = None  # deterministic mode: int64 accumulators and the sync
+    debug: bool = False  # ODC_DEBUG: collective calls are fingerprinted and compared (odc_runtime.debug)
+    debug_calls: int = 0  # collective calls checked so far (the same on every rank), for messages
 
 
 current: Runtime | None = None
@@ -49,11 +51,11 @@ os.register_at_fork(after_in_child=_mark_forked_child)
 
 
 def start(transport: Transport, *, hierarchy: Hierarchy | None = None,
-          fixed: FixedPointAccumulators | None = None) -> Runtime:
+          fixed: FixedPointAccumulators | None = None, debug: bool = False) -> Runtime:
     """Make a new runtime (the next generation) over ``transport`` the live one; the caller checked none is live."""
     global current
     current = Runtime(transport=transport, generation=next(_generations), shards=itertools.count(),
-                      hierarchy=hierarchy, fixed=fixed)
+                      hierarchy=hierarchy, fixed=fixed, debug=debug)
     return current
 
 

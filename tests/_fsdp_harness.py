@@ -473,8 +473,15 @@ def scenario_misuse(rank: int, world: int) -> dict:
     with ofsdp.minibatch(model):
         token_loss_sum(model, mb).backward()
 
+    def forward_outside():
+        token_loss_sum(model, mb)  # a training forward: refused before FSDP's pre-forward (no all-gather entered)
+
+    expect("forward_outside", forward_outside)
+
     def backward_outside():
-        token_loss_sum(model, mb).backward()  # forward outside is a collective all-gather; backward must refuse
+        with ofsdp.minibatch(model):
+            loss = token_loss_sum(model, mb)
+        loss.backward()  # the forward ran inside, its backward after: the reduce-scatter refuses
 
     expect("backward_outside", backward_outside)
     if ofsdp.has_capability("reset_iter_state"):

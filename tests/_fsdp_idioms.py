@@ -413,10 +413,18 @@ def scenario_slips(rank: int, world: int, counts: list[int]) -> dict:
     out["np_float32_diff"] = max((a - b).abs().max().item() for a, b in zip(g_np, _grads(model), strict=True))
     model.zero_grad()
 
-    # a backward outside a minibatch is refused; ODC itself cleans FSDP's state, the next minibatch is exact
+    # a training forward outside a minibatch is refused before FSDP's pre-forward: nothing changed, the next
+    # minibatch is exact without any cleanup
+    micro_all = data[0][rank] or data[0][-1]
+    out["forward_outside"] = _error(lambda: _loss(model, micro_all[0], world, tokens[0]))
+    out["forward_next_exact"] = _after(model, ref, micro, ref_grads, 1)
+
+    # a backward outside a minibatch (of a forward inside one) is refused; ODC itself cleans FSDP's state, the next
+    # minibatch is exact
     def backward_outside():
-        micro_all = data[0][rank] or data[0][-1]
-        _loss(model, micro_all[0], world, tokens[0]).backward()
+        with ofsdp.minibatch(model):
+            loss = _loss(model, micro_all[0], world, tokens[0])
+        loss.backward()
 
     out["backward_outside"] = _error(backward_outside)
     if ofsdp.has_capability("reset_iter_state"):
@@ -456,6 +464,30 @@ def _after(model, ref, micro, ref_grads, k: int) -> float:
     diff = max((a - b).abs().max().item() for a, b in zip(_grads(model), ref_grads(ref, k), strict=True))
     model.zero_grad()
     return diff
+
+
+def scenario_forward_outside(rank: int, world: int) -> dict:
+    """The README's FSDP loop without its ``with odc_runtime.fsdp.minibatch(model):``, rank r running r micro-batches
+    (issue 43: ranks 1.. waited in FSDP's all-gather for rank 0 until a timeout that never said "minibatch"). Every
+    rank that runs a forward is refused at once; then every rank runs the same loop inside a minibatch: the refusal
+    changed nothing."""
+    import torch
+
+    import odc_runtime.fsdp as ofsdp
+
+    model = h.shard_model(h.make_model())
+    ofsdp.enable(model)
+    data = h.make_data(1, list(range(world)), seed=5)[0]
+    out: dict = {"errors": []}
+    for mb in data[rank]:  # a hang here (the bug) fails the test at the harness's timeout
+        out["errors"].append(_error(lambda mb=mb: h.token_loss_sum(model, mb).backward()))
+    with ofsdp.minibatch(model):
+        for mb in data[rank]:
+            h.token_loss_sum(model, mb).backward()
+    out["finite"] = all(bool(torch.isfinite(p.grad.full_tensor()).all()) for p in model.parameters())
+    out["nonzero"] = any(bool(p.grad.full_tensor().any()) for p in model.parameters())
+    ofsdp.disable(model)
+    return out
 
 
 def scenario_lone_eval(rank: int, world: int) -> str:

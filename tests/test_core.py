@@ -177,9 +177,10 @@ def _rank_misuse(rank: int, world: int) -> None:
     assert testing.transport().heap_used() == used
     odc.sync()
 
-    # Ranks in different collectives are told so instead of silently pairing up.
+    # Ranks in different collectives are told so instead of silently pairing up, under a public error class.
     transport = testing.transport()
-    with pytest.raises(odc.OdcMismatchError, match=r"collective mismatch.*('sync'.*'checkpoint'|'checkpoint'.*'sync')"):
+    mismatch = r"collective mismatch.*('sync'.*'checkpoint'|'checkpoint'.*'sync')"
+    with pytest.raises(odc.OdcRoundMismatchError, match=mismatch):
         odc.sync() if rank == 0 else transport.barrier("checkpoint")
     odc.sync()  # still usable afterwards
 

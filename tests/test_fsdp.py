@@ -205,6 +205,8 @@ def test_misuse_raises_clear_errors(suite2):
         assert "minibatch already open" in msgs["nested"]
         assert "previous minibatch failed" in msgs["after_failure"]
         assert "without begin_minibatch" in msgs["end_without_begin"]
+        assert "a forward with gradients enabled ran outside a minibatch" in msgs["forward_outside"]
+        assert "odc_runtime.fsdp.minibatch" in msgs["forward_outside"]
         assert "backward() ran outside a minibatch" in msgs["backward_outside"]
         assert "divide_factor must be a positive" in msgs["bad_divide_factor"]
         assert "without ODC" in msgs["disable_twice"]

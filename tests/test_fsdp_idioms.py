@@ -103,6 +103,9 @@ def test_slips_are_refused_where_they_happen():
         assert res["local_factor_next_exact"] < TOL
         assert "by divide_factor 1e-45 overflows torch.float32" in res["tiny_factor"], res["tiny_factor"]
         assert res["np_float32_diff"] < 1e-6
+        assert "a forward with gradients enabled ran outside a minibatch" in res["forward_outside"], res
+        assert "odc_runtime.fsdp.minibatch" in res["forward_outside"]
+        assert res["forward_next_exact"] < TOL
         assert "backward() ran outside a minibatch" in res["backward_outside"], res["backward_outside"]
         if "backward_next_exact" in res:  # torch >= 2.13 (reset_iter_state): ODC cleans up by itself
             assert "ODC resets it" in res["backward_outside"]
@@ -111,9 +114,23 @@ def test_slips_are_refused_where_they_happen():
         assert res["nan_loss"]
 
 
+def test_training_forward_outside_a_minibatch_is_refused_at_once_on_every_rank():
+    """Unequal counts (rank r runs r micro-batches) without the minibatch: before, ranks 1-3 hung in FSDP's
+    all-gather (the harness's timeout); now each is refused at its first forward, naming the fix."""
+    results = h.run(idioms.scenario_forward_outside, 4, timeout=120)
+    for rank, res in enumerate(results):
+        assert len(res["errors"]) == rank, (rank, res)
+        for message in res["errors"]:
+            assert "a forward with gradients enabled ran outside a minibatch" in message, message
+            assert "`with odc_runtime.fsdp.minibatch(model):`" in message and "torch.no_grad()" in message, message
+        assert res["finite"] and res["nonzero"], res  # the minibatch after it trains
+
+
 def test_lone_validation_forward_timeout_names_the_cause():
     msg, _ = h.run(idioms.scenario_lone_eval, 2, timeout=100, init_odc=False)
     assert "timed out" in msg and "a forward outside a minibatch" in msg, msg
+    # the transport's own timeout text says an alive rank may sit in a torch collective (rank 1 does, here)
+    assert "may be waiting in a torch.distributed collective, which ODC cannot see" in msg, msg
 
 
 def _max_diff(a: list, b: list) -> float:

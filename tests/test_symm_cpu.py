@@ -102,6 +102,7 @@ def test_absent_peer_times_out_naming_it() -> None:
         kind, message, waited = results[rank]
         assert kind == "OdcTimeoutError", results[rank]
         assert "rank 1 (pid" in message and "timed out after 3 s" in message, message
+        assert "may be waiting in a torch.distributed collective" in message, message  # rank 1 is, in dist.barrier
         assert 3 <= waited < 20, waited
 
 

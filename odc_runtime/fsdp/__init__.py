@@ -27,8 +27,10 @@ all-gather input numel and ``R`` its per-rank reduce-scatter output numel (both 
 tensor serves both: its parameter buffer holds the published row and its fp32 accumulator the gradient row.
 
 - All-gather (in place; FSDP's input is row ``rank`` of the output): inside a minibatch the output rows are
-  fetched from the owners' published rows (one-sided; the owners do nothing). Outside a minibatch (e.g. an
-  evaluation forward run by all ranks together) it falls back to the ordinary collective all-gather.
+  fetched from the owners' published rows (one-sided; the owners do nothing). Outside a minibatch (an evaluation
+  forward run by all ranks together, under ``torch.no_grad()``) it falls back to the ordinary collective
+  all-gather; a forward with gradients enabled there is refused before FSDP's pre-forward (:class:`OdcUsageError`
+  naming ``odc_runtime.fsdp.minibatch``), as the ranks of a training step run different micro-batch counts.
 - Reduce-scatter (the input is laid out so ``input.view(W, -1)[r]`` is rank ``r``'s shard): one ``odc.push`` of
   the whole input adds row ``r`` into owner ``r``'s fp32 accumulator; the output is returned as zeros, so what
   FSDP adds into ``sharded_param.grad`` during the minibatch is zero (and FSDP's reduce op and post-division,
@@ -84,7 +86,6 @@ import itertools
 import logging
 import math
 import numbers
-import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -95,7 +96,7 @@ import torch.nn as nn
 import odc_runtime as odc
 from odc_runtime.errors import OdcUsageError
 
-from . import _compat, _grads, _hooks, _telemetry
+from . import _compat, _grads, _guards, _hooks, _telemetry
 from ._compat import CAPABILITIES, has_capability
 from ._layout import OWNER as _OWNER
 from ._layout import STATES as _STATES
@@ -280,8 +281,7 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
         else:
             _hooks.install_unused_tracking(unit)
     state.param_ids = frozenset(id(p.sharded_param) for unit in units for p in unit.params)
-    state.handles.append(model.register_load_state_dict_pre_hook(_refuse_load_inside(state)))
-    _install_step_guard()
+    _guards.install(state, model, [m for _, m in modules])
     _STATES[model] = state
     for _, m in modules:
         _OWNER[m] = state
@@ -307,49 +307,7 @@ def _free_buffers(units: list[_Unit]) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- slip guards
-# Parameters must not change between begin_minibatch (which publishes them) and end_minibatch: a change would train
-# one minibatch behind (an optimizer step inside the minibatch uses the previous minibatch's gradients) or mix two
-# parameter versions across ranks. The two common slips are refused at the call; any other in-place change is
-# caught by end_minibatch's bitwise comparison with the published rows.
-
-_STEP_GUARD: list[object] = []  # the handle of the one global optimizer step pre-hook (installed at first enable)
-
-
-def _install_step_guard() -> None:
-    if not _STEP_GUARD:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        _STEP_GUARD.append(register_optimizer_step_pre_hook(_refuse_step_inside))
-
-
-def _refuse_step_inside(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-    open_states = [s for s in list(_STATES.values()) if s.in_minibatch]
-    if not open_states:
-        return
-    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for s in open_states:
-        if not ids.isdisjoint(s.param_ids):
-            raise OdcUsageError(
-                f"odc_runtime.fsdp: {type(optimizer).__name__}.step() inside a minibatch of an ODC-enabled model; "
-                "the gradients of this minibatch only arrive at end_minibatch, so this step would use the previous "
-                "minibatch's (training one minibatch behind). Call optimizer.step() and zero_grad() after the "
-                "`with odc_runtime.fsdp.minibatch(model):` block (or after end_minibatch)"
-            )
-
-
-def _refuse_load_inside(state: _State) -> object:
-    ref = weakref.ref(state)
-
-    def hook(module: nn.Module, *args: object) -> None:
-        s = ref()
-        if s is not None and s.in_minibatch:
-            raise OdcUsageError(
-                "odc_runtime.fsdp: load_state_dict() inside a minibatch of an ODC-enabled model; the parameters "
-                "were published at begin_minibatch and must not change until end_minibatch. Load between "
-                "minibatches"
-            )
-
-    return hook
+# The hooks that refuse a slip at the call live in ._guards; end_minibatch catches the other in-place changes here.
 
 
 def _changed_params(state: _State) -> str | None:

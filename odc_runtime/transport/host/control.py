@@ -22,11 +22,14 @@ from odc_runtime.transport.host.segments import PAGE, Segments
 
 NAME_BYTES = 64  # operation name kept for messages only; the digest is what is compared
 # epoch, pid, start time, digest + name of the op at `epoch`, digest + name of the op at `epoch - 1`,
-# payload lengths of slot 0 and slot 1, status (HEALTHY, FAILED or LEFT)
+# payload lengths of slot 0 and slot 1, status (HEALTHY, FAILED, LEFT, EXITED or EXITED_RAISING)
 _HEADER = struct.Struct(f"<qqq16s{NAME_BYTES}s16s{NAME_BYTES}sIIq")
 _SLOT_OFFSET = 256
 SLOT_BYTES = (PAGE - _SLOT_OFFSET) // 2
 HEALTHY, FAILED, LEFT = 0, 1, 2  # LEFT: the rank finalized its transport (it takes part in no more rounds)
+# The rank's process is exiting with its runtime live (no finalize): its program ended (returned, sys.exit), or an
+# uncaught exception ended it (EXITED_RAISING). Published at interpreter exit, so a peer says that, not "crashed".
+EXITED, EXITED_RAISING = 3, 4
 
 
 class PeerState(NamedTuple):
@@ -39,7 +42,7 @@ class PeerState(NamedTuple):
     name: bytes
     prev_digest: bytes  # of the op at ``epoch - 1``
     prev_name: bytes
-    status: int  # HEALTHY, FAILED or LEFT
+    status: int  # HEALTHY, FAILED, LEFT, EXITED or EXITED_RAISING
     raw: bytes  # the page up to the payloads (for :meth:`ControlPage.payload`)
 
 
@@ -75,8 +78,8 @@ class ControlPage:
             self._store(_SLOT_OFFSET + slot * SLOT_BYTES, payload)
 
     def publish_status(self, status: int) -> None:
-        """Publish FAILED or LEFT: peers waiting for this rank in a later round raise at once instead of timing
-        out. A failure is never overwritten by LEFT."""
+        """Publish FAILED, LEFT or an EXITED state: peers waiting for this rank in a later round raise at once
+        instead of timing out. Only the first change from HEALTHY is published (a failure is never overwritten)."""
         with self._mutex:
             if self._status == HEALTHY:
                 self._status = status

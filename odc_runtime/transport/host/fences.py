@@ -18,7 +18,7 @@ import struct
 from collections.abc import Callable
 
 from odc_runtime.agree import shorten
-from odc_runtime.errors import OdcMismatchError
+from odc_runtime.errors import OdcCrossedCollectivesError
 from odc_runtime.transport.base import Group
 from odc_runtime.transport.host.locks import ByteRangeLocks
 from odc_runtime.transport.host.segments import CONTROL_BYTES, PAGE, Segments
@@ -30,10 +30,6 @@ MARKER_RANKS = 64 * 8
 _GROUP_SLOTS_OFFSET = PAGE + 128
 MAX_GROUPS = (CONTROL_BYTES - _GROUP_SLOTS_OFFSET) // 8
 _EPOCH = struct.Struct("<q")
-
-
-class CrossedError(OdcMismatchError):
-    """Two ranks wait for each other in different collectives (a group fence and another one)."""
 
 
 class GroupFences:
@@ -89,7 +85,7 @@ class GroupFences:
         if index < 0 or self._rank >= MARKER_RANKS or not bitmap[self._rank // 8] >> (self._rank % 8) & 1:
             return
         if self.epochs.get(index, 0) < epoch:
-            raise CrossedError(
+            raise OdcCrossedCollectivesError(
                 f"odc collective mismatch: rank {self._rank} is in {shorten(op)!r} but rank {peer} waits for it in "
                 f"group fence #{epoch} (sync(group=...), group index {index}) that rank {self._rank} has not "
                 "reached; ranks must call sync(group=...) and the collectives they share with other ranks in the "

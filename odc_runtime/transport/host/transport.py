@@ -13,18 +13,24 @@ raises at once and every peer waiting for this rank raises OdcPeerLostError with
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import logging
 import os
+import sys
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 
 from odc_runtime.agree import gather_checked, op_digest, process_alive, process_start_time, require_same, shorten
 from odc_runtime.errors import (
+    ELSEWHERE_HINT,
+    OdcCrossedCollectivesError,
     OdcError,
-    OdcMismatchError,
     OdcPeerLostError,
+    OdcRoundMismatchError,
     OdcTimeoutError,
     OdcUsageError,
 )
@@ -42,8 +48,17 @@ from odc_runtime.transport.base import (
     as_failure,
 )
 from odc_runtime.transport.heap import HeapAllocator
-from odc_runtime.transport.host.control import FAILED, HEALTHY, LEFT, NAME_BYTES, SLOT_BYTES, ControlPage
-from odc_runtime.transport.host.fences import MAX_GROUPS, CrossedError, GroupFences, find_cycle
+from odc_runtime.transport.host.control import (
+    EXITED,
+    EXITED_RAISING,
+    FAILED,
+    HEALTHY,
+    LEFT,
+    NAME_BYTES,
+    SLOT_BYTES,
+    ControlPage,
+)
+from odc_runtime.transport.host.fences import MAX_GROUPS, GroupFences, find_cycle
 from odc_runtime.transport.host.locks import ByteRangeLocks
 from odc_runtime.transport.host.plan import HostPlan
 from odc_runtime.transport.host.segments import CONTROL_BYTES, Segments
@@ -57,11 +72,6 @@ _TOO_BIG = b"\0odc-payload-too-big"
 # One chunk of a push: (lo, hi) of the pushed elements, the locked byte range (start, length) in the owner's segment
 # file, and the owner's elements it adds into.
 Chunk = tuple[int, int, int, int, torch.Tensor]
-
-
-class _RoundMismatch(OdcMismatchError):
-    """Ranks in different collectives at the same round: each raises, and their round counts stay aligned (every
-    rank announced the round), so this alone leaves the transport usable."""
 
 
 class HostTransport(Transport):
@@ -101,6 +111,9 @@ class HostTransport(Transport):
         """Create this rank's segment (mode 0600); return the ``(pid, start time)`` that name it."""
         self.segments.create_own(self._pid, self._start)
         self.control.init_own()
+        # After the segment's own unlink hook: at exit this runs first (atexit is last in, first out).
+        self._exit_hook = functools.partial(_publish_exit, weakref.ref(self))
+        atexit.register(self._exit_hook)
         return self._pid, self._start
 
     def map_peers(self, identities: Sequence[tuple[int, int, str]]) -> None:
@@ -393,9 +406,9 @@ class HostTransport(Transport):
             # operation at it, so every rank raises, and none can run ahead into the next round while a rank still
             # waits in this one (which would break "at most one round ahead" for that rank).
             if mismatch:
-                raise _RoundMismatch(mismatch[0])
+                raise OdcRoundMismatchError(mismatch[0])
 
-        self.fail_stop(shorten(op), "this rank announced its arrival", meet, aligned=(_RoundMismatch,))
+        self.fail_stop(shorten(op), "this rank announced its arrival", meet, aligned=(OdcRoundMismatchError,))
         if _TOO_BIG in payloads:
             big = [r for r, p in enumerate(payloads) if p == _TOO_BIG]
             raise OdcUsageError(f"odc {shorten(op)}: the arguments of rank(s) {big} are too large to compare")
@@ -432,7 +445,7 @@ class HostTransport(Transport):
         """Raise if ``peer``, whom we wait for, waits itself in a collective that needs us first."""
         state = self.control.read(peer)
         if state.epoch > self.control.epoch:  # it waits in a world collective that needs us first
-            raise CrossedError(
+            raise OdcCrossedCollectivesError(
                 f"odc collective mismatch: rank {self.rank} is in {shorten(op)!r} but rank {peer} is "
                 f"in the collective {state.name.decode(errors='replace')!r} (barrier #{state.epoch}) "
                 f"that rank {self.rank} has not reached; ranks must call sync(group=...) and the "
@@ -474,13 +487,14 @@ class HostTransport(Transport):
                     self._describe_missing(op, missing, lost=[], waited=waited) + what
                 ),
             )
-        except (OdcTimeoutError, CrossedError) as e:  # timeouts include OdcPeerLostError
+        except (OdcTimeoutError, OdcCrossedCollectivesError) as e:  # timeouts include OdcPeerLostError
             self.fail(e)  # the ranks' rounds are no longer aligned: every later operation raises at once
             raise
 
     def _check_no_cycle(self, op: str, previous: list[tuple]) -> None:
-        """Raise CrossedError if this rank waits (directly or through others) on a cycle of ranks that each wait for
-        the next in different collectives, seen unchanged in two reads (``previous`` holds the last one)."""
+        """Raise OdcCrossedCollectivesError if this rank waits (directly or through others) on a cycle of ranks that
+        each wait for the next in different collectives, seen unchanged in two reads (``previous`` holds the last
+        one)."""
         state, edges, where = self.fences.wait_graph(self.world_size, lambda q: self.control.read(q).epoch)
         seen_before = bool(previous) and previous[0] == state
         previous[:] = [state]
@@ -491,7 +505,7 @@ class HostTransport(Transport):
             return
         steps = "; ".join(f"rank {q} in {where[q]} waits for rank {cycle[(i + 1) % len(cycle)]}"
                           for i, q in enumerate(cycle))
-        raise CrossedError(
+        raise OdcCrossedCollectivesError(
             f"odc collective mismatch: rank {self.rank} in {shorten(op)!r} waits on a cycle of ranks in different "
             f"collectives that can never complete ({steps}); ranks must call sync(group=...) and the collectives "
             "they share with other ranks in the same order"
@@ -507,9 +521,14 @@ class HostTransport(Transport):
         self, op: str, missing: list[int], *, lost: list[int], failed: Sequence[int] = (), waited: float = 0.0
     ) -> str:
         parts = []
+        exited = []  # of the lost or failed ranks, those whose process exited without finalize (not a crash)
         for p in missing:
             state = self.control.read(p)
-            if p in lost:
+            if state.status in (EXITED, EXITED_RAISING) and (p in lost or p in failed):
+                exited.append(p)
+                how = "on an uncaught exception" if state.status == EXITED_RAISING else "normally"
+                status = f"EXITED {how} without odc_runtime.finalize()"
+            elif p in lost:
                 status = "DEAD"
             elif p in failed:
                 status = "FINALIZED" if state.status == LEFT else "FAILED"
@@ -519,6 +538,14 @@ class HostTransport(Transport):
                 status = "alive" if process_alive(state.pid, state.start or None) else "DEAD"
             where = state.name.decode(errors="replace")
             parts.append(f"rank {p} (pid {state.pid}, {status}, last at barrier #{state.epoch} in {where!r})")
+        if exited and set(exited) == set(lost) | set(failed):
+            return (
+                f"odc {shorten(op)}: rank {self.rank} waits for rank(s) {exited}, whose program ended without calling "
+                f"odc_runtime.finalize() while this rank waits in {shorten(op)!r}: {', '.join(parts)}. The ranks "
+                "did not make the same collective calls (e.g. fewer sync() calls or steps on those ranks, an early "
+                "return or sys.exit, or an exception there: see its log); ODC_DEBUG=1 names the first call that "
+                "differs. The runtime is unusable now (finalize() releases local resources without waiting)."
+            )
         if failed and not lost:
             return (
                 f"odc {shorten(op)}: rank {self.rank} waits for rank(s) {list(failed)}, which will not come: their "
@@ -535,7 +562,7 @@ class HostTransport(Transport):
         return (
             f"odc {shorten(op)}: rank {self.rank} timed out after {self.timeout:g} s waiting at barrier "
             f"#{self.control.epoch} for {', '.join(parts)}. An alive rank is stuck or did not call the same "
-            "collective. Raise ODC_TIMEOUT if it is merely slow."
+            f"collective. {ELSEWHERE_HINT}. Raise ODC_TIMEOUT if it is merely slow."
         )
 
     # -- teardown -------------------------------------------------------------------------------------
@@ -543,9 +570,24 @@ class HostTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        hook = getattr(self, "_exit_hook", None)
+        if hook is not None:
+            atexit.unregister(hook)
         with contextlib.suppress(Exception):  # peers waiting for this rank in a later round stop waiting
             self.control.publish_status(LEFT)
         try:
             self.worker.shutdown()
         finally:
             self.segments.close()
+
+
+def _publish_exit(ref: weakref.ReferenceType[HostTransport]) -> None:
+    """At interpreter exit of a rank whose transport was not finalized: publish that its process is exiting, and
+    whether an uncaught exception ended it, so a peer waiting for it says so instead of "crashed or was killed".
+    Not in a forked child (it inherits the hook but is not the rank); never raises (the page may be gone)."""
+    transport = ref()
+    if transport is None or transport._closed or os.getpid() != transport._pid:
+        return
+    raised = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # set by an uncaught exception
+    with contextlib.suppress(Exception):
+        transport.control.publish_status(EXITED_RAISING if raised is not None else EXITED)

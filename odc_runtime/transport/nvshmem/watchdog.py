@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from odc_runtime.errors import OdcBackendError, OdcError, OdcTimeoutError
+from odc_runtime.errors import ELSEWHERE_HINT, OdcBackendError, OdcError, OdcTimeoutError
 from odc_runtime.transport.nvshmem.extension import backend_call
 
 if TYPE_CHECKING:
@@ -90,9 +90,9 @@ def timeout_message(op: str, rank: int, timeout: float, epoch: int, missing: lis
         )
     return (
         f"odc {op}: rank {rank} timed out after {timeout:g} s: {who}. A dead or stuck peer, or a peer that did not "
-        f"call the same collective; raise ODC_TIMEOUT if it is merely slow. The nvshmem transport is aborted and "
-        f"every later call raises this error; {_gpu_state(left, 'the GPU kernels left')}. Exit the process and "
-        "restart the job."
+        f"call the same collective. {ELSEWHERE_HINT}. Raise ODC_TIMEOUT if it is merely slow. The nvshmem transport "
+        f"is aborted and every later call raises this error; {_gpu_state(left, 'the GPU kernels left')}. Exit the "
+        "process and restart the job."
     )
 
 

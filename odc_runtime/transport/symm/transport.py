@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from odc_runtime.agree import op_digest, shorten
-from odc_runtime.errors import OdcBackendError, OdcMismatchError, OdcUsageError
+from odc_runtime.errors import OdcBackendError, OdcCrossedCollectivesError, OdcRoundMismatchError, OdcUsageError
 from odc_runtime.transport.base import (
     Capabilities,
     FetchRequest,
@@ -59,11 +59,6 @@ _DONE = 1  # kernel status word: the wait completed (else it was aborted)
 _BARRIER_MARK = b"\0odc-kernel-barrier"  # control-page payload of a world round that is a kernel barrier
 _ABORT_BYTES = 64  # the abort word, alone in its line
 _KEEP_DESCS = 64  # generic-path descriptors kept (a training loop repeats a few patterns and addresses)
-
-
-class RoundMismatch(OdcMismatchError):
-    """Ranks met in a kernel barrier from different collectives: each raises, and every rank completed the round,
-    so the rounds stay aligned and the transport stays usable."""
 
 
 class SymmTransport(HostTransport):
@@ -243,7 +238,7 @@ class SymmTransport(HostTransport):
         self.check_usable(shorten(op))
         self.settle()
         self._quiet_then_meet(lambda: self.fail_stop(shorten(op), "this rank announced its arrival",
-                                                     lambda: self._world_round(op), aligned=(RoundMismatch,)))
+                                                     lambda: self._world_round(op), aligned=(OdcRoundMismatchError,)))
 
     def _world_round(self, op: str) -> None:
         digest = op_digest(op)
@@ -258,7 +253,7 @@ class SymmTransport(HostTransport):
             for p in peers:
                 other = self._other_op(digest, p)
                 if other is not None:  # every rank completed the round, so the rounds stay aligned: an ordinary error
-                    raise RoundMismatch(self._mismatch(op, p, other))
+                    raise OdcRoundMismatchError(self._mismatch(op, p, other))
 
         self._kernel_barrier(op, 0, self._members, peers, epoch, lambda p: self._watch_world(op, digest, p),
                              after=same_collective, ordered=self.ordered_barriers)
@@ -289,7 +284,7 @@ class SymmTransport(HostTransport):
         this one) at this round, or it waits in a group fence for this rank."""
         other = self._other_op(digest, peer)
         if other is not None and other[1] != _BARRIER_MARK:
-            raise OdcMismatchError(self._mismatch(op, peer, other))
+            raise OdcCrossedCollectivesError(self._mismatch(op, peer, other))  # neither can ever meet the other
         self.fences.check_not_waiting_for_us(op, peer)
 
     def _fence(self, op: str, group: Group) -> None:

@@ -1,0 +1,68 @@
+"""``ODC_DEBUG=1``: every collective call of the core API is checked against the other ranks' before it runs.
+
+ODC's collectives pair up by count: a rank that calls ``sync()`` once more than its peers meets their next ``sync``
+(or ``free``, ``finalize``) and nothing is wrong until the sums are. In debug mode every collective call (``sync``,
+``shard``, ``free``, ``finalize``) first exchanges its *fingerprint*, the operation and the user's call site (the
+innermost frame outside odc_runtime, torch and contextlib: ``train.py:42 in step``), in one extra round over the
+transport's bounded exchange. Ranks whose fingerprints differ all raise :class:`~odc_runtime.errors.
+OdcRoundMismatchError` at that round, naming every rank's operation and call site; every rank completed the round,
+so they raise together and none hangs (the round is part of the collective sequence of every rank: the setting is
+agreed at ``init``).
+
+What it cannot see: the same line called a different number of times (the same fingerprint every time; the
+mismatch shows at the next differing call, or at ``finalize``), and ``sync(group=...)`` (a fence of its group only,
+not a world round). Cost: one exchange round per collective call (``bench/hostcost.py``, "sync per call").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+
+from odc_runtime.errors import OdcRoundMismatchError
+
+if TYPE_CHECKING:
+    from odc_runtime.state import Runtime
+
+_OP = "odc debug: collective fingerprint"  # the same on every rank: the round pairs by count, payloads compared
+_MAX_BYTES = 480  # a fingerprint fits every transport's exchange payload (at least about 1.9 KB)
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_SKIP = (_PACKAGE, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, os.path.abspath(contextlib.__file__))
+
+
+def call_site() -> str:
+    """``file:line in function`` of the innermost frame outside odc_runtime, torch and contextlib (the user's
+    call of the collective, also when it runs from a ``with`` block's exit or a module hook)."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_SKIP):
+        frame = frame.f_back
+    if frame is None:
+        return "<no caller outside odc_runtime>"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def check(runtime: Runtime, op: str) -> None:
+    """Collective over the world, the first step of a core-API collective call ``op`` in debug mode: raise
+    OdcRoundMismatchError on every rank if any rank's fingerprint differs from another's."""
+    runtime.debug_calls += 1
+    mine = f"{op} at {call_site()}".encode()[:_MAX_BYTES]
+    fingerprints = runtime.transport.exchange(_OP, mine)
+    if all(f == mine for f in fingerprints):
+        return
+    by_print: dict[bytes, list[int]] = {}
+    for rank, f in enumerate(fingerprints):
+        by_print.setdefault(f, []).append(rank)
+    sides = "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {ranks if len(ranks) > 1 else ranks[0]} called "
+        f"{f.decode(errors='replace')}"
+        for f, ranks in by_print.items()
+    )
+    raise OdcRoundMismatchError(
+        f"odc collective mismatch (ODC_DEBUG=1) at collective call #{runtime.debug_calls}: {sides}. Every rank must "
+        "make the same collective calls (shard, free, sync, finalize) from the same places in the same order; a rank "
+        "made an extra or a missing call at one of these sites"
+    )
