@@ -23,7 +23,7 @@ Results are verified before timing (the fetch returns the shard, the push accumu
 with the caller's buffer). Each figure is the median over ``--runs`` runs of ``--calls`` calls, the three
 operations interleaved run by run so that machine noise hits them alike.
 
-    python bench/hostcost.py [--runs 7] [--calls 5000] [--json PATH] [--plot PATH]
+    python bench/hostcost.py [--runs 7] [--calls 5000] [--clock wall|cpu] [--json PATH] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -43,13 +43,17 @@ import _common
 NUMEL = 1024  # 4 KiB of fp32
 
 
+CLOCKS = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}  # cpu: this thread's CPU time (resists load)
+_clock = CLOCKS["wall"]
+
+
 def _per_call_us(fn: Callable[[], object], calls: int) -> float:
     gc.disable()
     try:
-        start = time.perf_counter_ns()
+        start = _clock()
         for _ in range(calls):
             fn()
-        return (time.perf_counter_ns() - start) / calls / 1e3
+        return (_clock() - start) / calls / 1e3
     finally:
         gc.enable()
 
@@ -296,14 +300,26 @@ def _symm_stubbed(runs_: int, calls: int) -> dict[str, float] | None:
             # of one row (peer 0, the shard's offset, the caller's buffer, NUMEL) from the plans' caches.
             plans = {p.kind: p for p in st._plans.plans()}  # type: ignore[attr-defined]
             for (kind, tensor, buf), args in zip(
-                (("fetch", out, st._param), ("push", grad, st._grad)), launched[-2:], strict=True  # type: ignore[attr-defined]
+                (("fetch", out, st._param), ("push", grad, st._grad)), list(launched)[-2:], strict=True  # type: ignore[attr-defined]
             ):
                 desc = plans[kind]._desc_of(tensor)  # type: ignore[attr-defined]
                 if args[:3] != (1, 1, 1) or args[10] != desc.data_ptr() or desc.tolist() != [
                     [0, buf.handle, tensor.data_ptr(), NUMEL]
                 ]:
                     raise RuntimeError(f"the {kind} launch did not carry its plan's descriptor: {args[:12]}")
-            return _measure(_ops(odc, st, out, grad, src), runs_, calls)
+            result = _measure(_ops(odc, st, out, grad, src), runs_, calls)
+            # Where the time goes (same runs discipline): the plan (the transport's share) and its bound launch
+            # (kernels/launch.py: the compiled runner, which calls the stubbed launcher).
+            fetch_launch = plans["fetch"]._launches[out.data_ptr()]  # type: ignore[attr-defined]
+            push_launch = plans["push"]._launches[grad.data_ptr()]  # type: ignore[attr-defined]
+            result["breakdown"] = _measure({  # type: ignore[assignment]
+                "copy_": lambda: out.copy_(src),
+                "fetch: plan.run (transport)": lambda: plans["fetch"].run(out),
+                "fetch: bound launch": fetch_launch,
+                "push: plan.run (transport)": lambda: plans["push"].run(grad),
+                "push: bound launch": lambda: push_launch(1.0),
+            }, runs_, calls)
+            return result
         finally:
             testing.uninstall()
             transport.finalize()
@@ -313,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=7, help="runs per figure (the median is reported)")
     parser.add_argument("--calls", type=int, default=5000, help="calls per run")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall: elapsed time; cpu: the calling thread's CPU time (steadier on a loaded machine; "
+                             "work of other threads is not counted)")
     _common.add_output_args(parser, "hostcost")
     return parser
 
@@ -335,6 +354,8 @@ def _draw(results: dict[str, dict[str, float]]) -> Callable[[object, str], None]
 
 def main() -> None:
     args = build_parser().parse_args()
+    global _clock
+    _clock = CLOCKS[args.clock]
 
     import torch
     import torch.distributed as dist
@@ -357,6 +378,7 @@ def main() -> None:
         dist.destroy_process_group()
         if os.path.exists(store):
             os.unlink(store)
+    breakdowns = {name: r.pop("breakdown") for name, r in results.items() if "breakdown" in r}  # type: ignore[misc]
     rows = []
     for name, r in results.items():
         rows.append([name, r["copy_"], r["fetch"], r["push"], r["fetch"] / r["copy_"], r["push"] / r["copy_"]])
@@ -371,7 +393,7 @@ def main() -> None:
             "transport": "nvshmem: fake extension (Plan.run a no-op, CPU tensors); host: shared memory, world 1; "
                          "symm: world 1, Triton's launch path with the driver's launch stubbed",
         },
-        title=f"host cost per call ({args.runs} runs x {args.calls} calls, medians)",
+        title=f"host cost per call ({args.runs} runs x {args.calls} calls, medians, {args.clock} clock)",
     )
     _common.print_table(
         ["transport", "sync us", "ODC_DEBUG=1 us", "debug extra us"],
@@ -384,7 +406,7 @@ def main() -> None:
         },
         title=f"sync per call ({args.runs} runs x {args.calls} calls, medians)",
     )
-    parts = results["nvshmem (fake ext)"].pop("breakdown")  # type: ignore[call-overload]
+    parts = breakdowns["nvshmem (fake ext)"]
     _common.print_table(
         ["piece", "us", "x copy_"], [[k, v, v / parts["copy_"]] for k, v in parts.items()],
         {
@@ -409,9 +431,21 @@ def main() -> None:
         },
         title="what the counters cost per call (odc_runtime.telemetry)",
     )
+    symm_parts = breakdowns.get("symm (triton path, launch stubbed)")
+    if symm_parts is not None:
+        _common.print_table(
+            ["piece", "us", "x copy_"], [[k, v, v / symm_parts["copy_"]] for k, v in symm_parts.items()],
+            {
+                "piece": "part of odc.fetch/odc.push on the symm fast path, timed alone: the plan's run (everything "
+                         "below the core API) and its bound launch (the compiled runner, the stubbed launcher)",
+                "us": "host microseconds per call (median of runs)",
+                "x copy_": "ratio to a bare out.copy_(src) of 4 KiB in the same runs",
+            },
+            title="where symm's host time goes (Triton's launch path, launch stubbed)",
+        )
     _common.write_outputs(args, "hostcost", {
-        "fetch_breakdown_us": parts,
-        "machine": _common.machine_info(), "runs": args.runs, "calls": args.calls, "numel": NUMEL,
+        "fetch_breakdown_us": parts, "symm_breakdown_us": symm_parts,
+        "machine": _common.machine_info(), "runs": args.runs, "calls": args.calls, "numel": NUMEL, "clock": args.clock,
         "results_us": results,
         "sync_us": sync,
         "ratios": {k: {"fetch": r["fetch"] / r["copy_"], "push": r["push"] / r["copy_"]} for k, r in results.items()},

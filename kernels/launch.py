@@ -4,7 +4,9 @@
 argument specialisation, the cache key, the globals check): 9-31 µs of host time per launch, measured. A
 :class:`CachedKernel` pays that once per *argument signature*: the first launch goes through ``kernel[grid]``
 (which compiles and returns the ``CompiledKernel``), later launches with the same signature call that kernel's
-runner directly with raw pointers and the current stream.
+runner directly with raw pointers and the current stream. :meth:`CachedKernel.bind` goes one step further for a
+caller that repeats one launch (a transfer plan, per caller tensor): the runner with every argument bound, so a
+launch is the hook check and one call.
 
 The signature is what Triton specialises a compiled kernel on, so the fast path never runs code compiled for a
 specialisation its arguments do not have: each tensor's dtype and 16-byte alignment, each int's width (i32, i64,
@@ -25,6 +27,7 @@ pointer may be a Python int (the launcher takes an int as the device address).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +35,8 @@ import torch
 import triton
 
 __all__ = ["RUNNER_LINES", "CachedKernel", "runner_supported"]
+
+Launch = Callable[..., None]
 
 RUNNER_LINES = ((3, 5), (3, 6), (3, 7), (3, 8), (3, 9))  # triton lines whose runner takes the convention above
 _LINE = tuple(int(x) for x in triton.__version__.split(".")[:2])
@@ -96,6 +101,60 @@ class CachedKernel:
         self.launches[1] += 1
         run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, self._stream(),  # type: ignore[misc]
             function, metadata, None, None, None, *raw, *tail)
+
+    def bind(self, grid: tuple[int, ...], args: tuple, late: tuple[float, ...] = (), stream: int | None = None,
+             **constexprs: object) -> Launch | None:
+        """``self(grid, *args, *late, **constexprs)`` made ready to repeat: ``launch(*late)`` calls the compiled
+        runner with ``args``' raw pointers, fixed now, and the ``late`` float given at each call (at most one: the
+        last runtime parameter; a float's value is never specialised, so any float is the same signature).
+        ``stream``: the raw stream to launch on (``None``: the driver's current stream now, for a caller without
+        streams of its own: a CPU transport under a stubbed driver).
+
+        ``None`` where the fast path does not apply: under the interpreter, on a Triton line with another runner,
+        or before the signature was launched once through :meth:`__call__` (which compiles it). The caller keeps
+        ``args``' tensors alive while it keeps the launch (the launch holds them too, for its fallback). While a
+        launch hook is set, the launch goes through Triton's path, as :meth:`__call__` does."""
+        if len(late) > 1 or not all(type(x) is float for x in late):
+            raise TypeError("CachedKernel.bind: at most one late argument, a float (its value is not specialised)")
+        if not self._fast:
+            return None
+        hit = self._cache.get((*map(_kind, args), *map(_kind, late), *constexprs.items()))
+        k = _KNOBS
+        enter, leave = k.launch_enter_hook, k.launch_exit_hook
+        if hit is None or not all(h is None or isinstance(getattr(h, "calls", None), list) for h in (enter, leave)):
+            return None  # not compiled yet, or a hook that is not Triton's chain (go through Triton's path)
+        run, function, metadata, tail = hit
+        current = self._stream
+        assert current is not None  # set with the first cached signature
+        gx, gy, gz = (*grid, 1, 1)[:3]
+        fixed = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+        head = functools.partial(run, gx, gy, gz, current() if stream is None else stream, function, metadata, None,
+                                 None, None, *fixed)
+        counts = self.launches
+        # The hooks are idle while the knobs hold the objects seen now and those (``None`` or Triton's chains, which
+        # add/remove mutate in place) have no call: their lists are kept to test that with no lookup per launch.
+        enter_calls = () if enter is None else enter.calls
+        leave_calls = () if leave is None else leave.calls
+
+        if late:
+            def launch(last: float) -> None:
+                if enter_calls or leave_calls or k.launch_enter_hook is not enter or k.launch_exit_hook is not leave:
+                    self(grid, *args, last, **constexprs)  # a hook: Triton's path, where it runs
+                    return
+                counts[1] += 1
+                head(last, *tail)
+
+            return launch
+        ready = functools.partial(head, *tail)
+
+        def launch_fixed() -> None:
+            if enter_calls or leave_calls or k.launch_enter_hook is not enter or k.launch_exit_hook is not leave:
+                self(grid, *args, **constexprs)
+                return
+            counts[1] += 1
+            ready()
+
+        return launch_fixed
 
     def _remember(self, key: tuple, compiled: Any, nargs: int, constexprs: dict[str, object]) -> None:
         """Keep ``compiled``'s runner for ``key`` if it has the runner convention; else launch through Triton's

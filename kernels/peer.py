@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 
 import torch
 import triton
@@ -62,7 +63,7 @@ ORDERING: dict[str, list[tuple[str, str, str]]] = {
 
 # How the PTX check (``odc_runtime.kernels.ptx``, tests/test_ptx.py) compiles each kernel of ORDERING: the
 # signature and constexprs the launchers below use (one representative source dtype where a kernel takes several).
-_PUSH_SIG = {"table_ptr": "*i64", "desc_ptr": "*i64", "scale": "fp32", "f1": "fp32", "f2": "fp32"}
+_PUSH_SIG = {"table_ptr": "*i64", "desc_ptr": "*i64", "f1": "fp32", "f2": "fp32", "scale": "fp32"}
 PTX_ARGS: dict[str, tuple[dict[str, str], dict[str, object]]] = {
     "push_kernel": (_PUSH_SIG, {"SRC": tl.bfloat16, "ACC": tl.float32, "BLOCK": 1024}),
     "push_kernel:int64": (_PUSH_SIG, {"SRC": tl.int64, "ACC": tl.int64, "BLOCK": 1024}),
@@ -97,13 +98,14 @@ def _span(table_ptr, row, n, b, PEER: tl.constexpr, LOCAL: tl.constexpr, BLOCK: 
 
 
 @triton.jit
-def push_kernel(table_ptr, desc_ptr, scale, f1, f2, SRC: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
+def push_kernel(table_ptr, desc_ptr, f1, f2, scale, SRC: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
     """``peer_heap[offset:][:n] += ACC(src[:n]) * scale`` for each descriptor row, with system-scope atomics.
 
     ``ACC`` int64 is deterministic mode's fixed point (``odc_runtime.deterministic``), an exact integer add: with
     ``SRC`` int64 the source is already quantised (``scale``, ``f1``, ``f2`` unused); with a float ``SRC`` the kernel
     quantises in registers, ``q = round_half_even(fp64(fp32(src * scale)) * f1 * f2)`` (``f1 * f2 = 2**F``, two
-    powers of two that fp32 arguments can carry), bit for bit the host-side quantiser's ``q``."""
+    powers of two that fp32 arguments can carry), bit for bit the host-side quantiser's ``q``. ``scale`` is the
+    last runtime parameter: a bound launch (:func:`bind_push`) takes it at each call."""
     b = tl.program_id(0).to(tl.int64)
     row = desc_ptr + tl.program_id(1).to(tl.int64) * 4
     n = tl.load(row + 3)
@@ -254,7 +256,7 @@ def _launch(kernel, grid, *args, **kwargs) -> None:
 
 
 def _grid(desc: torch.Tensor, longest: int) -> tuple[int, int]:
-    return (max(1, triton.cdiv(longest, BLOCK)), desc.shape[0])
+    return (max(1, -(-longest // BLOCK)), desc.shape[0])  # not triton.cdiv: a jit function, a µs per call
 
 
 def push(table: torch.Tensor, desc: torch.Tensor, longest: int, scale: float, src_dtype: torch.dtype,
@@ -262,13 +264,34 @@ def push(table: torch.Tensor, desc: torch.Tensor, longest: int, scale: float, sr
     """Launch :func:`push_kernel` over the rows of ``desc`` (``longest`` = the largest ``numel`` of a row); into an
     int64 accumulator from a float source, each value is quantised with ``2**shift`` in the kernel."""
     half = shift // 2  # 2**shift as two fp32-representable factors (|shift| <= 200)
-    _launch(push_kernel, _grid(desc, longest), table, desc, float(scale), math.ldexp(1.0, half),
-            math.ldexp(1.0, shift - half), SRC=tl_dtype(src_dtype), ACC=tl_dtype(acc_dtype), BLOCK=BLOCK)
+    _launch(push_kernel, _grid(desc, longest), table, desc, math.ldexp(1.0, half), math.ldexp(1.0, shift - half),
+            float(scale), SRC=tl_dtype(src_dtype), ACC=tl_dtype(acc_dtype), BLOCK=BLOCK)
 
 
 def fetch(table: torch.Tensor, desc: torch.Tensor, longest: int, dtype: torch.dtype) -> None:
     """Launch :func:`fetch_kernel` over the rows of ``desc``."""
     _launch(fetch_kernel, _grid(desc, longest), table, desc, DT=word_dtype(dtype), BLOCK=BLOCK)
+
+
+def bind_fetch(table: torch.Tensor, desc: torch.Tensor, longest: int, dtype: torch.dtype,
+               stream: int | None) -> Callable[[], None] | None:
+    """:func:`fetch` of these arguments made ready to repeat (``launch()``: the compiled runner, nothing else); ``None``
+    where the cached launch path does not apply (then call :func:`fetch`), or before :func:`fetch` compiled this
+    signature. ``stream``: the raw stream to launch on, ``None`` for the current one at each launch."""
+    if _LAUNCH is not None:
+        return None
+    return _CACHED[fetch_kernel].bind(_grid(desc, longest), (table, desc), stream=stream, DT=word_dtype(dtype),
+                                      BLOCK=BLOCK)
+
+
+def bind_push(table: torch.Tensor, desc: torch.Tensor, longest: int, src_dtype: torch.dtype,
+              stream: int | None) -> Callable[[float], None] | None:
+    """:func:`push` into an fp32 accumulator made ready to repeat (``launch(scale)``), as :func:`bind_fetch`."""
+    if _LAUNCH is not None:
+        return None
+    # f1 = f2 = 1.0 (2**0): unused by a float accumulator
+    return _CACHED[push_kernel].bind(_grid(desc, longest), (table, desc, 1.0, 1.0), (1.0,), stream,
+                                     SRC=tl_dtype(src_dtype), ACC=tl.float32, BLOCK=BLOCK)
 
 
 def put_signal(table: torch.Tensor, desc: torch.Tensor, longest: int, dtype: torch.dtype,

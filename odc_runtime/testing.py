@@ -9,6 +9,7 @@ The transport returned by :func:`transport` follows the contract of :mod:`odc_ru
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator
 
@@ -70,24 +71,24 @@ def in_forked_child() -> bool:
 
 
 @contextlib.contextmanager
-def stubbed_triton_launches(arch: int = 90) -> Iterator[list[tuple]]:
+def stubbed_triton_launches(arch: int = 90) -> Iterator[collections.deque[tuple]]:
     """Triton's real launch path on a machine without a GPU, only the driver's launch stubbed: within the block,
     ``kernel[grid](...)`` binds, specialises and compiles for ``sm_<arch>`` (ptxas from the triton wheel) as on a
-    GPU, loading the binary does nothing, and the launcher records its arguments (the first 64 launches, in the
-    yielded list) instead of calling ``cuLaunchKernel``. For host-cost benchmarks and tests of launch paths;
+    GPU, loading the binary does nothing, and the launcher records its arguments (the last 64 launches, in the
+    yielded deque) instead of calling ``cuLaunchKernel``. For host-cost benchmarks and tests of launch paths;
     tensors stay on the CPU and no kernel runs."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
-    launched: list[tuple] = []
+    launched: collections.deque[tuple] = collections.deque(maxlen=64)
+    record = launched.append
 
     class Launcher:  # what the driver builds per compiled kernel: the launch itself, here a recorder
         def __init__(self, src: object, metadata: object) -> None:
             pass
 
         def __call__(self, *args: object) -> None:
-            if len(launched) < 64:
-                launched.append(args)
+            record(args)
 
     class Utils:
         def load_binary(self, name: str, kernel: bytes, shared: int, device: int) -> tuple[int, int, int, int, int]:

@@ -80,6 +80,16 @@ def as_failure(op: str, error: BaseException, what: str) -> OdcError:
     )
 
 
+def raw_stream(device_index: int) -> int:
+    """The current CUDA stream of ``device_index`` as a ``cudaStream_t`` integer (cheap where torch allows): what
+    a GPU transport's :meth:`Transport.stream_key` returns, and the stream its launches go to."""
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):  # what torch's own generated code uses: no Stream object
+    raw_stream = torch._C._cuda_getCurrentRawStream  # type: ignore[assignment]
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """The optional parts of the contract a transport implements.

@@ -20,7 +20,7 @@ import torch
 
 from odc_runtime import config
 from odc_runtime.errors import OdcUsageError
-from odc_runtime.transport.base import Piece, SymmetricBuffer, TransferPlan, Work
+from odc_runtime.transport.base import Piece, SymmetricBuffer, TransferPlan, Work, raw_stream  # noqa: F401 (a module attribute tests replace)
 from odc_runtime.transport.nvshmem.extension import backend_call
 from odc_runtime.transport.nvshmem.memory import HeapBlock
 from odc_runtime.transport.nvshmem.watchdog import Pending
@@ -29,15 +29,6 @@ if TYPE_CHECKING:
     from odc_runtime.transport.nvshmem.transport import NvshmemTransport
 
 Entry = tuple[int, int, int, int]  # (peer, element offset in the local tensor, numel, element offset at the peer)
-
-
-def raw_stream(device_index: int) -> int:
-    """The current CUDA stream of ``device_index`` as a ``cudaStream_t`` integer (cheap where torch allows)."""
-    return torch.cuda.current_stream(device_index).cuda_stream
-
-
-if hasattr(torch._C, "_cuda_getCurrentRawStream"):  # what torch's own generated code uses: no Stream object
-    raw_stream = torch._C._cuda_getCurrentRawStream  # type: ignore[assignment]
 
 
 def check_accumulator(acc: torch.dtype) -> None:

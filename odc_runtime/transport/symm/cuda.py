@@ -22,7 +22,7 @@ import torch
 
 from odc_runtime.errors import OdcBackendError
 from odc_runtime.transport import host
-from odc_runtime.transport.base import FetchRequest, PushRequest, SymmetricBuffer, Work
+from odc_runtime.transport.base import FetchRequest, PushRequest, SymmetricBuffer, Work, raw_stream
 from odc_runtime.transport.host.transport import HostTransport
 from odc_runtime.transport.symm import _torch_symm, torch_heap
 from odc_runtime.transport.symm.transport import SymmTransport
@@ -76,6 +76,7 @@ class CudaSymmTransport(SymmTransport):
                 "on the CPU; start GPU ranks without TRITON_INTERPRET (or use backend='symm-cpu' on CPU ranks)"
             )
         self.device = torch.device("cuda", torch.cuda.current_device())
+        self._device_index = self.device.index
 
     def open_heap(self) -> torch_heap.CudaPeerHeap:
         """Collective (called by every rank inside bootstrap's "map peers" round): the SymmetricMemory heap.
@@ -100,7 +101,8 @@ class CudaSymmTransport(SymmTransport):
         return view
 
     def stream_key(self) -> object:
-        return torch.cuda.current_stream(self.device).cuda_stream
+        # the raw stream (no Stream object per call): plans are per stream and launch on their key (plan.py)
+        return raw_stream(self._device_index)
 
     # -- asynchronous operations: launched on the caller's stream, not the host worker thread ------------------
     def fetch(self, buf: SymmetricBuffer, requests: Sequence[FetchRequest], *, async_op: bool = False) -> Work | None:

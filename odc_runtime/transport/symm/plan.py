@@ -5,13 +5,15 @@ A descriptor row is ``(peer, byte offset in the peer's heap, local address, nume
 address is fixed by the plan, and the local address is the caller tensor's ``data_ptr`` plus the piece's start, so
 a descriptor is exact for every tensor at that address (the numel and dtype are the plan's). A plan keeps the
 descriptors of the last few addresses (a training loop passes the same few buffers, or the caching allocator
-hands back the same address). Errors and fail-stop are those of the generic path: the same launch, the same
-checks.
+hands back the same address). From an address's second call on, the plan launches through the kernel's bound launch
+(``kernels/launch.py``, ``CachedKernel.bind``: the compiled runner with the descriptor, the peer table, the constexprs
+and the plan's stream bound; a push passes its scale), so a steady-state call is a dict lookup, the health check and
+one runner call. Errors and fail-stop are those of the generic path: the same kernel, the same checks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,7 +30,7 @@ _KEEP = 4  # descriptors per plan (one per caller address), the oldest dropped f
 class SymmPlan(TransferPlan):
     """A :class:`TransferPlan` that launches the kernel with a cached descriptor (see the module docstring)."""
 
-    __slots__ = ("_copies", "_descs", "_fast", "_longest", "_rows")
+    __slots__ = ("_copies", "_descs", "_fast", "_launches", "_longest", "_rows", "_stream")
 
     def __init__(
         self, transport: SymmTransport, buf: SymmetricBuffer, kind: str, pieces: Sequence[Piece], stream_key: object
@@ -49,18 +51,37 @@ class SymmPlan(TransferPlan):
         # non-fp32 buffer takes the generic path, which refuses it.
         self._fast = bool(live or self._copies) and (kind == "fetch" or buf.dtype == torch.float32)
         self._descs: dict[int, torch.Tensor] = {}  # caller's data_ptr -> descriptor
+        # caller's data_ptr -> the bound launch of its descriptor (kernels/launch.py: the compiled runner, every
+        # argument fixed but a push's scale), from the second launch on where the cached launch path applies
+        self._launches: dict[int, Callable[..., None]] = {}
+        # The stream the plan launches on: its key, the raw stream on a GPU (None: a transport without streams,
+        # the driver's current stream when the launch is bound)
+        self._stream = stream_key if isinstance(stream_key, int) else None
 
     def _desc(self, tensor: torch.Tensor) -> torch.Tensor:
         base, size = tensor.data_ptr(), tensor.dtype.itemsize
         rows = [(peer, off, base + start * size, n) for peer, off, start, n in self._rows]
         desc = torch.tensor(rows, dtype=torch.int64, device=self.transport.device).reshape(-1, 4)
         if len(self._descs) >= _KEEP:
-            del self._descs[next(iter(self._descs))]
+            oldest = next(iter(self._descs))
+            del self._descs[oldest]
+            self._launches.pop(oldest, None)  # a launch holds its descriptor's address: never outlives it
         self._descs[base] = desc
         return desc
 
     def run(self, tensor: torch.Tensor, scale: float = 1.0, *, async_op: bool = False) -> Work | None:
         transport: SymmTransport = self.transport  # type: ignore[assignment]
+        launch = self._launches.get(tensor.data_ptr())
+        if launch is not None and not async_op and transport.fast_path_ok():  # the steady state: the runner alone
+            if self.kind == "push":
+                try:  # fail-stop as the generic push (Transport.fail_stop, inlined: this is the per-call path)
+                    launch(scale)
+                except BaseException as e:
+                    transport.fail(as_failure("push", e, "part of the push may have landed"))
+                    raise
+            else:
+                launch()
+            return None
         if async_op or not self._fast or not transport.fast_path_ok():
             return super().run(tensor, scale, async_op=async_op)  # the generic path raises what it must
         if self.kind == "fetch":
@@ -69,10 +90,22 @@ class SymmPlan(TransferPlan):
                 for start, n, source in self._copies:
                     flat[start : start + n].copy_(source)
             if self._rows:
-                transport.kernels.fetch(transport._table, self._desc_of(tensor), self._longest, self.buf.dtype)
+                desc = self._desc_of(tensor)
+                transport.kernels.fetch(transport._table, desc, self._longest, self.buf.dtype)
+                if not self._copies:  # a bound launch is the kernel alone
+                    self._bind(tensor, transport.kernels.bind_fetch(
+                        transport._table, desc, self._longest, self.buf.dtype, self._stream))
             return None
-        self._push(tensor, scale, torch.float32, 0)
+        desc = self._push(tensor, scale, torch.float32, 0)
+        self._bind(tensor, transport.kernels.bind_push(
+            transport._table, desc, self._longest, tensor.dtype, self._stream))
         return None
+
+    def _bind(self, tensor: torch.Tensor, launch: Callable[..., None] | None) -> None:
+        """Keep ``launch`` (the cached runner, every argument bound but the scale) for ``tensor``'s address, as
+        long as its descriptor is kept."""
+        if launch is not None and tensor.data_ptr() in self._descs:
+            self._launches[tensor.data_ptr()] = launch
 
     def run_fixed(self, tensor: torch.Tensor, scale: float, shift: int) -> bool:
         """The push kernel quantises a float ``tensor`` into this plan's ``int64`` buffer in registers (no
@@ -88,11 +121,12 @@ class SymmPlan(TransferPlan):
         desc = self._descs.get(tensor.data_ptr())
         return self._desc(tensor) if desc is None else desc
 
-    def _push(self, tensor: torch.Tensor, scale: float, acc: torch.dtype, shift: int) -> None:
+    def _push(self, tensor: torch.Tensor, scale: float, acc: torch.dtype, shift: int) -> torch.Tensor:
         transport: SymmTransport = self.transport  # type: ignore[assignment]
         desc = self._desc_of(tensor)
-        try:  # fail-stop as the generic push (Transport.fail_stop, inlined: this is the per-call path)
+        try:  # fail-stop as the generic push (Transport.fail_stop, inlined)
             transport.kernels.push(transport._table, desc, self._longest, scale, tensor.dtype, acc, shift)
         except BaseException as e:
             transport.fail(as_failure("push", e, "part of the push may have landed"))
             raise
+        return desc
