@@ -18,9 +18,10 @@ together. A forked child of a rank (e.g. a DataLoader worker) may not use the ru
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -49,12 +50,27 @@ log = logging.getLogger("odc_runtime")
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ACCUM_DTYPES = (torch.float32,)
+@contextlib.contextmanager
+def _blaming_odc_backend(backend: str | None) -> Iterator[None]:
+    """An OdcError raised inside, while the transport came from ``ODC_BACKEND`` (``backend`` is None), says so:
+    its advice names ``backend=``, and a user who never passed one would not look for the variable."""
+    try:
+        yield
+    except OdcError as e:
+        requested = config.backend_name(backend) if backend is None else None
+        if requested is not None and e.args and isinstance(e.args[0], str):
+            e.args = (f"{e.args[0]} [the backend {requested!r} came from ODC_BACKEND={requested}: change or unset "
+                      "it; init(backend=...) takes precedence over it]", *e.args[1:])
+        raise
+
+
 def _backend_facts(backend: str | None) -> tuple[str | None, tuple[str, ...], str]:
     """This rank's input to :func:`odc_runtime.transport.choose`: the requested transport (checked against the
     registry) or None, the transports it could choose, its host name."""
     choice = config.backend_name(backend)
     if choice is not None:
-        return registry.get(choice).name, (), socket.gethostname()
+        with _blaming_odc_backend(backend):
+            return registry.get(choice).name, (), socket.gethostname()
     return None, registry.auto_candidates(), socket.gethostname()
 
 
@@ -73,8 +89,9 @@ def init(
         backend: a name from the transport registry (``odc_runtime.transport.names()``): ``"host"`` (CPU shared
             memory, ranks on one machine), ``"symm"`` (GPUs of one node, Triton over PyTorch SymmetricMemory),
             ``"nvshmem"`` (GPUs, across nodes), ``"symm-cpu"`` (the symm kernels on CPU ranks); or ``None`` to take
-            ``ODC_BACKEND``, else the rule of :func:`odc_runtime.transport.choose`: on one node ``symm`` where
-            available on every rank, else ``nvshmem``, else ``host``; across nodes ``nvshmem``.
+            ``ODC_BACKEND``, else the rule of `odc_runtime.transport.choose`: ``nvshmem`` where its extension
+            is built and works on every rank, else (one node) ``symm`` on GPUs, else ``host``; across nodes
+            ``nvshmem`` only. The choice is logged at INFO and returned by `backend`.
         timeout: seconds any blocking wait may take before raising OdcTimeoutError (default ``ODC_TIMEOUT`` or
             300); it also bounds every collective step of ``init`` itself.
         heap_size: symmetric memory per rank in bytes or as ``"4G"``; host default ``ODC_HEAP_SIZE`` or 1 GiB;
@@ -126,7 +143,15 @@ def init(
                     (4, "accumulation mode (init(deterministic=...) / ODC_DETERMINISTIC)")):
         require_same("init", [r[i] for r in results], rule=f"needs the same {what} on every rank")
     _, resolved_timeout, requested_nodes, slots, exact = results[dist.get_rank()]
-    transport = registry.get(name).create(timeout=resolved_timeout, heap_size=heap_size)
+    with _blaming_odc_backend(backend):
+        _start(name, backend_timeout=resolved_timeout, heap_size=heap_size, requested_nodes=requested_nodes,
+               slots=slots, exact=exact)
+
+
+def _start(name: str, *, backend_timeout: float, heap_size: int | str | None, requested_nodes: int | None,
+           slots: int | None, exact: bool) -> None:
+    """Create the agreed transport ``name`` and start the runtime on it (the second half of :func:`init`)."""
+    transport = registry.get(name).create(timeout=backend_timeout, heap_size=heap_size)
     try:
         nodes = requested_nodes or transport.node_size()
         if nodes < transport.world_size and not transport.capabilities.signals:
@@ -140,7 +165,7 @@ def init(
         if nodes < transport.world_size:
             hierarchy = Hierarchy(transport, nodes, slots)
             # A transport may refuse the layout on some ranks only (e.g. a node without peer pointers): agreed.
-            gather_checked("init (nodes)", lambda: transport.use_nodes(nodes), exchange=StoreExchange(resolved_timeout))
+            gather_checked("init (nodes)", lambda: transport.use_nodes(nodes), exchange=StoreExchange(backend_timeout))
     except BaseException:
         transport.finalize()  # deterministic on every rank (agreed inputs), so every rank gets here together
         raise
@@ -183,7 +208,8 @@ def finalize() -> None:
 
 
 def backend() -> str:
-    """Name of the active transport (``"host"`` or ``"nvshmem"``)."""
+    """Name of the active transport: ``"host"``, ``"symm"``, ``"nvshmem"`` or ``"symm-cpu"``
+    (``odc_runtime.transport.names()``)."""
     return state.require("backend", read_only=True).transport.name
 
 
