@@ -1,8 +1,8 @@
 """The core API: ``init``, ``shard``, ``fetch``, ``push``, ``sync``, ``finalize``.
 
-Layout: :mod:`odc_runtime.layout` (where element ``i`` of a tensor lives; every rank of the world allocates the
+Layout: ``odc_runtime.layout`` (where element ``i`` of a tensor lives; every rank of the world allocates the
 same number of parameter and fp32 accumulator elements, so one offset addresses a buffer on every peer). Plans and
-their cache: :mod:`odc_runtime.plans`.
+their cache: ``odc_runtime.plans``.
 
 Groups. ``shard(t, group=g)`` is still collective over the whole world (every rank calls it, each with the group it
 belongs to, e.g. its row of a device mesh); the groups of one call must partition the ranks. ``fetch``/``push``
@@ -12,7 +12,7 @@ without per-group heaps; see docs/design.md ("Process groups") for why this cann
 
 Every public call validates all of its arguments before it issues any remote operation, so a rejected ``push``
 changes no accumulator anywhere. Collective calls (``init``, ``shard``, ``free``, ``finalize``) run their checks
-on every rank and agree on the outcome (:mod:`odc_runtime.agree`), within ``ODC_TIMEOUT``: they fail on every rank
+on every rank and agree on the outcome (``odc_runtime.agree``), within ``ODC_TIMEOUT``: they fail on every rank
 together. A forked child of a rank (e.g. a DataLoader worker) may not use the runtime at all.
 """
 
@@ -65,7 +65,7 @@ def _blaming_odc_backend(backend: str | None) -> Iterator[None]:
 
 
 def _backend_facts(backend: str | None) -> tuple[str | None, tuple[str, ...], str]:
-    """This rank's input to :func:`odc_runtime.transport.choose`: the requested transport (checked against the
+    """This rank's input to ``odc_runtime.transport.choose``: the requested transport (checked against the
     registry) or None, the transports it could choose, its host name."""
     choice = config.backend_name(backend)
     if choice is not None:
@@ -150,7 +150,7 @@ def init(
 
 def _start(name: str, *, backend_timeout: float, heap_size: int | str | None, requested_nodes: int | None,
            slots: int | None, exact: bool) -> None:
-    """Create the agreed transport ``name`` and start the runtime on it (the second half of :func:`init`)."""
+    """Create the agreed transport ``name`` and start the runtime on it (the second half of ``init``)."""
     transport = registry.get(name).create(timeout=backend_timeout, heap_size=heap_size)
     try:
         nodes = requested_nodes or transport.node_size()
@@ -178,14 +178,14 @@ def _start(name: str, *, backend_timeout: float, heap_size: int | str | None, re
 
 
 def is_initialized() -> bool:
-    """Whether :func:`init` has been called and :func:`finalize` has not."""
+    """Whether ``init`` has been called and ``finalize`` has not."""
     return state.current is not None
 
 
 def finalize() -> None:
     """Collective: wait for peers, then free all symmetric memory. Idempotent.
 
-    Every :class:`ShardedTensor` becomes unusable. If a peer is dead the wait ends as soon as that is seen (at the
+    Every ``ShardedTensor`` becomes unusable. If a peer is dead the wait ends as soon as that is seen (at the
     latest after ``ODC_TIMEOUT``), the local resources are still released, and the error is raised. If an earlier
     collective already reported a lost or stuck peer, ``finalize`` does not wait again: it releases the local
     resources and returns. Raises OdcUsageError in a forked child of a rank.
@@ -310,7 +310,7 @@ def _shard_steps(
     runtime: Runtime, op: str, local_checks: Callable[[], tuple], tensor: torch.Tensor, name: str, seq: int,
     accum_dtype: torch.dtype, requires_grad: bool, group: dist.ProcessGroup | None, allocated: list[SymmetricBuffer],
 ) -> ShardedTensor:
-    """The collective steps of :func:`shard` (agreement, allocations, initial values, mirrors); every buffer is
+    """The collective steps of ``shard`` (agreement, allocations, initial values, mirrors); every buffer is
     appended to ``allocated`` as soon as it exists."""
     transport = runtime.transport
     world, me = transport.world_size, transport.rank
@@ -352,10 +352,10 @@ def _shard_steps(
 
 
 def _undo_shard(runtime: Runtime, op: str, error: BaseException, seq: int, allocated: list[SymmetricBuffer]) -> None:
-    """Release what a failed :func:`shard` allocated, under the fail-stop rule (docs/design.md, "Fail-stop").
+    """Release what a failed ``shard`` allocated, under the fail-stop rule (docs/design.md, "Fail-stop").
 
     An error every rank raised at the same step (an agreed rejection, a mismatched round, a full heap: any
-    :class:`OdcError` but a timeout) leaves every rank with the same allocations, so they are freed collectively
+    ``OdcError`` but a timeout) leaves every rank with the same allocations, so they are freed collectively
     and the runtime stays usable. Anything else (an interrupt, an exception a signal handler raised, a timed-out
     local wait) struck this rank alone between collective steps its peers wait in: the runtime is failed here
     (peers learn it within a liveness period), the memory is released locally, and the error is re-raised as it
@@ -413,7 +413,7 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
     """Gather the full tensor (original shape) by reading every owner's shard; the owners do nothing.
 
     ``out`` (optional) must have ``st``'s shape and dtype, live on the transport's device and be contiguous.
-    Returns the tensor, or a :class:`Handle` whose ``wait()`` returns it when ``async_op=True``.
+    Returns the tensor, or a ``Handle`` whose ``wait()`` returns it when ``async_op=True``.
     """
     runtime = state.current
     if (
@@ -458,7 +458,7 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     """Add ``grad.flatten()[range_r] * scale`` into every owner r's accumulator; the owners do nothing.
 
     ``grad`` has ``st``'s full shape, a float dtype (fp32/bf16/fp16) and lives on the transport's device. The sum
-    is visible in the owners' ``st.grad`` after the next :func:`sync`. With ``async_op=True`` do not modify
+    is visible in the owners' ``st.grad`` after the next ``sync``. With ``async_op=True`` do not modify
     ``grad`` until the returned handle's ``wait()`` returned.
     """
     runtime = state.current
@@ -498,7 +498,7 @@ def sync(group: dist.ProcessGroup | None = None, *, gradients: bool = True, para
     After it returns on any rank, every push issued by any rank before its ``sync()`` is in the owners'
     ``st.grad``, and every write to ``st.local`` made before it is what any later ``fetch`` returns.
 
-    With ``group`` (a process group passed to :func:`shard` before; this rank must be a member) only that group's
+    With ``group`` (a process group passed to ``shard`` before; this rank must be a member) only that group's
     ranks take part, and the guarantee holds for the tensors sharded over it: their pushes and writes are fenced.
     Calls with and without a group must come in the same order on the ranks they share (a rank in a group sync
     that a member meets in a world-wide collective raises OdcMismatchError on both, where the transport can tell).

@@ -3,7 +3,7 @@
     python -m odc_runtime.report TRACE_DIR [TRACE_DIR ...] [--out report.png] [--run -1] [--json summary.json]
 
 A trace directory holds one ``rank<r>.jsonl`` per rank (``ODC_TRACE_DIR``, or ``bench/imbalance.py --trace-dir``;
-the line format is :func:`odc_runtime.telemetry.make_record`'s). Each directory gives one timeline panel per label
+the line format is ``odc_runtime.telemetry.make_record``'s). Each directory gives one timeline panel per label
 in it (the runtime's traces have none; the main job labels each configuration), all on one time axis, under a bar
 chart of every rank's idle share. A file may hold several runs (appended): ``--run`` picks one by its position
 (default ``-1``, the last).
@@ -15,7 +15,7 @@ or in a collective for the main job's collective runs); its *idle* time is the w
 traces, busy includes the time spent issuing fetches and pushes: what is idle is what waiting for the other ranks
 (and the time outside the rank's minibatch) cost.
 
-The timeline drawing (:func:`draw_timelines`) is also the main job's (``bench/plots.py``). Plotting needs
+The timeline drawing (``draw_timelines``) is also the main job's (``bench/plots.py``). Plotting needs
 matplotlib (the ``bench`` extra); reading and summarising do not.
 """
 
