@@ -137,13 +137,16 @@ def timeline(run: Run) -> list[list[Event]]:
 
 def draw_timelines(fig: Any, slots: Sequence[Any], timelines: dict[str, list[list[Event]]], caption: str) -> None:
     """One panel per timeline (``name -> per-rank events``) in the subplot specs ``slots``, on one time axis from
-    each timeline's first event, so their lengths compare directly; ``caption`` says what the colours are."""
+    each timeline's first event, so their lengths compare directly; ``caption`` says what the colours are (once,
+    under the last panel: in every title it made them too long for the figure)."""
     spans = []
     for per_rank in timelines.values():
         t0 = min((ev[1] for evs in per_rank for ev in evs), default=0.0)
         spans.append((t0, max((ev[2] - t0 for evs in per_rank for ev in evs), default=0.0)))
     xmax = max((s for _, s in spans), default=1.0) * 1.01 or 1.0
-    for slot, ((name, per_rank), (t0, _)) in zip(slots, zip(timelines.items(), spans, strict=True), strict=True):
+    last = len(timelines) - 1
+    for i, (slot, ((name, per_rank), (t0, _))) in enumerate(
+            zip(slots, zip(timelines.items(), spans, strict=True), strict=True)):
         ax = fig.add_subplot(slot)
         for rank, events in enumerate(per_rank):
             by_kind: dict[str, list[tuple[float, float]]] = {}
@@ -155,8 +158,8 @@ def draw_timelines(fig: Any, slots: Sequence[Any], timelines: dict[str, list[lis
         ax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))], fontsize=8)
         ax.invert_yaxis()
         ax.set_xlim(0, xmax)
-        ax.set_title(f"{name}: {caption}", fontsize=9)
-        ax.set_xlabel("seconds")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel(f"seconds; {caption}" if i == last else "seconds", fontsize=8)
 
 
 def plot(runs: list[Run], summaries: list[dict[str, Any]], path: str, *, title: str = "") -> None:
