@@ -33,6 +33,13 @@ def _check_custom_trainer(out: str) -> None:
 
 
 @pytest.mark.timeout(180)
+def test_custom_trainer_deterministic_matches_single_process() -> None:
+    # the example's rerun idiom around each minibatch (its rerun itself is run by docs/core-api.md's block)
+    out = _run(["examples/custom_trainer.py", "--nproc", "2", "--steps", "3", "--samples", "12", "--deterministic"])
+    _check_custom_trainer(out)
+
+
+@pytest.mark.timeout(180)
 def test_custom_trainer_on_virtual_nodes_matches_single_process() -> None:
     # every rank its own node: the example's sync(parameters=False) / sync(gradients=False) move exactly what changed
     args = ["examples/custom_trainer.py", "--nproc", "2", "--steps", "3", "--samples", "12"]
