@@ -13,4 +13,8 @@ python -m pip install -q "${reqs[@]}"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 NO_MKDOCS_2_WARNING=1 python -m mkdocs build --strict --site-dir "$out"
+# A Sphinx role in a docstring (:func:`init`) is not an error to mkdocstrings, which renders it raw: fail on one.
+if grep -rnoE ':(py:)?(func|class|meth|mod|attr|data|exc|obj|const|ref):(`|<code>)[^<`]*' "$out" --include=*.html; then
+  echo "ci: the API reference shows raw Sphinx roles (above); write \`\`name\`\` in the docstrings instead"; exit 1
+fi
 echo "ci: docs built (strict) in $(( $(date +%s) - start ))s"

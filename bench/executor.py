@@ -347,7 +347,17 @@ def run_minibatch(
     end = now()
     if record:
         events.append(("sync", t0, end))
-    return MinibatchRecord(start, end, busy, wait, end - t0, ok and kv_ok, events, kv_calls, kv_bytes)
+    rec = MinibatchRecord(start, end, busy, wait, end - t0, ok and kv_ok, events, kv_calls, kv_bytes)
+    if record:  # gap-free, as drawn: host time between the waits (issuing transfers, Python) is not compute either
+        rec.events = timeline_events(rec)
+    return rec
+
+
+def timeline_events(rec: MinibatchRecord) -> list[tuple[str, float, float]]:
+    """A recorded minibatch's events covering all of ``[start, end]``: its compute, and ``trace_waits`` for
+    the rest, in time order (the plot's busy and waiting time are then the table's)."""
+    compute = [e for e in rec.events if e[0] == "compute"]
+    return sorted([*compute, *((kind, a, b) for a, b, kind in trace_waits(rec))], key=lambda e: e[1])
 
 
 def trace_waits(rec: MinibatchRecord) -> list[tuple[float, float, str]]:

@@ -492,12 +492,14 @@ LEGEND = {
                   "configuration's",
     "sim speedup": "the same ratio predicted by bench/simulate.py from the schedule's compute alone (no "
                    "communication): the part of the speedup due to balancing",
-    "sim util": "utilisation the same simulation predicts",
+    "sim util": "device utilisation the same compute-only simulation predicts for this plan: the balance alone, "
+                "without communication or scheduling noise",
     "grads": "ok: every rank's gradient shard held exactly the expected sum after every minibatch (--hsdp: after "
              "the cross-replica all-reduce); split plans: and every gang K/V exchange delivered exactly",
 }
 
 
+# The outlier table's columns are the main table's, but for its two ratios: only those are explained under it.
 OUTLIER_LEGEND = {
     **{k: LEGEND[k] for k in ("comm", "policy", "tokens/s", "util", "idle s/rank", "comm wait s", "wall s")},
     "× lb_mini": "wall time of odc + lb_mini on the same minibatches / this configuration's",
@@ -505,6 +507,11 @@ OUTLIER_LEGEND = {
     "sim util": LEGEND["sim util"],
     "grads": LEGEND["grads"],
 }
+OUTLIER_NEW_COLUMNS = ("× lb_mini", "sim × lb_mini")
+# A fresh-clone trial measured this spread (two consecutive runs): the phase's few long minibatches make it noisy.
+OUTLIER_SPREAD = ("one run of this phase varies a lot on a shared machine (1.06× to 1.22× in two consecutive --quick "
+                  "runs of a 2-core VM, predicted 1.28×): compare medians of several runs (--seed fixes the data, "
+                  "not the timing)")
 
 
 def _gang_notes(runs: list[dict], gang_bytes: int) -> None:
@@ -538,8 +545,13 @@ def report_outliers(args: argparse.Namespace, outliers: dict, world: int) -> lis
     print(f"\nOutliers: {n_mb} minibatches × {outliers['minibatch_size']} samples ({OUTLIER_SAMPLES_PER_RANK} per "
           f"rank) from {outliers['source']}, ×{outliers['time_scale']:g} time scale: a sample costing more than a "
           "rank's share is split across a gang of ranks (lb_mini_split; ODC only)")
-    _common.print_table(list(OUTLIER_LEGEND), rows, OUTLIER_LEGEND)
+    print(_common.format_table(list(OUTLIER_LEGEND), rows))
+    print("  columns as in the table above; and:")
+    width = max(len(h) for h in OUTLIER_LEGEND)
+    for h in OUTLIER_NEW_COLUMNS:
+        print(f"  {h:<{width}}  {OUTLIER_LEGEND[h]}")
     _gang_notes(runs, outliers["gang_bytes"])
+    print(f"  NOTE: {OUTLIER_SPREAD}")
     print(f"  executed in {outliers['run_s']:.1f} s")
     return runs
 
@@ -568,6 +580,9 @@ def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict],
         f"×{args.time_scale:g} time scale, {args.compute}; {args.layers} layers × {args.layer_mb:g} MiB; "
         f"max {args.max_tokens} tokens per micro-batch"
     )
+    print("  (MFU: model FLOPs utilisation, the share of the GPU's bf16 peak the modelled compute reaches; time "
+          f"scale: each modelled GPU second is executed as {args.time_scale:g} s of {args.compute}, so the run "
+          "fits the machine while compute and communication keep their proportions)")
     rows = []
     for r in runs:
         idle = r["idle_s_per_rank"]
@@ -585,10 +600,10 @@ def report(args: argparse.Namespace, schedules: Schedules, gathered: list[dict],
     if note:
         print(f"  NOTE: {note}")
     _gang_notes(runs, gang_bytes)
-    outlier_runs = report_outliers(args, outliers, world) if outliers else None
     load_after = os.getloadavg()
     print(f"  executed in {run_s:.1f} s; load average {load_before[0]:.1f} → {load_after[0]:.1f} on "
           f"{os.cpu_count()} cores")
+    outlier_runs = report_outliers(args, outliers, world) if outliers else None
     config = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     config.update(world_size=world, source=source, model_name=spec.name, timeline_minibatch=timeline_k,
                   flops_per_second=GPU_PEAK_FLOPS[args.gpu] * args.mfu, run_s=run_s,

@@ -71,8 +71,8 @@ def plot_imbalance(runs: list[dict], timelines: dict[str, list[list[tuple]]], pa
     ax.grid(True, axis="y", alpha=0.3)
     which = f", minibatch {minibatch}" if minibatch is not None else ""
     draw_timelines(fig, [grid[1 + k] for k in range(n_tl)], {f"{name}{which}": tl for name, tl in timelines.items()},
-                   "green = compute, orange = waiting (communication, slower ranks), grey = end of minibatch (sync, "
-                   "optimizer)")
+                   "green = compute, orange = not computing: communication, issuing it, waiting for slower ranks; "
+                   "grey = end of minibatch (sync, optimizer); white = not started yet")
     _save(fig, path)
 
 

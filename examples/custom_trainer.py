@@ -50,26 +50,24 @@ def loss_sum(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) 
 
 
 def train(rank: int, world: int, args: argparse.Namespace) -> None:
-    odc.init("host")
+    odc.init("host", deterministic=args.deterministic)
     shards = {name: odc.shard(p, name=name) for name, p in init_params(args.seed).items()}
     reference = init_params(args.seed) if rank == 0 else None
     for step in range(args.steps):
         xs, ys, lengths = make_minibatch(step, args.samples, args.seed)
         my_micro_batches = plan(lengths, world, max_tokens=MAX_TOKENS, policy=args.policy, cost=COST)[rank]
         total_rows = sum(lengths)
-        my_loss = 0.0
-        for sample_ids in my_micro_batches:  # the count differs between ranks, zero included
-            if not sample_ids:  # an equal-count policy's padding micro-batch: one-sided ODC needs none
-                continue
-            params = {n: odc.fetch(st).requires_grad_(True) for n, st in shards.items()}
-            loss = sum(loss_sum(params, xs[i], ys[i]) for i in sample_ids) / total_rows
-            loss.backward()
-            for n, st in shards.items():
-                odc.push(st, params[n].grad)
-            my_loss += float(loss.detach())
-        # Every push of this minibatch has landed in its owner's st.grad. No st.local changed since the last sync,
-        # so across nodes (init(node_size=...) / ODC_NODE_SIZE) only gradients need to move: parameters=False.
-        odc.sync(parameters=False)
+        for _attempt in range(3):  # --deterministic: a push beyond its tensor's bound makes sync raise on every rank
+            try:
+                my_loss = accumulate(shards, my_micro_batches, xs, ys, total_rows)
+                break
+            except odc.OdcOverflowError as e:  # nothing landed and the bound was raised: rerun the same minibatch
+                if rank == 0:
+                    print(f"step {step:2d}  rerun: {e}", flush=True)
+                for st in shards.values():
+                    st.zero_grad()
+        else:
+            raise SystemExit(f"step {step}: the minibatch overflowed the deterministic bound three times")
         with torch.no_grad():
             for st in shards.values():
                 st.local.add_(st.grad.to(st.local.dtype), alpha=-args.lr)  # SGD on this rank's shard only
@@ -91,6 +89,25 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
     odc.finalize()
 
 
+def accumulate(shards: dict, my_micro_batches: list, xs, ys, total_rows: int) -> float:
+    """This rank's micro-batches of one minibatch, pushed and synced; returns its loss. Raises OdcOverflowError (on
+    every rank, with nothing accumulated) in deterministic mode when a push exceeded its tensor's bound."""
+    my_loss = 0.0
+    for sample_ids in my_micro_batches:  # the count differs between ranks, zero included
+        if not sample_ids:  # an equal-count policy's padding micro-batch: one-sided ODC needs none
+            continue
+        params = {n: odc.fetch(st).requires_grad_(True) for n, st in shards.items()}
+        loss = sum(loss_sum(params, xs[i], ys[i]) for i in sample_ids) / total_rows
+        loss.backward()
+        for n, st in shards.items():
+            odc.push(st, params[n].grad)
+        my_loss += float(loss.detach())
+    # Every push of this minibatch has landed in its owner's st.grad. No st.local changed since the last sync,
+    # so across nodes (init(node_size=...) / ODC_NODE_SIZE) only gradients need to move: parameters=False.
+    odc.sync(parameters=False)
+    return my_loss
+
+
 def reference_step(params: dict[str, torch.Tensor], xs, ys, total_rows: int, lr: float) -> float:
     p = {n: t.clone().requires_grad_(True) for n, t in params.items()}
     loss = sum(loss_sum(p, x, y) for x, y in zip(xs, ys, strict=True)) / total_rows
@@ -108,6 +125,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=24, help="samples per minibatch (all ranks together)")
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deterministic", action="store_true",
+                        help="bitwise-deterministic accumulation; a minibatch that overflows the bound is rerun")
     whole = [name for name in POLICIES if not get_policy(name).splits]  # split samples need gang attention
     parser.add_argument("--policy", choices=whole, default="lb_mini", help="minibatch balancing policy")
     args = parser.parse_args()

@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 import odc_runtime as odc
 import odc_runtime.fsdp as odc_fsdp
-from odc_runtime import balance, workloads
+from odc_runtime import balance, transport, workloads
 from odc_runtime.launch import gloo_rank, launch
 
 CLIP_EPS = 0.2
@@ -386,7 +386,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
         print(
             f"{args.arch} causal LM, {n_params} parameters, {world} ranks; {args.steps} steps of {args.prompts} "
             f"prompts x {args.group} rollouts, {args.mini_batches} PPO mini-batches per step, "
-            f"micro-batch cap {args.max_tokens} tokens",
+            f"micro-batch cap {args.max_tokens} tokens; ODC on the {odc.backend()} transport",
             flush=True,
         )
     for step in range(args.steps):
@@ -453,7 +453,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip", type=float, default=1.0, help="gradient clipping max norm")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--odc-backend", default=None, help="host | nvshmem (default: automatic)")
+    p.add_argument("--odc-backend", default=None, choices=transport.names(),
+                   help="the ODC transport (default: ODC_BACKEND, else odc.init's automatic choice)")
     # fp32 throughout; the runs differ from the replay only in summation order. AdamW divides by sqrt(v) + eps,
     # so a gradient element near 0 can turn a rounding difference d into an update difference up to lr·d/eps.
     p.add_argument("--loss-tol", type=float, default=1e-5)

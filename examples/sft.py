@@ -232,6 +232,14 @@ def placement(*, cuda_devices: int, local_rank: int, local_world: int, pes_per_g
     return Placement(device, "gloo", name)
 
 
+def _show_defaults(p: argparse.ArgumentParser) -> None:
+    """--help shows each option's default, unless its help text already says it (flags default to off)."""
+    for action in p._actions:
+        if action.default in (None, argparse.SUPPRESS) or action.default is False or "default" in (action.help or ""):
+            continue
+        action.help = f"{action.help} (default: %(default)s)" if action.help else "default: %(default)s"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--comm", choices=("collective", "odc"), default="odc")
@@ -266,7 +274,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="RxS",
         help="HSDP: a 2-D (replicate, shard) mesh of R replicas x S shard ranks, e.g. 2x2 (default: 1-D)",
     )
-    p.add_argument("--odc-backend", default=None, help="host | nvshmem (default: automatic; ODC_BACKEND)")
+    p.add_argument("--odc-backend", default=None, choices=transports.names(),
+                   help="the ODC transport (default: ODC_BACKEND, else odc.init's automatic choice)")
     p.add_argument(
         "--pes-per-gpu",
         type=int,
@@ -297,6 +306,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ranks to spawn when not launched by torchrun (default on CPU: R*S with --mesh, else 4; with "
         "CUDA: GPUs x --pes-per-gpu)",
     )
+    _show_defaults(p)
     args = p.parse_args(argv)
     if args.pes_per_gpu < 1:
         p.error(f"--pes-per-gpu must be at least 1, got {args.pes_per_gpu}")
@@ -364,7 +374,8 @@ def train(args: argparse.Namespace) -> None:
     if rank == 0:
         print(
             f"comm={args.comm} policy={args.policy} world={world} mesh={args.mesh or world} device={device.type} "
-            f"dist={place.dist_backend} pes_per_gpu={args.pes_per_gpu} "
+            f"dist={place.dist_backend} odc_backend={odc.backend() if odc.is_initialized() else '-'} "
+            f"pes_per_gpu={args.pes_per_gpu} "
             f"params={n_params} "
             f"preset={args.preset} scale={args.scale:g} samples/step={args.samples} max_tokens={args.max_tokens}",
             flush=True,

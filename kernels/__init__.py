@@ -1,7 +1,7 @@
 """Fused gradient-accumulation kernels (installed as ``odc_runtime.kernels``).
 
-* :func:`accumulate_` — ``dst += float32(src) * scale`` (src fp32/bf16/fp16, dst fp32), one pass.
-* :func:`accumulate_slots_` — ``dst += (slots[0] + ... + slots[K-1]) * scale`` over K staged slots in one pass,
+* ``accumulate_`` — ``dst += float32(src) * scale`` (src fp32/bf16/fp16, dst fp32), one pass.
+* ``accumulate_slots_`` — ``dst += (slots[0] + ... + slots[K-1]) * scale`` over K staged slots in one pass,
   optionally adding ``sum(dst_new ** 2)`` into ``sumsq_out`` (for gradient-norm clipping).
 
 The Triton implementations live in ``kernels/_triton.py`` and are imported on first use, so importing this

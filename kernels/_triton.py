@@ -3,7 +3,7 @@
 No autotuning: these kernels run inside the training loop (the hierarchy's fold at every ``sync``), and Triton's
 autotuner benchmarks every config at the first call of each new shape, with device-wide synchronisations, i.e.
 inside a step. They are memory-bound streaming kernels, so the launch config is a fixed function of the size
-(:func:`_config`): 1024-element blocks with 4 warps for small tensors, 4096 with 8 warps once there are enough
+(``_config``): 1024-element blocks with 4 warps for small tensors, 4096 with 8 warps once there are enough
 blocks to fill the GPU.
 
 Interpreter mode (``TRITON_INTERPRET=1``, set before this module is imported) runs them on CPU tensors: every

@@ -2,9 +2,9 @@
 
 ``kernel[grid](*args, **constexprs)`` runs Triton's whole binder on every call (knobs, device and stream queries,
 argument specialisation, the cache key, the globals check): 9-31 µs of host time per launch, measured. A
-:class:`CachedKernel` pays that once per *argument signature*: the first launch goes through ``kernel[grid]``
+``CachedKernel`` pays that once per *argument signature*: the first launch goes through ``kernel[grid]``
 (which compiles and returns the ``CompiledKernel``), later launches with the same signature call that kernel's
-runner directly with raw pointers and the current stream. :meth:`CachedKernel.bind` goes one step further for a
+runner directly with raw pointers and the current stream. ``CachedKernel.bind`` goes one step further for a
 caller that repeats one launch (a transfer plan, per caller tensor): the runner with every argument bound, so a
 launch is the hook check and one call.
 
@@ -13,7 +13,7 @@ specialisation its arguments do not have: each tensor's dtype and 16-byte alignm
 u64) and whether it is 1 or a multiple of 16 (kept even for ``do_not_specialize`` arguments: a few more entries,
 never a wrong one), each float as a float, and the constexprs. Triton's own ``kernel[grid]`` is used on every call
 instead where the fast path does not apply: under the interpreter, while a launch hook is set (profilers hook
-Triton's path), and on a Triton line whose runner convention is not the one below (:func:`runner_supported`).
+Triton's path), and on a Triton line whose runner convention is not the one below (``runner_supported``).
 
 The runner convention, read from the sources of triton 3.5.1, 3.6.0 and 3.9.0 (``CompiledKernel.run`` as
 ``JITFunction.run`` calls it)::
@@ -111,9 +111,9 @@ class CachedKernel:
         streams of its own: a CPU transport under a stubbed driver).
 
         ``None`` where the fast path does not apply: under the interpreter, on a Triton line with another runner,
-        or before the signature was launched once through :meth:`__call__` (which compiles it). The caller keeps
+        or before the signature was launched once through ``__call__`` (which compiles it). The caller keeps
         ``args``' tensors alive while it keeps the launch (the launch holds them too, for its fallback). While a
-        launch hook is set, the launch goes through Triton's path, as :meth:`__call__` does."""
+        launch hook is set, the launch goes through Triton's path, as ``__call__`` does."""
         if len(late) > 1 or not all(type(x) is float for x in late):
             raise TypeError("CachedKernel.bind: at most one late argument, a float (its value is not specialised)")
         if not self._fast:

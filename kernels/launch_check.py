@@ -7,7 +7,7 @@ PTX check's ``PTX_ARGS``) never builds those variants. Example: ``_accumulate_sl
 (``k == 1``) was, on triton 3.5-3.6, a zero-trip loop that failed to compile (``PassManager::run failed``) on every
 GPU, while its ``PTX_ARGS`` compiled fine with ``k`` typed ``i32``.
 
-:func:`compiled_launches` installs a fake CUDA driver for one target (``sm_<arch>``), whose launch does nothing,
+``compiled_launches`` installs a fake CUDA driver for one target (``sm_<arch>``), whose launch does nothing,
 runs a kernel module's examples, and returns every kernel they compiled, with its specialization and its PTX (or
 the compiler's error). The examples call the module's real launchers with CPU tensors standing for what real
 callers pass, so a change of launcher (a new argument, another block size) is compiled as it will run.
@@ -154,7 +154,7 @@ def _record(case: str, what: str, kernel: Any) -> Launch:
 
 
 def compiled_launches(module: ModuleType, arch: int) -> list[Launch]:
-    """Run every example of ``module`` with Triton compiling for ``sm_<arch>``; one :class:`Launch` per distinct
+    """Run every example of ``module`` with Triton compiling for ``sm_<arch>``; one ``Launch`` per distinct
     compiled kernel, or one carrying the error when an example raised (e.g. the compiler failed)."""
     out: list[Launch] = []
     for case, what, call in launch_examples(module):

@@ -17,7 +17,7 @@ The kernels use only builtins of ``triton.language``, none of its ``@triton.jit`
 before ``symm-cpu`` set the interpreter up (torch does, e.g. for SDPA) holds compiled ones the interpreter cannot
 call.
 
-:data:`ORDERING` declares, per kernel, the atomics its protocol needs as ``(op, sem, scope)``: the PTX check
+``ORDERING`` declares, per kernel, the atomics its protocol needs as ``(op, sem, scope)``: the PTX check
 compiles each kernel and asserts them; docs/design.md ("One-node Triton transport") gives the arguments.
 """
 
@@ -105,7 +105,7 @@ def push_kernel(table_ptr, desc_ptr, f1, f2, scale, SRC: tl.constexpr, ACC: tl.c
     ``SRC`` int64 the source is already quantised (``scale``, ``f1``, ``f2`` unused); with a float ``SRC`` the kernel
     quantises in registers, ``q = round_half_even(fp64(fp32(src * scale)) * f1 * f2)`` (``f1 * f2 = 2**F``, two
     powers of two that fp32 arguments can carry), bit for bit the host-side quantiser's ``q``. ``scale`` is the
-    last runtime parameter: a bound launch (:func:`bind_push`) takes it at each call."""
+    last runtime parameter: a bound launch (``bind_push``) takes it at each call."""
     b = tl.program_id(0).to(tl.int64)
     row = desc_ptr + tl.program_id(1).to(tl.int64) * 4
     n = tl.load(row + 3)
@@ -261,7 +261,7 @@ def _grid(desc: torch.Tensor, longest: int) -> tuple[int, int]:
 
 def push(table: torch.Tensor, desc: torch.Tensor, longest: int, scale: float, src_dtype: torch.dtype,
          acc_dtype: torch.dtype = torch.float32, shift: int = 0) -> None:
-    """Launch :func:`push_kernel` over the rows of ``desc`` (``longest`` = the largest ``numel`` of a row); into an
+    """Launch ``push_kernel`` over the rows of ``desc`` (``longest`` = the largest ``numel`` of a row); into an
     int64 accumulator from a float source, each value is quantised with ``2**shift`` in the kernel."""
     half = shift // 2  # 2**shift as two fp32-representable factors (|shift| <= 200)
     _launch(push_kernel, _grid(desc, longest), table, desc, math.ldexp(1.0, half), math.ldexp(1.0, shift - half),
@@ -269,14 +269,14 @@ def push(table: torch.Tensor, desc: torch.Tensor, longest: int, scale: float, sr
 
 
 def fetch(table: torch.Tensor, desc: torch.Tensor, longest: int, dtype: torch.dtype) -> None:
-    """Launch :func:`fetch_kernel` over the rows of ``desc``."""
+    """Launch ``fetch_kernel`` over the rows of ``desc``."""
     _launch(fetch_kernel, _grid(desc, longest), table, desc, DT=word_dtype(dtype), BLOCK=BLOCK)
 
 
 def bind_fetch(table: torch.Tensor, desc: torch.Tensor, longest: int, dtype: torch.dtype,
                stream: int | None) -> Callable[[], None] | None:
-    """:func:`fetch` of these arguments made ready to repeat (``launch()``: the compiled runner, nothing else); ``None``
-    where the cached launch path does not apply (then call :func:`fetch`), or before :func:`fetch` compiled this
+    """``fetch`` of these arguments made ready to repeat (``launch()``: the compiled runner, nothing else); ``None``
+    where the cached launch path does not apply (then call ``fetch``), or before ``fetch`` compiled this
     signature. ``stream``: the raw stream to launch on, ``None`` for the current one at each launch."""
     if _LAUNCH is not None:
         return None
@@ -286,7 +286,7 @@ def bind_fetch(table: torch.Tensor, desc: torch.Tensor, longest: int, dtype: tor
 
 def bind_push(table: torch.Tensor, desc: torch.Tensor, longest: int, src_dtype: torch.dtype,
               stream: int | None) -> Callable[[float], None] | None:
-    """:func:`push` into an fp32 accumulator made ready to repeat (``launch(scale)``), as :func:`bind_fetch`."""
+    """``push`` into an fp32 accumulator made ready to repeat (``launch(scale)``), as ``bind_fetch``."""
     if _LAUNCH is not None:
         return None
     # f1 = f2 = 1.0 (2**0): unused by a float accumulator
@@ -296,19 +296,19 @@ def bind_push(table: torch.Tensor, desc: torch.Tensor, longest: int, src_dtype: 
 
 def put_signal(table: torch.Tensor, desc: torch.Tensor, longest: int, dtype: torch.dtype,
                signal_offsets: torch.Tensor, counters: torch.Tensor) -> None:
-    """Launch :func:`put_signal_kernel`; ``counters`` is a zeroed ``int64[rows]`` scratch on the same device."""
+    """Launch ``put_signal_kernel``; ``counters`` is a zeroed ``int64[rows]`` scratch on the same device."""
     _launch(put_signal_kernel, _grid(desc, longest), table, desc, signal_offsets, counters, DT=word_dtype(dtype),
             BLOCK=BLOCK)
 
 
 def wait(word: torch.Tensor, target: int, abort: torch.Tensor, status: torch.Tensor) -> None:
-    """Launch :func:`wait_kernel` on a local ``int64`` signal word (a 1-element view)."""
+    """Launch ``wait_kernel`` on a local ``int64`` signal word (a 1-element view)."""
     _launch(wait_kernel, (1,), word, int(target), abort, status)
 
 
 def barrier(table: torch.Tensor, members: torch.Tensor, rank: int, row_offset: int, epoch: int,
             abort: torch.Tensor, status: torch.Tensor) -> None:
-    """Launch :func:`barrier_kernel`; ``status`` has ``1 + len(members)`` int64 words."""
+    """Launch ``barrier_kernel``; ``status`` has ``1 + len(members)`` int64 words."""
     _launch(barrier_kernel, (1,), table, members, members.numel(), int(rank), int(row_offset), int(epoch), abort,
             status)
 

@@ -39,11 +39,11 @@ What counts as an ordered operation, and how it is named (PTX ISA, "Memory Consi
   ``sem="acquire"`` into ``ld.acquire``.
 * ``fence.<sem>.<scope>`` and ``membar.<level>`` (``membar.gl`` = ``fence.sc.gpu``): ``("fence", sem, scope)``.
 
-Mutation check (:func:`mutation_survivors`): every ``sem="..."`` / ``scope="..."`` literal in a kernel's source is
+Mutation check (``mutation_survivors``): every ``sem="..."`` / ``scope="..."`` literal in a kernel's source is
 changed, one at a time, the kernel is recompiled from the changed source, and its cases must then fail the check.
 A literal whose change no case notices is reported: the table would not catch a mistake there.
 
-Launch check (:func:`check_launches`): ``PTX_ARGS`` types each argument, but Triton compiles a launch for the
+Launch check (``check_launches``): ``PTX_ARGS`` types each argument, but Triton compiles a launch for the
 argument *values* (an int equal to 1 becomes a constant, multiples of 16 and 16-byte aligned pointers get an
 attribute). A module that defines ``launch_examples()`` has each example compiled through Triton's launch path with
 a fake driver (``odc_runtime.kernels.launch_check``), and every kernel so compiled must compile and pass the same exact

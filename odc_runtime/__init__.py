@@ -1,8 +1,8 @@
 """odc_runtime: On-Demand Communication for LLM post-training.
 
 FSDP's per-layer all-gather and reduce-scatter are replaced by one-sided operations on symmetric memory:
-:func:`fetch` reads parameter shards from their owners, :func:`push` adds gradient slices into their owners'
-accumulators, and :func:`sync` is the only barrier, once per minibatch. Importing this package needs neither a
+``fetch`` reads parameter shards from their owners, ``push`` adds gradient slices into their owners'
+accumulators, and ``sync`` is the only barrier, once per minibatch. Importing this package needs neither a
 GPU nor the compiled extension.
 
 Typical loop::
@@ -98,7 +98,7 @@ def __getattr__(name: str) -> Any:
 
 def device_type() -> str:
     """``torch.device`` type of the tensors the active transport works on (``"cpu"`` for ``host``, ``"cuda"`` for
-    ``nvshmem``: :attr:`odc_runtime.transport.Transport.device_type`); OdcNotInitializedError before ``init``."""
+    ``nvshmem``: ``odc_runtime.transport.Transport.device_type``); OdcNotInitializedError before ``init``."""
     from odc_runtime import state
 
     return state.require("device_type", read_only=True).transport.device_type

@@ -1,17 +1,17 @@
 """Rank agreement: every collective step fails on every rank together, within ``ODC_TIMEOUT``, or on none.
 
 A rank that rejects its arguments (or hits any local error) must not simply raise: its peers would wait forever in
-the collective it abandoned. :func:`gather_checked` runs the local step everywhere, exchanges the outcomes, and
+the collective it abandoned. ``gather_checked`` runs the local step everywhere, exchanges the outcomes, and
 then raises on every rank if any rank failed. Local errors of every kind reach the exchange (an ``OSError`` from
 ``mmap`` as much as a bad argument), so no peer is left behind.
 
 The exchange itself is bounded. Before a transport exists (``init``) it goes through the ``torch.distributed``
-store with our own deadline (:class:`StoreExchange`) instead of a gloo collective, whose wait is the process
+store with our own deadline (``StoreExchange``) instead of a gloo collective, whose wait is the process
 group's (30 minutes by default) and whose error on a dead peer is a raw ``RuntimeError`` naming a port. A transport
 may offer its own exchange (the host transport's goes through its shared control pages, where ranks in
 *different* collectives see each other's operation at once). Either way a peer that died while we waited is
-reported as :class:`~odc_runtime.errors.OdcPeerLostError` naming its rank, as soon as its death is seen when it ran
-on this machine, else after ``ODC_TIMEOUT`` as :class:`~odc_runtime.errors.OdcTimeoutError` naming the rank.
+reported as ``OdcPeerLostError`` naming its rank, as soon as its death is seen when it ran
+on this machine, else after ``ODC_TIMEOUT`` as ``OdcTimeoutError`` naming the rank.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ _PEERS: dict[int, tuple[str, int, int | None]] = {}
 
 
 class StoreExchange:
-    """:class:`Exchange` through the default ``torch.distributed`` store with an explicit deadline.
+    """``Exchange`` through the default ``torch.distributed`` store with an explicit deadline.
 
     Round ``k`` of this process writes key ``odc_runtime/agree/<k>/<rank>`` and polls for the peers' keys. A
     rank deletes its key of round ``k-1`` once round ``k`` completed (every peer posted round ``k``, so every peer
@@ -251,9 +251,9 @@ def gather_checked(
     """Collective: run ``local()`` on every rank and return every rank's result (indexed by rank).
 
     ``local`` returns a JSON-serialisable value (tuples come back as tuples). If it raised on some rank, that
-    rank raises its error (any non-:class:`OdcError` wrapped in :class:`OdcBackendError`) and every other rank
-    raises :class:`OdcMismatchError` naming the rank and its error (:class:`OdcMemoryError` when every failure
-    was one). ``exchange`` defaults to a :class:`StoreExchange` bounded by ``timeout`` (else ``ODC_TIMEOUT``).
+    rank raises its error (any non-``OdcError`` wrapped in ``OdcBackendError``) and every other rank
+    raises ``OdcMismatchError`` naming the rank and its error (``OdcMemoryError`` when every failure
+    was one). ``exchange`` defaults to a ``StoreExchange`` bounded by ``timeout`` (else ``ODC_TIMEOUT``).
     """
     error: OdcError | None = None
     value: T | None = None

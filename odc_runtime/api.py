@@ -1,8 +1,8 @@
 """The core API: ``init``, ``shard``, ``fetch``, ``push``, ``sync``, ``finalize``.
 
-Layout: :mod:`odc_runtime.layout` (where element ``i`` of a tensor lives; every rank of the world allocates the
+Layout: ``odc_runtime.layout`` (where element ``i`` of a tensor lives; every rank of the world allocates the
 same number of parameter and fp32 accumulator elements, so one offset addresses a buffer on every peer). Plans and
-their cache: :mod:`odc_runtime.plans`.
+their cache: ``odc_runtime.plans``.
 
 Groups. ``shard(t, group=g)`` is still collective over the whole world (every rank calls it, each with the group it
 belongs to, e.g. its row of a device mesh); the groups of one call must partition the ranks. ``fetch``/``push``
@@ -12,15 +12,16 @@ without per-group heaps; see docs/design.md ("Process groups") for why this cann
 
 Every public call validates all of its arguments before it issues any remote operation, so a rejected ``push``
 changes no accumulator anywhere. Collective calls (``init``, ``shard``, ``free``, ``finalize``) run their checks
-on every rank and agree on the outcome (:mod:`odc_runtime.agree`), within ``ODC_TIMEOUT``: they fail on every rank
+on every rank and agree on the outcome (``odc_runtime.agree``), within ``ODC_TIMEOUT``: they fail on every rank
 together. A forked child of a rank (e.g. a DataLoader worker) may not use the runtime at all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -49,12 +50,27 @@ log = logging.getLogger("odc_runtime")
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ACCUM_DTYPES = (torch.float32,)
+@contextlib.contextmanager
+def _blaming_odc_backend(backend: str | None) -> Iterator[None]:
+    """An OdcError raised inside, while the transport came from ``ODC_BACKEND`` (``backend`` is None), says so:
+    its advice names ``backend=``, and a user who never passed one would not look for the variable."""
+    try:
+        yield
+    except OdcError as e:
+        requested = config.backend_name(backend) if backend is None else None
+        if requested is not None and e.args and isinstance(e.args[0], str):
+            e.args = (f"{e.args[0]} [the backend {requested!r} came from ODC_BACKEND={requested}: change or unset "
+                      "it; init(backend=...) takes precedence over it]", *e.args[1:])
+        raise
+
+
 def _backend_facts(backend: str | None) -> tuple[str | None, tuple[str, ...], str]:
-    """This rank's input to :func:`odc_runtime.transport.choose`: the requested transport (checked against the
+    """This rank's input to ``odc_runtime.transport.choose``: the requested transport (checked against the
     registry) or None, the transports it could choose, its host name."""
     choice = config.backend_name(backend)
     if choice is not None:
-        return registry.get(choice).name, (), socket.gethostname()
+        with _blaming_odc_backend(backend):
+            return registry.get(choice).name, (), socket.gethostname()
     return None, registry.auto_candidates(), socket.gethostname()
 
 
@@ -73,8 +89,9 @@ def init(
         backend: a name from the transport registry (``odc_runtime.transport.names()``): ``"host"`` (CPU shared
             memory, ranks on one machine), ``"symm"`` (GPUs of one node, Triton over PyTorch SymmetricMemory),
             ``"nvshmem"`` (GPUs, across nodes), ``"symm-cpu"`` (the symm kernels on CPU ranks); or ``None`` to take
-            ``ODC_BACKEND``, else the rule of :func:`odc_runtime.transport.choose`: on one node ``symm`` where
-            available on every rank, else ``nvshmem``, else ``host``; across nodes ``nvshmem``.
+            ``ODC_BACKEND``, else the rule of `odc_runtime.transport.choose`: ``nvshmem`` where its extension
+            is built and works on every rank, else (one node) ``symm`` on GPUs, else ``host``; across nodes
+            ``nvshmem`` only. The choice is logged at INFO and returned by `backend`.
         timeout: seconds any blocking wait may take before raising OdcTimeoutError (default ``ODC_TIMEOUT`` or
             300); it also bounds every collective step of ``init`` itself.
         heap_size: symmetric memory per rank in bytes or as ``"4G"``; host default ``ODC_HEAP_SIZE`` or 1 GiB;
@@ -127,7 +144,15 @@ def init(
                     (5, "debug setting (ODC_DEBUG)")):
         require_same("init", [r[i] for r in results], rule=f"needs the same {what} on every rank")
     _, resolved_timeout, requested_nodes, slots, exact, checked = results[dist.get_rank()]
-    transport = registry.get(name).create(timeout=resolved_timeout, heap_size=heap_size)
+    with _blaming_odc_backend(backend):
+        _start(name, backend_timeout=resolved_timeout, heap_size=heap_size, requested_nodes=requested_nodes,
+               slots=slots, exact=exact, checked=checked)
+
+
+def _start(name: str, *, backend_timeout: float, heap_size: int | str | None, requested_nodes: int | None,
+           slots: int | None, exact: bool, checked: bool) -> None:
+    """Create the agreed transport ``name`` and start the runtime on it (the second half of ``init``)."""
+    transport = registry.get(name).create(timeout=backend_timeout, heap_size=heap_size)
     try:
         nodes = requested_nodes or transport.node_size()
         if nodes < transport.world_size and not transport.capabilities.signals:
@@ -141,7 +166,7 @@ def init(
         if nodes < transport.world_size:
             hierarchy = Hierarchy(transport, nodes, slots)
             # A transport may refuse the layout on some ranks only (e.g. a node without peer pointers): agreed.
-            gather_checked("init (nodes)", lambda: transport.use_nodes(nodes), exchange=StoreExchange(resolved_timeout))
+            gather_checked("init (nodes)", lambda: transport.use_nodes(nodes), exchange=StoreExchange(backend_timeout))
     except BaseException:
         transport.finalize()  # deterministic on every rank (agreed inputs), so every rank gets here together
         raise
@@ -155,14 +180,14 @@ def init(
 
 
 def is_initialized() -> bool:
-    """Whether :func:`init` has been called and :func:`finalize` has not."""
+    """Whether ``init`` has been called and ``finalize`` has not."""
     return state.current is not None
 
 
 def finalize() -> None:
     """Collective: wait for peers, then free all symmetric memory. Idempotent.
 
-    Every :class:`ShardedTensor` becomes unusable. If a peer is dead the wait ends as soon as that is seen (at the
+    Every ``ShardedTensor`` becomes unusable. If a peer is dead the wait ends as soon as that is seen (at the
     latest after ``ODC_TIMEOUT``), the local resources are still released, and the error is raised. If an earlier
     collective already reported a lost or stuck peer, ``finalize`` does not wait again: it releases the local
     resources and returns. Raises OdcUsageError in a forked child of a rank.
@@ -188,7 +213,8 @@ def finalize() -> None:
 
 
 def backend() -> str:
-    """Name of the active transport (``"host"`` or ``"nvshmem"``)."""
+    """Name of the active transport: ``"host"``, ``"symm"``, ``"nvshmem"`` or ``"symm-cpu"``
+    (``odc_runtime.transport.names()``)."""
     return state.require("backend", read_only=True).transport.name
 
 
@@ -291,7 +317,7 @@ def _shard_steps(
     runtime: Runtime, op: str, local_checks: Callable[[], tuple], tensor: torch.Tensor, name: str, seq: int,
     accum_dtype: torch.dtype, requires_grad: bool, group: dist.ProcessGroup | None, allocated: list[SymmetricBuffer],
 ) -> ShardedTensor:
-    """The collective steps of :func:`shard` (agreement, allocations, initial values, mirrors); every buffer is
+    """The collective steps of ``shard`` (agreement, allocations, initial values, mirrors); every buffer is
     appended to ``allocated`` as soon as it exists."""
     transport = runtime.transport
     world, me = transport.world_size, transport.rank
@@ -333,10 +359,10 @@ def _shard_steps(
 
 
 def _undo_shard(runtime: Runtime, op: str, error: BaseException, seq: int, allocated: list[SymmetricBuffer]) -> None:
-    """Release what a failed :func:`shard` allocated, under the fail-stop rule (docs/design.md, "Fail-stop").
+    """Release what a failed ``shard`` allocated, under the fail-stop rule (docs/design.md, "Fail-stop").
 
     An error every rank raised at the same step (an agreed rejection, a mismatched round, a full heap: any
-    :class:`OdcError` but a timeout) leaves every rank with the same allocations, so they are freed collectively
+    ``OdcError`` but a timeout) leaves every rank with the same allocations, so they are freed collectively
     and the runtime stays usable. Anything else (an interrupt, an exception a signal handler raised, a timed-out
     local wait) struck this rank alone between collective steps its peers wait in: the runtime is failed here
     (peers learn it within a liveness period), the memory is released locally, and the error is re-raised as it
@@ -394,7 +420,7 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
     """Gather the full tensor (original shape) by reading every owner's shard; the owners do nothing.
 
     ``out`` (optional) must have ``st``'s shape and dtype, live on the transport's device and be contiguous.
-    Returns the tensor, or a :class:`Handle` whose ``wait()`` returns it when ``async_op=True``.
+    Returns the tensor, or a ``Handle`` whose ``wait()`` returns it when ``async_op=True``.
     """
     runtime = state.current
     if (
@@ -440,7 +466,7 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
 
     ``grad`` has ``st``'s full shape, a float dtype (fp32/bf16/fp16) and lives on the transport's device; any
     strided layout is taken element by element (a non-contiguous one is copied to a contiguous one first). The sum
-    is visible in the owners' ``st.grad`` after the next :func:`sync`. With ``async_op=True`` do not modify
+    is visible in the owners' ``st.grad`` after the next ``sync``. With ``async_op=True`` do not modify
     ``grad`` until the returned handle's ``wait()`` returned.
     """
     runtime = state.current
@@ -483,7 +509,7 @@ def sync(group: dist.ProcessGroup | None = None, *, gradients: bool = True, para
     After it returns on any rank, every push issued by any rank before its ``sync()`` is in the owners'
     ``st.grad``, and every write to ``st.local`` made before it is what any later ``fetch`` returns.
 
-    With ``group`` (a process group passed to :func:`shard` before; this rank must be a member) only that group's
+    With ``group`` (a process group passed to ``shard`` before; this rank must be a member) only that group's
     ranks take part, and the guarantee holds for the tensors sharded over it: their pushes and writes are fenced.
     Calls with and without a group must come in the same order on the ranks they share (a rank in a group sync
     that a member meets in a world-wide collective raises OdcMismatchError on both, where the transport can tell).

@@ -4,10 +4,10 @@ With collectives (FSDP) every rank must run the same number of micro-batches and
 ``i`` is a barrier across ranks, so the time of a minibatch is the sum over micro-batch *steps* of the slowest
 rank's micro-batch. With ODC the only barrier is once per minibatch, so the time is the slowest rank's *total*.
 This module plans both kinds of schedule from sequence lengths and a per-sequence cost model, and predicts what
-each would waste (:func:`imbalance`). It is pure Python (no torch) so it can run in a data loader.
+each would waste (``imbalance``). It is pure Python (no torch) so it can run in a data loader.
 
-A plan is ``plan[rank][i] = [sample indices of rank's i-th micro-batch]``. Policies (:data:`POLICY_REGISTRY`;
-:data:`POLICIES` lists their names):
+A plan is ``plan[rank][i] = [sample indices of rank's i-th micro-batch]``. Policies (``POLICY_REGISTRY``;
+``POLICIES`` lists their names):
 
 ``"local_sort"``
     The baseline: samples dealt round robin (``rank r`` gets indices ``r, r + W, r + 2W, ...``, as
@@ -23,7 +23,7 @@ A plan is ``plan[rank][i] = [sample indices of rank's i-th micro-batch]``. Polic
     Each rank's total over the whole minibatch balanced; counts differ between ranks and may be zero (ODC).
 ``"lb_mini_split"``
     ``lb_mini``, with outlier samples split into chunks that a gang of ranks runs together; such a micro-batch
-    holds one :class:`odc_runtime.split.Chunk` instead of sample indices (:mod:`odc_runtime.split`).
+    holds one ``odc_runtime.split.Chunk`` instead of sample indices (``odc_runtime.split``).
 
 The cost of a micro-batch is the sum of its sequences' costs (packed variable-length attention is quadratic per
 sequence, not in the packed length). Fixed per-micro-batch overheads (e.g. fetching the parameters once per
@@ -74,7 +74,7 @@ def plan(
     """Assign samples to ranks and micro-batches; ``result[rank][i]`` lists rank's i-th micro-batch.
 
     Every sample index appears exactly once; no micro-batch holds more than ``max_tokens`` tokens. A sample
-    longer than ``max_tokens`` raises :class:`OdcUsageError`, or with ``allow_oversized=True`` gets a
+    longer than ``max_tokens`` raises ``OdcUsageError``, or with ``allow_oversized=True`` gets a
     micro-batch of its own. Within a micro-batch indices are ascending; a rank's micro-batches come most
     expensive first (for ``"lb_micro"`` the i-th micro-batches of all ranks form step i, and steps come
     most expensive first). The result is deterministic: no randomness, ties broken by index.
@@ -85,7 +85,7 @@ def plan(
     Graham's bound).
 
     ``max_gang_size``: for policies that split samples (``lb_mini_split``), the most ranks one sample may be split
-    across (default the world size); pass the same value to :class:`odc_runtime.gang.GangExchange`, whose memory
+    across (default the world size); pass the same value to ``odc_runtime.gang.GangExchange``, whose memory
     grows with it. Other policies never split, so the cap holds for them as it is.
     """
     entry = get_policy(policy)
@@ -123,11 +123,11 @@ class Policy:
     """One balancing policy: its name, its planner and what its plans promise.
 
     ``planner`` receives the validated problem (lengths, per-sample costs, ranks, token cap) and returns a
-    :data:`Plan` with the guarantees :func:`plan` documents. ``equal_counts``: every rank gets the same number
+    ``Plan`` with the guarantees ``plan`` documents. ``equal_counts``: every rank gets the same number
     of micro-batches (padded with empty ones where needed), so collectives (FSDP) can run the plan; when
     ``False`` counts differ between ranks and only ODC can run it. ``summary`` is one line for tables and help.
-    ``splits``: the plan may hold :class:`odc_runtime.split.Chunk` entries (a sample over ``max_tokens`` is split,
-    not refused), which only a runtime with gang attention (:mod:`odc_runtime.gang`) can run.
+    ``splits``: the plan may hold ``odc_runtime.split.Chunk`` entries (a sample over ``max_tokens`` is split,
+    not refused), which only a runtime with gang attention (``odc_runtime.gang``) can run.
     """
 
     name: str
@@ -143,7 +143,7 @@ class Policy:
 
 
 #: Every balancing policy by name, in a fixed order (the baseline first). Adding a policy is one entry here:
-#: :func:`plan`, :data:`POLICIES`, the benchmarks and the examples all derive from this mapping.
+#: ``plan``, ``POLICIES``, the benchmarks and the examples all derive from this mapping.
 POLICY_REGISTRY: Mapping[str, Policy] = MappingProxyType({
     p.name: p
     for p in (
@@ -167,7 +167,7 @@ POLICIES: tuple[str, ...] = tuple(POLICY_REGISTRY)
 
 
 def get_policy(name: str) -> Policy:
-    """The registered policy called ``name``; :class:`OdcUsageError` naming the valid ones otherwise."""
+    """The registered policy called ``name``; ``OdcUsageError`` naming the valid ones otherwise."""
     policy = POLICY_REGISTRY.get(name) if isinstance(name, str) else None
     if policy is None:
         raise OdcUsageError(f"unknown policy {name!r}; valid policies: {', '.join(POLICY_REGISTRY)}")
@@ -196,7 +196,7 @@ class Imbalance:
 
 
 def imbalance(plan: Plan, lengths: Sequence[int], cost: CostModel = DEFAULT_COST_MODEL) -> Imbalance:
-    """Predicted per-rank totals, waste and times of ``plan`` (from :func:`plan`) for these lengths.
+    """Predicted per-rank totals, waste and times of ``plan`` (from ``plan``) for these lengths.
 
     - ``collective_waste = Σ_i (max_r c[r][i] − mean_r c[r][i])`` and ``collective_time = Σ_i max_r c[r][i]``
       over micro-batch steps i;
@@ -235,7 +235,7 @@ def imbalance(plan: Plan, lengths: Sequence[int], cost: CostModel = DEFAULT_COST
 
 
 def _entry_cost(r: int, i: object, lens: list[int], costs: list[float], cost: CostModel) -> float:
-    """Cost of one plan entry: a sample index, or a chunk of a split sample (:mod:`odc_runtime.split`)."""
+    """Cost of one plan entry: a sample index, or a chunk of a split sample (``odc_runtime.split``)."""
     if isinstance(i, Chunk):
         if not 0 <= i.sample < len(lens) or i.length != lens[i.sample]:
             raise OdcUsageError(f"plan[{r}] holds {i!r}, which does not match lengths[{i.sample}]")

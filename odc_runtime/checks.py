@@ -1,7 +1,7 @@
 """Argument checks of the core API, each run once, before any allocation or remote effect.
 
-Every public entry point of :mod:`odc_runtime.api` checks its arguments here (collective calls on every rank,
-agreed through :mod:`odc_runtime.agree`), so a rejected call changes nothing anywhere.
+Every public entry point of ``odc_runtime.api`` checks its arguments here (collective calls on every rank,
+agreed through ``odc_runtime.agree``), so a rejected call changes nothing anywhere.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Runtime settings, parsed and validated in one place: explicit arguments win, then environment variables, then
-defaults. A bad value is an :class:`~odc_runtime.errors.OdcUsageError` naming the variable; a variable that is set
+defaults. A bad value is an ``OdcUsageError`` naming the variable; a variable that is set
 but empty is an error too (it is never taken as "unset", nor as the current directory).
 
 Every setting (variable, meaning, default, accepted values) is listed once, in the configuration table of
@@ -215,7 +215,7 @@ def deterministic(arg: bool | None) -> bool:
 
 def debug() -> bool:
     """``ODC_DEBUG``: fingerprint every collective call of the core API and compare it across ranks
-    (:mod:`odc_runtime.debug`); off by default."""
+    (``odc_runtime.debug``); off by default."""
     return env_flag("ODC_DEBUG", False)
 
 
@@ -232,7 +232,7 @@ def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None)
 
 
 def env_int(name: str, default: int, *, minimum: int = 1, environ: Mapping[str, str] | None = None) -> int:
-    """A byte-size setting (``4096``, ``64K``; see :func:`parse_size`) of at least ``minimum``."""
+    """A byte-size setting (``4096``, ``64K``; see ``parse_size``) of at least ``minimum``."""
     raw = env(name, environ)
     if raw is None:
         return default

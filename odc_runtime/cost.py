@@ -1,8 +1,8 @@
-"""The cost model of the balancers: the time of one sequence, ``a·s² + b·s`` (:class:`CostModel`), and the
+"""The cost model of the balancers: the time of one sequence, ``a·s² + b·s`` (``CostModel``), and the
 checks of the inputs every planner shares (a positive int, a list of token counts).
 
-Torch-free and below :mod:`odc_runtime.packing`, :mod:`odc_runtime.split` and :mod:`odc_runtime.balance` (which
-re-exports :class:`CostModel` and :data:`DEFAULT_COST_MODEL`, where users import them).
+Torch-free and below ``odc_runtime.packing``, ``odc_runtime.split`` and ``odc_runtime.balance`` (which
+re-exports ``CostModel`` and ``DEFAULT_COST_MODEL``, where users import them).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class CostModel:
         ``seconds[j]``; the model predicts ``a·Σs² + b·Σs``. The two-variable problem is solved exactly, in
         rational arithmetic on the given floats: the unconstrained least-squares solution if both
         coefficients are non-negative, otherwise (the optimum then lies on the boundary ``a = 0`` or
-        ``b = 0``) the better of the two one-variable fits. Raises :class:`OdcUsageError` on bad input or
+        ``b = 0``) the better of the two one-variable fits. Raises ``OdcUsageError`` on bad input or
         when the times do not grow with the lengths at all.
         """
         rows = _fit_rows(lengths_per_microbatch, seconds)
@@ -118,7 +118,7 @@ class CostModel:
         gradients for activations and for weights, each about one forward), 4× with activation
         checkpointing (the forward runs again). ``flops_per_second`` is the *achieved* rate, not the peak:
         the default 400 TFLOP/s is about 40% of an H100's dense bf16 peak. Memory-bound work and
-        communication are not modelled; use :meth:`fit` on measured times when they matter.
+        communication are not modelled; use ``fit`` on measured times when they matter.
         """
         for name, value in (
             ("num_layers", num_layers),

@@ -4,8 +4,8 @@ ODC's collectives pair up by count: a rank that calls ``sync()`` once more than 
 (or ``free``, ``finalize``) and nothing is wrong until the sums are. In debug mode every collective call (``sync``,
 ``shard``, ``free``, ``finalize``) first exchanges its *fingerprint*, the operation and the user's call site (the
 innermost frame outside odc_runtime, torch and contextlib: ``train.py:42 in step``), in one extra round over the
-transport's bounded exchange. Ranks whose fingerprints differ all raise :class:`~odc_runtime.errors.
-OdcRoundMismatchError` at that round, naming every rank's operation and call site; every rank completed the round,
+transport's bounded exchange. Ranks whose fingerprints differ all raise ``odc_runtime.errors.
+OdcRoundMismatchError`` at that round, naming every rank's operation and call site; every rank completed the round,
 so they raise together and none hangs (the round is part of the collective sequence of every rank: the setting is
 agreed at ``init``).
 

@@ -11,7 +11,7 @@ contribution every rank saw in the window before, with headroom. Per element and
   PUSH_BITS - ceil(log2(world))``, so no sum of a window can exceed ``2**62`` in magnitude (no wrap, by bound);
 * a contribution the bound does not cover (``|v| >= 2**E`` or not finite) is found at the next ``sync`` from the
   window's range, which each push folds into two device scalars per unit (no host synchronisation per push); one
-  push too many is refused before it is issued. The next ``sync`` raises :class:`OdcOverflowError` on every rank,
+  push too many is refused before it is issued. The next ``sync`` raises ``OdcOverflowError`` on every rank,
   discards the window's int64 sums on every rank before any of them reaches ``st.grad`` (which keeps what it had;
   an uncovered contribution's integers are meaningless, and are zeroed with the rest) and raises the bound to what
   was seen, so the same minibatch retried succeeds;
@@ -20,7 +20,7 @@ contribution every rank saw in the window before, with headroom. Per element and
   * 2**-F`` (fp64, then fp32) into ``st.grad`` and zeroes ``acc``; round 3 keeps peers' next pushes out until the
   conversion is done. A window without pushes anywhere skips the conversion and round 3.
 
-With nodes smaller than the world (:mod:`odc_runtime.hierarchy`), the hierarchy routes the ``int64`` pushes: its
+With nodes smaller than the world (``odc_runtime.hierarchy``), the hierarchy routes the ``int64`` pushes: its
 accumulator for a tensor is the unit's ``int64`` one, its staging rows and inboxes are ``int64``, and its fold is an
 exact integer add. Every staged row holds a sub-sum of the window's quantised contributions at the same scale
 ``2**-F``, so it is bounded by the same ``2**62`` and any grouping gives the same integer as the flat mode: the same
@@ -147,7 +147,7 @@ class FixedPointAccumulators:
 
     def __init__(self, transport: Transport, nodes: Hierarchy | None = None) -> None:
         """``nodes``: the runtime's hierarchy (nodes smaller than the world), which routes the ``int64`` pushes of
-        the tensors it holds (registered by the caller with :meth:`accumulator` as their accumulator)."""
+        the tensors it holds (registered by the caller with ``accumulator`` as their accumulator)."""
         self.transport = transport
         self.nodes = nodes
         self.precision = fraction_bits(transport.world_size)  # P

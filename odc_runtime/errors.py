@@ -1,4 +1,4 @@
-"""Typed errors raised by odc_runtime. All derive from :class:`OdcError`.
+"""Typed errors raised by odc_runtime. All derive from ``OdcError``.
 
 Every error says what went wrong and what to do; docs/troubleshooting.md lists each error, docs/core-api.md what
 is checked (and what is not).
@@ -21,7 +21,7 @@ class OdcError(RuntimeError):
 
 
 class OdcNotInitializedError(OdcError):
-    """The runtime is used before :func:`odc_runtime.init` or after :func:`odc_runtime.finalize`."""
+    """The runtime is used before ``odc_runtime.init`` or after ``odc_runtime.finalize``."""
 
 
 class OdcUsageError(OdcError, ValueError):
@@ -60,7 +60,7 @@ class OdcPeerLostError(OdcTimeoutError):
 
     Raised as soon as the death is seen (at the latest after ``ODC_TIMEOUT``), naming the rank and the operation.
     The runtime is unusable afterwards: every later collective raises this error again at once, and
-    :func:`odc_runtime.finalize` releases local resources without waiting.
+    ``odc_runtime.finalize`` releases local resources without waiting.
     """
 
 

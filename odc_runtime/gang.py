@@ -1,15 +1,15 @@
 """Gang attention: the K/V exchange between the ranks that run the chunks of one split sample.
 
-A sample split by ``lb_mini_split`` (:mod:`odc_runtime.split`) runs as one micro-batch on the ranks of its *gang*:
+A sample split by ``lb_mini_split`` (``odc_runtime.split``) runs as one micro-batch on the ranks of its *gang*:
 member ``p`` holds chunk ``p`` (some of the sample's tokens, at their global positions). Causal attention needs
 every earlier token's K/V, so at every layer each member gives its K/V to the others and, in the backward pass,
-returns to each owner the gradient with respect to that owner's K/V (dK/dV). :func:`exchange_kv` is that exchange
+returns to each owner the gradient with respect to that owner's K/V (dK/dV). ``exchange_kv`` is that exchange
 as one differentiable operation: forward = gather the gang's K/V, backward = sum each owner's dK/dV contributions.
 The attention itself is ordinary differentiable code over the gathered K/V with a mask from global positions, so
 the split sample's loss and gradients are the unsplit computation's up to floating-point reassociation.
 
-Mechanism. Everything goes through the transport's signalled put (:meth:`Transport.put_signal` /
-:meth:`Transport.wait_signal`), the one point-to-point ordering guarantee the transport interface defines: a
+Mechanism. Everything goes through the transport's signalled put (``Transport.put_signal`` /
+``Transport.wait_signal``), the one point-to-point ordering guarantee the transport interface defines: a
 receiver that sees the signal word reach a count sees the data of every put counted in it. A one-sided ``get`` of
 the owner's own region would need the owner's local write to be visible to a peer without a fence, which the
 interface only promises after a (world-wide) barrier. So member ``s`` *puts* its K/V at layer ``l`` into the next
@@ -22,10 +22,10 @@ put into the sender's ``acks``); within a gang micro-batch a sender reuses a slo
 previous use. A ring serves different senders in different gangs, so before its first put of a gang micro-batch a
 member tells every peer that it started it (a *join*: everything of its earlier gangs is consumed) and waits for
 every peer's join. Only gang members signal one another: no barrier, no collective. Every wait is bounded by the
-transport's timeout (``ODC_TIMEOUT``) and raises :class:`~odc_runtime.errors.OdcTimeoutError` (or
-:class:`~odc_runtime.errors.OdcPeerLostError`) naming the gang, the sample, the layer and the rank that did not
+transport's timeout (``ODC_TIMEOUT``) and raises ``OdcTimeoutError`` (or
+``OdcPeerLostError``) naming the gang, the sample, the layer and the rank that did not
 deliver; a tag that does not match (ranks running different plans or layers, or members that disagree on the member
-order, hence on which chunk each runs) raises :class:`~odc_runtime.errors.OdcMismatchError`. Owners sum
+order, hence on which chunk each runs) raises ``OdcMismatchError``. Owners sum
 contributions in member order, so the result is deterministic.
 
 No host synchronisation per layer. On the GPU ``put_signal``/``wait_signal`` are stream-ordered, so the exchange
@@ -38,7 +38,7 @@ before a wait error is raised, so a mismatch is named as such rather than as the
 Activation checkpointing. A checkpointed layer runs its forward pass again during the backward pass; that
 recomputation exchanges K/V again (tagged as a recomputation), in the same order on every member since they run
 the same model, so the ordering argument is unchanged. The recomputation runs outside the ``with step:`` block (and
-on the GPU on autograd's device thread), so :func:`active_step` also returns the step whose forward pass completed
+on the GPU on autograd's device thread), so ``active_step`` also returns the step whose forward pass completed
 last while autograd is running a backward pass. Run each gang micro-batch's backward pass before the next
 micro-batch's forward pass (as a training loop does).
 
@@ -48,7 +48,7 @@ joins, which each peer puts as soon as it reaches the gang micro-batch, and for 
 soon as it consumed an *earlier* exchange; every rank runs its gang micro-batches first, in increasing gang number.
 
 Memory: ``((max_gang_size - 1) · depth + 1) · 2 · max_chunk_tokens · kv_features`` elements of symmetric memory per
-rank (the rings and the stage; :attr:`GangExchange.nbytes`), plus small tag, credit and signal buffers.
+rank (the rings and the stage; ``GangExchange.nbytes``), plus small tag, credit and signal buffers.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class GangExchange:
     exchange ahead of a peer; 1: lockstep, half the memory); ``max_gang_size``: the most ranks in a gang (default
     the world; memory grows with it, and a larger gang is refused). ``transport`` defaults to the initialised
     runtime's. Memory per rank: ``((max_gang_size - 1) · depth + 1) · 2 · max_chunk_tokens · kv_features``
-    elements of ``dtype`` (:attr:`nbytes` in all).
+    elements of ``dtype`` (``nbytes`` in all).
     """
 
     def __init__(
@@ -170,7 +170,7 @@ class GangExchange:
 
         Raises (and fails the runtime) if the previous step's backward pass started and never ended: an exception
         elsewhere in that backward pass stopped it after this rank had sent some dK/dV (fail-stop, see
-        :class:`GangStep`)."""
+        ``GangStep``)."""
         last = self._backward_open
         if last is not None:
             self._backward_open = None
@@ -202,18 +202,18 @@ class GangExchange:
 class GangStep:
     """One gang micro-batch on this rank: the chunk, its gang, and which layers exchanged so far.
 
-    ``with step:`` makes it the active step (what :func:`active_step` and the Hugging Face attention function
+    ``with step:`` makes it the active step (what ``active_step`` and the Hugging Face attention function
     use); leaving the block after a forward pass that did not exchange at every layer raises
-    :class:`~odc_runtime.errors.OdcUsageError` (the model's attention is not the gang's), and a tag mismatch seen
-    in the forward pass raises :class:`~odc_runtime.errors.OdcMismatchError` there.
+    ``OdcUsageError`` (the model's attention is not the gang's), and a tag mismatch seen
+    in the forward pass raises ``OdcMismatchError`` there.
 
     Fail-stop. Once the step delivered its first put (its join), its members count on every exchange of the rest
     of the step, so an exception that ends it early (an interrupt, a hook that raises, a usage error) marks the
     runtime failed before it propagates (unchanged): on this rank every later operation raises at once, and the
-    members waiting for this rank raise :class:`~odc_runtime.errors.OdcPeerLostError` within the transport's
+    members waiting for this rank raise ``OdcPeerLostError`` within the transport's
     liveness period instead of waiting out ``ODC_TIMEOUT``. This covers exceptions escaping the ``with step:``
     block and the exchanges themselves (forward, recomputation, backward); an exception elsewhere in the backward
-    pass (a tensor hook, another autograd function) never reaches the gang, so the next :meth:`GangExchange.step`
+    pass (a tensor hook, another autograd function) never reaches the gang, so the next ``GangExchange.step``
     finds that backward pass unfinished and fails then. Before the join nothing was delivered: an exception is an
     ordinary error and the step can be run again.
     """
@@ -309,7 +309,7 @@ class GangStep:
 
     def _verify(self) -> None:
         """Compare every received tag not yet checked with the expected one: one device-to-host read. A mismatch
-        marks the runtime failed (fail-stop) and raises :class:`~odc_runtime.errors.OdcMismatchError`."""
+        marks the runtime failed (fail-stop) and raises ``OdcMismatchError``."""
         if not self._received:
             return
         received, self._received = self._received, []

@@ -12,7 +12,7 @@ transfers so that each byte crosses the network once per node and minibatch, not
 * **sync** (``gradients=True``), after a world barrier: every proxy sends each staging row with one
   put-with-signal into its slot of the owner's *inbox* (signal word = source node), waits until every other
   node's put for each tensor arrived in its own inbox, folds the slots into its accumulator with
-  :func:`odc_runtime.kernels.accumulate_slots_` (cast, sum of the slots and add in one pass; Triton on GPU),
+  ``odc_runtime.kernels.accumulate_slots_`` (cast, sum of the slots and add in one pass; Triton on GPU),
   zeroes staging and inbox, and meets the others at a second world barrier.
 * **fetch** from an owner on the caller's node reads the owner's shard; from an owner on another node it reads the
   proxy's *mirror* row, which the proxy refreshes at every ``sync`` with ``parameters=True`` (a get of each
@@ -22,7 +22,7 @@ Memory, per rank and hierarchical tensor: ``(M-1)·S`` fp32 staging + ``K·S`` f
 parameter-dtype mirror, plus two ``int64`` signal words per node for the runtime. ``K`` (``node_slots``) is
 ``M-1`` by default; a smaller ``K`` flushes in ``ceil((M-1)/K)`` rounds, each slot reused only after the owner's
 free signal. Staging and inbox take the dtype of the accumulator they feed: in deterministic mode
-(:mod:`odc_runtime.deterministic`) the ``int64`` fixed-point one, so they are ``int64`` (8 bytes per element
+(``odc_runtime.deterministic``) the ``int64`` fixed-point one, so they are ``int64`` (8 bytes per element
 instead of 4) and the fold is an exact integer sum.
 
 Ordering (why sync is exact and cannot deadlock; docs/design.md has the long form):
@@ -145,7 +145,7 @@ class Hierarchy:
         self._rounds = self._plan_rounds()
 
     def _plan_rounds(self) -> list[_Round]:
-        """The flush's rounds (see :meth:`_flush`): source node ``c`` of an owner on node ``d`` has inbox row
+        """The flush's rounds (see ``_flush``): source node ``c`` of an owner on node ``d`` has inbox row
         ``q = row(c, d)`` there and sends in round ``q // slots`` into slot ``q % slots``."""
         k = self.slots
         rounds = [_Round([], [], []) for _ in range(-(-(self.nodes - 1) // k))]
@@ -249,7 +249,7 @@ class Hierarchy:
     ) -> None:
         """Barrier 1, then flush staged pushes (``gradients``) and refresh mirrors (``parameters``), barrier 2.
 
-        Deterministic mode (:meth:`odc_runtime.deterministic.FixedPointAccumulators.sync`) passes what it agreed
+        Deterministic mode (``odc_runtime.deterministic.FixedPointAccumulators.sync``) passes what it agreed
         in its round 1, the same on every rank: ``pushed``, the tensors some rank pushed into since the last sync
         (only they are flushed, whatever ``gradients`` says: a staged value is quantised with this window's scale,
         so it must be converted in this window), ``discard`` (an overflow window: every rank zeroes those staging
@@ -337,7 +337,7 @@ class Hierarchy:
 
 
 def _fold(dst: torch.Tensor, slots: torch.Tensor) -> None:
-    """``dst += slots[0] + ... + slots[K-1]``: fp32 in one pass (:func:`odc_runtime.kernels.accumulate_slots_`,
+    """``dst += slots[0] + ... + slots[K-1]``: fp32 in one pass (``odc_runtime.kernels.accumulate_slots_``,
     Triton on GPU); int64 (deterministic mode) with torch's integer sum and add, exact, so the grouping does not
     matter (on CUDA: torch's reduction kernel and an elementwise add, a temporary of one shard)."""
     if dst.dtype == torch.int64:

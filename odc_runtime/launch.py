@@ -1,7 +1,7 @@
 """Starting ranks on one machine: the launch helper shared by the examples, the benchmarks and the tests.
 
-Under a launcher (``torchrun``: ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set) :func:`launch` runs the function
-in this process; otherwise it spawns ``nproc`` processes with :mod:`torch.multiprocessing`, each with the
+Under a launcher (``torchrun``: ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` set) ``launch`` runs the function
+in this process; otherwise it spawns ``nproc`` processes with ``torch.multiprocessing``, each with the
 environment ``torch.distributed.init_process_group()`` reads (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` on a free local port).
 """
@@ -39,7 +39,7 @@ def exit_process() -> None:
 def gloo_rank(fn: Callable[..., None], *args: object) -> None:
     """One CPU rank's body: one torch thread (ranks share the machine's cores), the default process group on
     gloo, ``fn(rank, world_size, *args)``, and the group destroyed however ``fn`` ends. Launch it with
-    ``launch(gloo_rank, nproc, fn, *args)`` (``fn`` module-level, as for :func:`launch`)."""
+    ``launch(gloo_rank, nproc, fn, *args)`` (``fn`` module-level, as for ``launch``)."""
     import torch
     import torch.distributed as dist
 
@@ -69,7 +69,7 @@ def launch(fn: Callable[..., None], nproc: int, *args: object, exit_after: bool 
     """Run ``fn(*args)`` on every rank: in this process under a launcher, else in ``nproc`` spawned processes.
 
     ``fn`` must be a module-level function (it is pickled); it reads its rank from the environment and calls
-    ``torch.distributed.init_process_group()``. ``exit_after`` ends each spawned rank with :func:`exit_process`
+    ``torch.distributed.init_process_group()``. ``exit_after`` ends each spawned rank with ``exit_process``
     once ``fn`` returned (under a launcher, this process too). A rank that raises fails the whole launch.
     """
     if under_launcher():

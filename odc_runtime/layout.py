@@ -5,7 +5,7 @@ A tensor of ``numel`` elements is split over the ``parts`` owners of its group i
 owners may own fewer elements, or none). Every rank of the *world* allocates the same number of elements for a
 tensor (the largest ``S`` over the groups of its ``shard`` call), so one offset addresses the buffer on every
 peer; element ``i`` is at element offset ``i - r*S`` of owner ``r``'s region. The hierarchical protocol
-(:mod:`odc_runtime.hierarchy`) keeps this layout and adds node-level rows on top of it.
+(``odc_runtime.hierarchy``) keeps this layout and adds node-level rows on top of it.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def owner_of(numel: int, parts: int, index: int) -> int:
 
 
 def transfer_pieces(numel: int, owners: Sequence[int], me: int) -> list[Piece]:
-    """One :class:`Piece` per owner with data, starting after group rank ``me`` (ranks issuing at once hit
+    """One ``Piece`` per owner with data, starting after group rank ``me`` (ranks issuing at once hit
     different owners first). ``owners`` are the group's global ranks in group-rank order; the pieces name them."""
     parts = len(owners)
     pieces = []

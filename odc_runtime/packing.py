@@ -1,10 +1,10 @@
 """The packing and partitioning primitives of the balancers, and the planners of the policies that place whole
-samples (``local_sort``, ``verl_lb_micro``, ``lb_micro``, ``lb_mini``; :mod:`odc_runtime.balance` documents what
+samples (``local_sort``, ``verl_lb_micro``, ``lb_micro``, ``lb_mini``; ``odc_runtime.balance`` documents what
 each promises and registers them).
 
-Torch-free. :mod:`odc_runtime.split` builds ``lb_mini_split`` on :class:`Job`, :func:`pack`, :func:`by_cost_desc`
-and :func:`plan_lb_mini`; both sit below :mod:`odc_runtime.balance`, which holds the one policy registry.
-A planner takes a validated :class:`Job` and returns a :data:`Plan`: ``plan[rank][i]`` lists the sample indices of
+Torch-free. ``odc_runtime.split`` builds ``lb_mini_split`` on ``Job``, ``pack``, ``by_cost_desc``
+and ``plan_lb_mini``; both sit below ``odc_runtime.balance``, which holds the one policy registry.
+A planner takes a validated ``Job`` and returns a ``Plan``: ``plan[rank][i]`` lists the sample indices of
 rank's i-th micro-batch.
 """
 
@@ -276,7 +276,7 @@ def _refine(job: Job, parts: list[list[int]], cap: int | None) -> list[list[int]
     Each accepted exchange moves cost ``d`` with ``0 < d < gap`` from the dearest part to a cheaper one, so
     no part ends above the old maximum and the sum of squared totals strictly falls: it terminates, and
     the result is never worse than the input. It stops early once the dearest part is within
-    :data:`_GOOD_ENOUGH` of the mean. With ``cap`` every touched part stays within ``cap`` tokens.
+    ``_GOOD_ENOUGH`` of the mean. With ``cap`` every touched part stays within ``cap`` tokens.
     """
     state = _RefineState(job, parts, cap)
     target = (1 + _GOOD_ENOUGH) * math.fsum(state.totals) / len(parts)
@@ -293,7 +293,7 @@ _GOOD_ENOUGH = 1e-4
 
 
 class _RefineState:
-    """Mutable state of :func:`_refine`.
+    """Mutable state of ``_refine``.
 
     Per part, parallel lists sorted by cost: costs, sample indices, lengths (cost grows with length, so the
     lengths are sorted too); plus the part's total cost and free tokens (``inf`` without a cap).

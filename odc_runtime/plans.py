@@ -1,12 +1,12 @@
 """The per-call fast path of ``fetch`` / ``push``: plan keys and the per-tensor plan cache.
 
-The first fetch/push of a ShardedTensor with a given :class:`PlanKey` (tensor type, shape, dtype, device, layout,
+The first fetch/push of a ShardedTensor with a given ``PlanKey`` (tensor type, shape, dtype, device, layout,
 contiguity, requires_grad, transport stream key) runs every check and builds a
-:class:`~odc_runtime.transport.base.TransferPlan` (which peer gets which slice, plus whatever the transport
+``TransferPlan`` (which peer gets which slice, plus whatever the transport
 precomputes: peer pointers, kernel arguments). Later calls with the same key skip straight to ``plan.run()``. A
 key that was rejected is never cached, so every rejected call takes the checked path and raises there. A plan is
 used only while its runtime generation is current and its buffer is not freed (the caller checks the generation,
-:meth:`PlanCache.get` the buffer).
+``PlanCache.get`` the buffer).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ PLAN_CACHE_SIZE = 8  # plans per ShardedTensor (keys differ only by dtype and st
 class PlanKey(NamedTuple):
     """What a cached plan was validated for. ``tensor_type`` is ``None`` for a fetch that allocates its output.
 
-    The fast path builds keys as plain tuples in this field order (:func:`tensor_key`, :func:`output_key`): they
+    The fast path builds keys as plain tuples in this field order (``tensor_key``, ``output_key``): they
     hash and compare equal to the named tuple, and skip its constructor, a third of the per-call cost."""
 
     op: str
@@ -51,12 +51,12 @@ _STRIDED = torch.strided
 
 
 def output_key(op: str, stream: object) -> tuple:
-    """:meth:`PlanKey.for_output` as a plain tuple."""
+    """``PlanKey.for_output`` as a plain tuple."""
     return (op, None, None, None, None, True, False, stream)
 
 
 def tensor_key(op: str, t: torch.Tensor, stream: object) -> tuple | None:
-    """:meth:`PlanKey.for_tensor` as a plain tuple (``key[CONTIGUOUS]`` is the contiguity)."""
+    """``PlanKey.for_tensor`` as a plain tuple (``key[CONTIGUOUS]`` is the contiguity)."""
     if t.layout is not _STRIDED or t.is_nested:
         return None  # the checked path refuses these; some have no shape or is_contiguous()
     return (op, type(t), t.shape, t.dtype, t.device, t.is_contiguous(), t.requires_grad, stream)
@@ -81,7 +81,7 @@ class PlanCache:
         return list(self._plans.values())
 
     def get(self, key: tuple | None) -> TransferPlan | None:
-        """The plan stored for ``key`` (a :class:`PlanKey` or its plain tuple) unless its buffer was freed."""
+        """The plan stored for ``key`` (a ``PlanKey`` or its plain tuple) unless its buffer was freed."""
         plan = self._plans.get(key)  # type: ignore[arg-type]  # None is never stored (see put)
         if plan is None or plan.buf.freed:
             return None

@@ -3,7 +3,7 @@
     python -m odc_runtime.report TRACE_DIR [TRACE_DIR ...] [--out report.png] [--run -1] [--json summary.json]
 
 A trace directory holds one ``rank<r>.jsonl`` per rank (``ODC_TRACE_DIR``, or ``bench/imbalance.py --trace-dir``;
-the line format is :func:`odc_runtime.telemetry.make_record`'s). Each directory gives one timeline panel per label
+the line format is ``odc_runtime.telemetry.make_record``'s). Each directory gives one timeline panel per label
 in it (the runtime's traces have none; the main job labels each configuration), all on one time axis, under a bar
 chart of every rank's idle share. A file may hold several runs (appended): ``--run`` picks one by its position
 (default ``-1``, the last).
@@ -15,7 +15,7 @@ or in a collective for the main job's collective runs); its *idle* time is the w
 traces, busy includes the time spent issuing fetches and pushes: what is idle is what waiting for the other ranks
 (and the time outside the rank's minibatch) cost.
 
-The timeline drawing (:func:`draw_timelines`) is also the main job's (``bench/plots.py``). Plotting needs
+The timeline drawing (``draw_timelines``) is also the main job's (``bench/plots.py``). Plotting needs
 matplotlib (the ``bench`` extra); reading and summarising do not.
 """
 
@@ -137,13 +137,16 @@ def timeline(run: Run) -> list[list[Event]]:
 
 def draw_timelines(fig: Any, slots: Sequence[Any], timelines: dict[str, list[list[Event]]], caption: str) -> None:
     """One panel per timeline (``name -> per-rank events``) in the subplot specs ``slots``, on one time axis from
-    each timeline's first event, so their lengths compare directly; ``caption`` says what the colours are."""
+    each timeline's first event, so their lengths compare directly; ``caption`` says what the colours are (once,
+    under the last panel: in every title it made them too long for the figure)."""
     spans = []
     for per_rank in timelines.values():
         t0 = min((ev[1] for evs in per_rank for ev in evs), default=0.0)
         spans.append((t0, max((ev[2] - t0 for evs in per_rank for ev in evs), default=0.0)))
     xmax = max((s for _, s in spans), default=1.0) * 1.01 or 1.0
-    for slot, ((name, per_rank), (t0, _)) in zip(slots, zip(timelines.items(), spans, strict=True), strict=True):
+    last = len(timelines) - 1
+    for i, (slot, ((name, per_rank), (t0, _))) in enumerate(
+            zip(slots, zip(timelines.items(), spans, strict=True), strict=True)):
         ax = fig.add_subplot(slot)
         for rank, events in enumerate(per_rank):
             by_kind: dict[str, list[tuple[float, float]]] = {}
@@ -155,8 +158,8 @@ def draw_timelines(fig: Any, slots: Sequence[Any], timelines: dict[str, list[lis
         ax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))], fontsize=8)
         ax.invert_yaxis()
         ax.set_xlim(0, xmax)
-        ax.set_title(f"{name}: {caption}", fontsize=9)
-        ax.set_xlabel("seconds")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel(f"seconds; {caption}" if i == last else "seconds", fontsize=8)
 
 
 def plot(runs: list[Run], summaries: list[dict[str, Any]], path: str, *, title: str = "") -> None:

@@ -1,6 +1,6 @@
-"""The objects the core API hands out: :class:`ShardedTensor` (from ``shard``) and :class:`Handle` (from an
-asynchronous ``fetch`` / ``push``). Their layout comes from :mod:`odc_runtime.layout`; the runtime they belong to
-lives in :mod:`odc_runtime.api`.
+"""The objects the core API hands out: ``ShardedTensor`` (from ``shard``) and ``Handle`` (from an
+asynchronous ``fetch`` / ``push``). Their layout comes from ``odc_runtime.layout``; the runtime they belong to
+lives in ``odc_runtime.api``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Handle:
 
 
 class ShardedTensor:
-    """A tensor sharded across the ranks of a group (all ranks by default), created by :func:`shard`.
+    """A tensor sharded across the ranks of a group (all ranks by default), created by ``shard``.
 
     Attributes:
         local: this rank's parameter shard (1-D, writable; the optimizer updates it in place).
@@ -54,7 +54,7 @@ class ShardedTensor:
             ``requires_grad=False`` (no accumulator is allocated; pushing into it is an error).
         shard_range: ``(start, stop)`` of the flattened full tensor owned by this rank.
         nbytes: bytes of the full tensor (what a fetch returns; ``odc_runtime.stats()`` counts them).
-        group: the ``torch.distributed`` process group passed to :func:`shard` (``None``: all ranks).
+        group: the ``torch.distributed`` process group passed to ``shard`` (``None``: all ranks).
         group_ranks: global ranks of the owners, in group-rank order.
         rank, world_size: this rank's rank in the group and the group's size (the world's without a group).
     """

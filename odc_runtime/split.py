@@ -3,21 +3,21 @@
 ``lb_mini`` cannot beat its floor, the costliest single sample, and refuses a sample longer than the token cap.
 ``lb_mini_split`` splits every sample whose cost exceeds a rank's fair share (``total / world_size``) or whose
 length exceeds ``max_tokens`` into ``k`` chunks, run as one micro-batch by ``k`` ranks at once (context
-parallelism for the few samples that need it; their attention exchanges K/V, :mod:`odc_runtime.gang`); every other
+parallelism for the few samples that need it; their attention exchanges K/V, ``odc_runtime.gang``); every other
 sample is placed whole, by LPT over the ranks' loads, and packed as ``lb_mini`` packs.
 
-Plan entries. A micro-batch holds sample indices, or exactly one :class:`Chunk` (a gang micro-batch). A rank's
-gang micro-batches come first, in increasing :attr:`Chunk.gang`: every member meets its gangs in the same agreed
+Plan entries. A micro-batch holds sample indices, or exactly one ``Chunk`` (a gang micro-batch). A rank's
+gang micro-batches come first, in increasing ``Chunk.gang``: every member meets its gangs in the same agreed
 order, so gangs sharing ranks cannot wait on each other in a cycle (docs/design.md, "Splitting outlier sequences").
 
 Causal balance. Causal attention makes late tokens dearer than early ones, so a sample is cut into ``2k`` equal
 pieces and chunk ``p`` takes pieces ``p`` and ``2k - 1 - p`` (head-and-tail pairing): every chunk gets the same
 tokens and, within rounding, the same attention work.
 
-Cost of a chunk (:func:`chunk_cost`), in the units of the :class:`~odc_runtime.balance.CostModel` ``a·s² + b·s``:
+Cost of a chunk (``chunk_cost``), in the units of the ``CostModel`` ``a·s² + b·s``:
 attention ``a·Σ(hi² − lo²)`` over its ranges (the causal square, attributed to the query rows), the linear part
 ``b·tokens``, and the K/V exchange ``kv_ratio·b·(length − tokens)``: every member receives the other members'
-K/V in the forward pass and returns their dK/dV in the backward pass. :data:`KV_RATIO` prices that per token as a
+K/V in the forward pass and returns their dK/dV in the backward pass. ``KV_RATIO`` prices that per token as a
 fraction of the linear cost of a token.
 """
 
@@ -175,7 +175,7 @@ def _max_load(plan: list[list[list[SplitPlanEntry]]], job: Job, cost: CostModel)
 
 def check_split_plan(plan: Sequence[Sequence[Sequence[SplitPlanEntry]]], lengths: Sequence[int], *,
                      world_size: int, max_tokens: int) -> None:
-    """Raise :class:`OdcUsageError` unless ``plan`` covers every sample exactly once (whole, or as all chunks of
+    """Raise ``OdcUsageError`` unless ``plan`` covers every sample exactly once (whole, or as all chunks of
     one gang, each on the rank its gang names, alone in its micro-batch, within ``max_tokens``), keeps micro-batches
     of several samples within ``max_tokens``, and puts each rank's gang micro-batches first in increasing gang."""
     if len(plan) != world_size:

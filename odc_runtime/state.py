@@ -1,8 +1,8 @@
 """The process's runtime state: the one live runtime between ``init`` and ``finalize``, and the guard on it.
 
-The facade (:mod:`odc_runtime.api`, which starts and ends the runtime), :class:`~odc_runtime.sharded.ShardedTensor`
-(which checks that it still belongs to the live runtime) and :mod:`odc_runtime.testing` (which installs a hand-built
-one) all read it, so it lives below all of them. Read :data:`current` as ``state.current`` (it is rebound).
+The facade (``odc_runtime.api``, which starts and ends the runtime), ``ShardedTensor``
+(which checks that it still belongs to the live runtime) and ``odc_runtime.testing`` (which installs a hand-built
+one) all read it, so it lives below all of them. Read ``current`` as ``state.current`` (it is rebound).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What ODC did on this rank: counters, ``torch.profiler`` ranges and the per-minibatch trace.
 
-* **Counters** (:func:`stats`, also ``odc_runtime.stats``): calls of ``fetch``, ``push`` and ``sync`` that
+* **Counters** (``stats``, also ``odc_runtime.stats``): calls of ``fetch``, ``push`` and ``sync`` that
   returned, the bytes they moved, the host seconds spent in ``sync`` and the minibatches ended, since ``init`` (or the
   last ``stats(reset=True)``). Counted on the calling thread by the wrappers below, with no collective and no lock:
   two attribute adds per call (``bench/hostcost.py`` measures what they cost). Unlocked, so two threads calling at
@@ -8,14 +8,14 @@
   while the trainer's thread waits in ``backward``) call from one thread at a time.
 * **Profiler ranges.** While a ``torch.profiler`` records, every ``fetch``, ``push`` and ``sync`` runs inside a
   ``record_function`` range named ``odc.fetch``, ``odc.push``, ``odc.sync``; the gang exchange's steps inside
-  ``odc.gang.*`` ranges (:func:`span`). On GPUs the kernels and copies a call launches are attributed to its range
+  ``odc.gang.*`` ranges (``span``). On GPUs the kernels and copies a call launches are attributed to its range
   by the profiler, as for torch's own ops. When no profiler records, the cost is one flag read.
 * **Trace** (``ODC_TRACE_DIR``): each rank appends one JSON line per minibatch to ``<dir>/rank<r>.jsonl``, written
   and flushed when the minibatch ends (after its closing ``sync``), so a crash loses no finished minibatch.
-  Minibatches are marked by :func:`begin_minibatch` / :func:`end_minibatch`: FSDP ODC mode marks its own; a
+  Minibatches are marked by ``begin_minibatch`` / ``end_minibatch``: FSDP ODC mode marks its own; a
   core-API trainer calls them around each minibatch. ``python -m odc_runtime.report DIR`` draws the lines.
 
-A trace line (:func:`make_record`; one format for the runtime and ``bench/imbalance.py --trace-dir``)::
+A trace line (``make_record``; one format for the runtime and ``bench/imbalance.py --trace-dir``)::
 
     {"v": 1, "run": "...", "label": null, "rank": 0, "world": 2, "minibatch": 3, "start": 1.7e9, "end": 1.7e9,
      "micro_batches": 4, "sync_wait_s": 0.12, "syncs": 2, "fetches": 96, "pushes": 48, "fetch_bytes": ...,
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["FIELDS", "Minibatch", "TraceWriter", "begin_minibatch", "end_minibatch", "make_record", "span", "stats"]
 
-#: The counters, in the order :func:`stats` returns them.
+#: The counters, in the order ``stats`` returns them.
 FIELDS = ("fetches", "pushes", "syncs", "fetch_bytes", "push_bytes", "sync_wait_s", "minibatches")
 TRACE_VERSION = 1
 
@@ -82,7 +82,7 @@ def stats(reset: bool = False) -> dict[str, int | float]:
     Keys: ``fetches``, ``pushes``, ``syncs`` (calls that returned), ``fetch_bytes`` (the full tensor's bytes per
     fetch, this rank's own shard included), ``push_bytes`` (the gradient's bytes per push), ``sync_wait_s`` (host
     seconds in ``sync``: waiting for the peers and for pushes to land; see the module docstring for GPUs) and
-    ``minibatches`` (ended by FSDP ODC mode or :func:`end_minibatch`). ``reset=True`` zeroes them after reading.
+    ``minibatches`` (ended by FSDP ODC mode or ``end_minibatch``). ``reset=True`` zeroes them after reading.
     Usable before ``init`` (zeros) and after ``finalize`` (the ended runtime's figures); ``init`` zeroes them.
     """
     if not isinstance(reset, bool):
@@ -169,7 +169,7 @@ def span(name: str) -> AbstractContextManager:
 
 # -- lifecycle (called by api.init / api.finalize) ----------------------------------------------------------------
 def check_trace_dir() -> str | None:
-    """``ODC_TRACE_DIR`` (:func:`odc_runtime.config.trace_dir`), created if missing; part of ``init``'s checks, so
+    """``ODC_TRACE_DIR`` (``odc_runtime.config.trace_dir``), created if missing; part of ``init``'s checks, so
     a bad value fails every rank together."""
     directory = config.trace_dir()
     if directory is None:
@@ -207,7 +207,7 @@ def stop() -> None:
 
 # -- minibatches ---------------------------------------------------------------------------------------------------
 class Minibatch:
-    """A minibatch open on this rank (:func:`begin_minibatch`); collects the intervals spent in ``sync``."""
+    """A minibatch open on this rank (``begin_minibatch``); collects the intervals spent in ``sync``."""
 
     def __init__(self, label: str | None) -> None:
         self.label = label
@@ -218,7 +218,7 @@ class Minibatch:
 
 def begin_minibatch(label: str | None = None) -> Minibatch:
     """Open a minibatch on this rank (``label`` tells apart the kinds of minibatches in one trace). Call
-    :func:`end_minibatch` with the result after the minibatch's closing ``sync``, or :func:`abandon_minibatch`."""
+    ``end_minibatch`` with the result after the minibatch's closing ``sync``, or ``abandon_minibatch``."""
     state.require("telemetry.begin_minibatch", read_only=True)
     window = Minibatch(label)
     _open.append(window)
@@ -233,7 +233,7 @@ def abandon_minibatch(window: Minibatch) -> None:
 
 def end_minibatch(window: Minibatch, micro_batches: int) -> dict[str, Any]:
     """Close ``window``: count the minibatch, append its line to the trace (``ODC_TRACE_DIR``) and return it
-    (:func:`make_record`'s fields: what this rank did between :func:`begin_minibatch` and now)."""
+    (``make_record``'s fields: what this rank did between ``begin_minibatch`` and now)."""
     global _next_index
     runtime = state.require("telemetry.end_minibatch", read_only=True)
     if window not in _open:

@@ -1,9 +1,9 @@
 """A small public surface for tests, benchmarks and debugging: the live runtime's transport and its state.
 
 Nothing here is needed to train; it exists so that tests and tools do not import private names of the core API.
-:func:`install` / :func:`uninstall` run the public API over a transport built by hand (a fake extension, a cost
-model); :func:`abandon` drops a runtime without the collective ``finalize``.
-The transport returned by :func:`transport` follows the contract of :mod:`odc_runtime.transport.base` (its
+``install`` / ``uninstall`` run the public API over a transport built by hand (a fake extension, a cost
+model); ``abandon`` drops a runtime without the collective ``finalize``.
+The transport returned by ``transport`` follows the contract of ``odc_runtime.transport.base`` (its
 ``failure``, ``capabilities``, ``device_type``, heap accounting and one-sided operations).
 """
 
@@ -33,7 +33,7 @@ def failure() -> OdcError | None:
 def install(transport: Transport) -> None:
     """Make ``transport``, built outside ``odc.init`` (a transport over a fake extension, a cost model), the live
     runtime's transport (one node: no hierarchy), so that the public API runs on it. The caller owns it: undo
-    with :func:`uninstall`. OdcUsageError while a runtime is live."""
+    with ``uninstall``. OdcUsageError while a runtime is live."""
     if state.current is not None:
         raise OdcUsageError("odc_runtime.testing.install(): a runtime is live; finalize or uninstall it first")
     state.start(transport)
@@ -41,7 +41,7 @@ def install(transport: Transport) -> None:
 
 def uninstall() -> Transport | None:
     """Drop the live runtime *locally* without finalizing its transport (the caller owns it, as after
-    :func:`install`); returns that transport, or ``None`` when no runtime was live."""
+    ``install``); returns that transport, or ``None`` when no runtime was live."""
     runtime = state.take()
     return None if runtime is None else runtime.transport
 
@@ -61,7 +61,7 @@ def buffers(st: ShardedTensor) -> tuple[SymmetricBuffer, SymmetricBuffer | None]
 
 
 def plans(st: ShardedTensor) -> list[TransferPlan]:
-    """The fetch/push plans cached for ``st`` (:mod:`odc_runtime.plans`)."""
+    """The fetch/push plans cached for ``st`` (``odc_runtime.plans``)."""
     return st._plans.plans()
 
 

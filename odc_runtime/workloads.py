@@ -1,12 +1,12 @@
 """Sequence-length presets for planning, benchmarks and simulation.
 
-Each preset models one kind of post-training data; its docstring (also in :data:`PRESETS`) says what it
+Each preset models one kind of post-training data; its docstring (also in ``PRESETS``) says what it
 models, where its range and mean come from and which parameters were chosen by hand. No raw dataset is
 shipped or downloaded: the long-tailed presets are clipped log-normals *moment-matched* to a target mean
-(:data:`TARGET_MEANS`): the spread ``sigma`` is set by hand to give a long right tail, and ``mu`` is solved so
-that the mean *after clipping* equals the target. Every preset's range (:data:`MAX_LENGTHS`) fits a 64K-token
+(``TARGET_MEANS``): the spread ``sigma`` is set by hand to give a long right tail, and ``mu`` is solved so
+that the mean *after clipping* equals the target. Every preset's range (``MAX_LENGTHS``) fits a 64K-token
 micro-batch, the benchmarks' default cap, so every sample it draws can be trained there. Use
-:func:`load_lengths` to plan with real lengths instead.
+``load_lengths`` to plan with real lengths instead.
 """
 
 from __future__ import annotations

@@ -209,6 +209,22 @@ def test_imbalance_end_to_end_two_ranks(tmp_path):
     assert outliers["lb_mini_split"]["speedup_vs_odc_lb_mini"] > 0
     assert "Outliers: 6 minibatches × 4 samples (2 per rank)" in proc.stdout
     assert "K/V exchange through odc_runtime.gang" in proc.stdout
+    # each table's "executed in" line under that table; the outlier table warns about its spread
+    main, _, outlier = proc.stdout.partition("Outliers: ")
+    assert main.count("  executed in ") == 1 and "load average" in main.split("  executed in ")[1]
+    assert outlier.count("  executed in ") == 1 and "NOTE: one run of this phase varies" in outlier
+    assert "columns as in the table above" in outlier and "collective = gloo" not in outlier
+
+
+def test_recorded_timeline_covers_the_whole_minibatch():
+    """The plot's events leave no gap: what is not compute is communication (before the end-of-minibatch work)
+    or sync (in it), as in the trace, so every colour of the plot is in its key."""
+    from executor import MinibatchRecord, timeline_events
+
+    rec = MinibatchRecord(0.0, 6.0, 2.0, 3.0, 1.0, True,
+                          [("comm", 0.5, 1.0), ("compute", 1.0, 2.0), ("compute", 3.0, 4.0), ("sync", 5.0, 6.0)])
+    assert timeline_events(rec) == [("comm", 0.0, 1.0), ("compute", 1.0, 2.0), ("comm", 2.0, 3.0),
+                                    ("compute", 3.0, 4.0), ("comm", 4.0, 5.0), ("sync", 5.0, 6.0)]
 
 
 def test_imbalance_hsdp_2x2_four_ranks(tmp_path):

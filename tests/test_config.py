@@ -67,8 +67,19 @@ def _rank_backend_from_env(rank: int, world: int) -> None:
     import os
 
     os.environ["ODC_BACKEND"] = "tcp"
-    with pytest.raises(odc.OdcUsageError, match=r"unknown ODC backend 'tcp'; choose one of"):
+    with pytest.raises(odc.OdcUsageError, match=r"unknown ODC backend 'tcp'; choose one of") as e:
         odc.init(heap_size="1M")
+    assert "came from ODC_BACKEND=tcp" in str(e.value)
+    assert not odc.is_initialized()
+    # A transport that cannot run here (symm on CPU ranks) advises backend=...: the error names the variable too.
+    os.environ["ODC_BACKEND"] = "symm"
+    with pytest.raises(odc.OdcBackendError, match=r"use backend='host'.*came from ODC_BACKEND=symm: change or unset"):
+        odc.init(heap_size="1M")
+    assert not odc.is_initialized()
+    # Passed as an argument, it did not come from the variable: no such note.
+    with pytest.raises(odc.OdcBackendError) as e:
+        odc.init(backend="symm", heap_size="1M")
+    assert "ODC_BACKEND" not in str(e.value)
     assert not odc.is_initialized()
     os.environ["ODC_BACKEND"] = "host"
     odc.init(heap_size="1M")

@@ -33,6 +33,13 @@ def _check_custom_trainer(out: str) -> None:
 
 
 @pytest.mark.timeout(180)
+def test_custom_trainer_deterministic_matches_single_process() -> None:
+    # the example's rerun idiom around each minibatch (its rerun itself is run by docs/core-api.md's block)
+    out = _run(["examples/custom_trainer.py", "--nproc", "2", "--steps", "3", "--samples", "12", "--deterministic"])
+    _check_custom_trainer(out)
+
+
+@pytest.mark.timeout(180)
 def test_custom_trainer_on_virtual_nodes_matches_single_process() -> None:
     # every rank its own node: the example's sync(parameters=False) / sync(gradients=False) move exactly what changed
     args = ["examples/custom_trainer.py", "--nproc", "2", "--steps", "3", "--samples", "12"]
@@ -63,6 +70,7 @@ def _sft_same_losses_in_both_modes(nproc: int, *extra: str, expect: str = "") ->
     for comm in ("collective", "odc"):
         out = _run([*launch[comm], *extra, "--comm", comm, "--steps", "2", "--samples", "8"])
         assert expect in out, out
+        assert ("odc_backend=host " if comm == "odc" else "odc_backend=- ") in out, out  # the banner names it
         losses[comm] = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
         assert len(losses[comm]) == 2, out
     assert losses["collective"] == pytest.approx(losses["odc"], abs=1e-4)
@@ -173,6 +181,17 @@ def test_sft_replay_check_refuses_a_run_that_differs_from_the_replay(capsys) -> 
         with pytest.raises(SystemExit, match="does not match the single-process replay"):
             sft.replay_check(args, bad_records, bad_params, device)
         assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_sft_help_shows_defaults_and_every_backend(capsys) -> None:
+    from odc_runtime import transport
+
+    with pytest.raises(SystemExit):
+        _sft_module().parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines at the terminal width
+    assert "--steps STEPS default: 10" in out and "--lr LR default: 0.01" in out, out
+    assert "--samples SAMPLES sequences per minibatch (optimizer step) (default: 32)" in out, out
+    assert f"--odc-backend {{{','.join(transport.names())}}}" in out, out
 
 
 def test_sft_placement_one_rank_per_gpu_and_cpu() -> None:

@@ -13,55 +13,55 @@ Users keep their FSDP2 model, optimizer and checkpoints and add a few lines::
         optimizer.step()
         optimizer.zero_grad()
 
-How. :func:`enable` installs, on every FSDP module (the setters are not recursive), a custom all-gather and a
+How. ``enable`` installs, on every FSDP module (the setters are not recursive), a custom all-gather and a
 custom reduce-scatter through FSDP2's public hooks ``set_custom_all_gather`` / ``set_custom_reduce_scatter``;
 nothing of torch is patched. To lay out the rows exactly as FSDP does, it *reads* (never writes) each module's
 FSDP parameter-group metadata (parameter order, mixed-precision and offload policies, meshes), as FSDPModule's own
-setters do; every such read lives in :mod:`odc_runtime.fsdp._compat`, which also detects what this torch offers
+setters do; every such read lives in ``odc_runtime.fsdp._compat``, which also detects what this torch offers
 (torch 2.9 to 2.14 are tested). The layout is re-checked at run time (row sizes and dtypes on every call, the
 published values against FSDP's all-gather input on the first call), so a change in torch's internals gives a
 clear error instead of wrong gradients. For each FSDP module (one parameter group) it creates ODC sharded tensors
 of shape ``(W, I)`` for the parameters and ``(W, R)`` for the gradients, where ``I`` is FSDP's per-rank
 all-gather input numel and ``R`` its per-rank reduce-scatter output numel (both padded as FSDP pads), so ODC owner
-``r`` holds exactly row ``r`` (:mod:`._layout`). When ``R == I`` (no frozen parameter in the module) one sharded
+``r`` holds exactly row ``r`` (``_layout``). When ``R == I`` (no frozen parameter in the module) one sharded
 tensor serves both: its parameter buffer holds the published row and its fp32 accumulator the gradient row.
 
 - All-gather (in place; FSDP's input is row ``rank`` of the output): inside a minibatch the output rows are
   fetched from the owners' published rows (one-sided; the owners do nothing). Outside a minibatch (an evaluation
   forward run by all ranks together, under ``torch.no_grad()``) it falls back to the ordinary collective
-  all-gather; a forward with gradients enabled there is refused before FSDP's pre-forward (:class:`OdcUsageError`
+  all-gather; a forward with gradients enabled there is refused before FSDP's pre-forward (``OdcUsageError``
   naming ``odc_runtime.fsdp.minibatch``), as the ranks of a training step run different micro-batch counts.
 - Reduce-scatter (the input is laid out so ``input.view(W, -1)[r]`` is rank ``r``'s shard): one ``odc.push`` of
   the whole input adds row ``r`` into owner ``r``'s fp32 accumulator; the output is returned as zeros, so what
   FSDP adds into ``sharded_param.grad`` during the minibatch is zero (and FSDP's reduce op and post-division,
   which differ across torch versions, act on zeros). Parameters that got no gradient in a backward keep their
   columns: ``set_reduce_scatter_unused_params(True)`` where torch has it (>= 2.13), ODC's own tracking before
-  (:mod:`._hooks`). A reduce-scatter outside a minibatch raises :class:`OdcUsageError`.
-- :func:`begin_minibatch` reshards every FSDP module (so the next forward gathers again; after a refused
+  (``_hooks``). A reduce-scatter outside a minibatch raises ``OdcUsageError``.
+- ``begin_minibatch`` reshards every FSDP module (so the next forward gathers again; after a refused
   backward outside a minibatch it first resets FSDP and drops that backward's partial gradients), writes this rank's
   sharded parameters, cast to the all-gather dtype exactly as FSDP casts them (``MixedPrecisionPolicy
   .param_dtype``), into its row of the parameter buffers, and runs ``odc.sync()``.
-- :func:`end_minibatch` returns every FSDP module to FSDP's normal sharded state (an explicit ``unshard()`` no
+- ``end_minibatch`` returns every FSDP module to FSDP's normal sharded state (an explicit ``unshard()`` no
   forward consumed, ``reshard_after_forward=False`` after a forward-only pass), runs ``odc.sync()``, agrees with
   every rank in one 4-number all-reduce that no rank changed its parameters inside the minibatch (bitwise against
   the published rows), that ``divide_factor`` is the same everywhere and that dividing by it overflows nowhere (else
-  every rank raises :class:`OdcUsageError`, the minibatch is discarded, the model stays usable), writes
+  every rank raises ``OdcUsageError``, the minibatch is discarded, the model stays usable), writes
   ``accumulator / divide_factor`` (cast to the parameter dtype) into every ``sharded_param.grad`` (a DTensor, as
   FSDP makes it; added to an existing ``.grad`` as FSDP adds), and zeroes the accumulators.
 - ``optimizer.step()`` (a global optimizer step pre-hook) and ``load_state_dict()`` (a pre-hook on the model) on an
-  ODC-enabled model inside a minibatch raise :class:`OdcUsageError` at the call.
+  ODC-enabled model inside a minibatch raise ``OdcUsageError`` at the call.
 
 HSDP (2-D mesh ``(replicate, shard)``). FSDP's rows span the shard group, so each module's ODC buffers are sharded
 over it (``odc.shard(group=shard group)``: every rank calls it with its own shard group) and fetches and pushes stay
 inside the shard group (one node, typically). FSDP's cross-replica all-reduce after every backward is turned off
 (``set_requires_all_reduce(False)``: it would be a collective per micro-batch, which ranks with different
-micro-batch counts cannot meet, and it would only see ODC's zeros). :func:`end_minibatch` instead runs, after
+micro-batch counts cannot meet, and it would only see ODC's zeros). ``end_minibatch`` instead runs, after
 ``odc.sync()``, one ``all_reduce`` (SUM) of all accumulators across the replicate group, so the slow inter-node
 links carry one collective per minibatch, then divides by the whole data-parallel size as FSDP2 HSDP does. Load
 balancing: plan LB-Mini over *all* ranks (``balance.plan(..., policy="lb_mini")`` with the world size): inside the
 minibatch no rank waits for any other, and the only cross-replica step is that one all-reduce at the end, so what
 must be balanced is each rank's total work in the minibatch, across replicas as much as within a shard group. HPZ
-(``reshard_after_forward=<int>``) is refused (see :func:`enable`).
+(``reshard_after_forward=<int>``) is refused (see ``enable``).
 
 Scaling. FSDP2 averages over the data-parallel ranks in every backward and *sums* over the micro-batches of a
 gradient-accumulation window. The accumulator holds the plain sum over all ranks and micro-batches, so the
@@ -127,7 +127,7 @@ __all__ = [
 
 
 def is_enabled(model: nn.Module) -> bool:
-    """Whether :func:`enable` is active on ``model``."""
+    """Whether ``enable`` is active on ``model``."""
     return model in _STATES
 
 
@@ -176,10 +176,10 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
 
     HSDP (``fully_shard(mesh=<2-D mesh (replicate, shard)>)``) is supported: ODC shards each module's buffers over
     the shard group (``odc.shard(group=...)``), turns FSDP's per-backward cross-replica all-reduce off
-    (``set_requires_all_reduce(False)``, restored by :func:`disable`) and all-reduces the accumulators across the
-    replicate group once in :func:`end_minibatch`.
+    (``set_requires_all_reduce(False)``, restored by ``disable``) and all-reduces the accumulators across the
+    replicate group once in ``end_minibatch``.
 
-    Returns ``model``. Raises :class:`OdcUsageError` for a torch without FSDP2's custom comm hooks (naming the
+    Returns ``model``. Raises ``OdcUsageError`` for a torch without FSDP2's custom comm hooks (naming the
     oldest torch that has them), for unsupported configurations (2-D meshes other than HSDP's, HSDP with one-rank
     shard groups, CPU offload, ``reshard_after_forward=<int>`` (HPZ), FSDP all-gather extensions, mixed dtypes in a
     module, parameters outside FSDP) and if ODC is already enabled on the model or one of its FSDP modules.
@@ -381,7 +381,7 @@ _MISSING_AT_BEGIN = (
 def begin_minibatch(model: nn.Module) -> None:
     """Start a minibatch (collective): publish the current parameters, then ``odc.sync()``.
 
-    Between :func:`begin_minibatch` and :func:`end_minibatch` a rank may run any number of forward/backward
+    Between ``begin_minibatch`` and ``end_minibatch`` a rank may run any number of forward/backward
     micro-batches (zero included); parameters must not change in between.
     """
     state = _state(model, "begin_minibatch")
@@ -618,7 +618,7 @@ def _write_grads(state: _State, divide_factor: float | None) -> None:
 
 @contextlib.contextmanager
 def minibatch(model: nn.Module, *, divide_factor: float | None = None) -> Iterator[None]:
-    """``with minibatch(model):`` = :func:`begin_minibatch` … :func:`end_minibatch` (see both).
+    """``with minibatch(model):`` = ``begin_minibatch`` … ``end_minibatch`` (see both).
 
     If the body raises, the minibatch is abandoned without the closing sync (peers waiting in it time out after
     ``ODC_TIMEOUT``) and later minibatches on this model refuse to start.
@@ -638,7 +638,7 @@ def minibatch(model: nn.Module, *, divide_factor: float | None = None) -> Iterat
 
 
 def stats(model: nn.Module) -> dict[str, object]:
-    """Counters: minibatches, ODC all-gathers (fetches) and reduce-scatters (pushes) since :func:`enable`; and
+    """Counters: minibatches, ODC all-gathers (fetches) and reduce-scatters (pushes) since ``enable``; and
     ``last_minibatch``: this rank's figures of its last minibatch (``None`` before one; ``._telemetry``)."""
     state = _state(model, "stats")
     return {

@@ -6,20 +6,20 @@ The public surface ODC uses is ``fully_shard``, ``FSDPModule``'s methods (``set_
 exactly as FSDP does, ODC must also *read* a few attributes of FSDP's per-module parameter group (parameter order,
 mixed-precision and offload policies, meshes, the divide factor) and, to restore a model on ``disable()``, the comm
 objects it replaces. Two actions FSDP takes itself are needed to bring every module back to FSDP's normal state at
-a minibatch boundary: :func:`finish_unshard` (consume a pending explicit-prefetch all-gather) and
-:func:`drop_unsharded_grad` (clear what an aborted backward left). Those, and nothing else private, live in this
-module. Each read goes through :func:`_attr`, which turns a missing attribute into an :class:`OdcUsageError` naming
+a minibatch boundary: ``finish_unshard`` (consume a pending explicit-prefetch all-gather) and
+``drop_unsharded_grad`` (clear what an aborted backward left). Those, and nothing else private, live in this
+module. Each read goes through ``_attr``, which turns a missing attribute into an ``OdcUsageError`` naming
 the torch version and the attribute, and ``tests/test_fsdp.py`` checks the whole surface
-(:func:`check_private_surface`) on every torch the compatibility run installs, so a change in torch fails loudly
+(``check_private_surface``) on every torch the compatibility run installs, so a change in torch fails loudly
 instead of silently mis-laying gradients.
 
-Capabilities are detected by feature, never by version number. :data:`CAPABILITIES` records, for the error
+Capabilities are detected by feature, never by version number. ``CAPABILITIES`` records, for the error
 messages (and a test that keeps the table honest), the oldest torch release known to have each one.
 
 What differs across the supported range (torch 2.9 to 2.14, read from the released sources):
 
 - ``FSDPState._fsdp_param_group`` (one group or ``None``; torch <= 2.11) became ``_fsdp_param_groups`` (a list,
-  several with per-parameter meshes from ``shard_placement_fn``; torch >= 2.12). :func:`param_groups` reads
+  several with per-parameter meshes from ``shard_placement_fn``; torch >= 2.12). ``param_groups`` reads
   whichever exists.
 - ``FSDPModule.set_reduce_scatter_unused_params`` (torch >= 2.13) makes FSDP include zero gradients for
   parameters that got none, so the reduce-scatter layout never changes. Without it ODC tracks which parameters
@@ -154,7 +154,7 @@ def _detect() -> FsdpApi | str:
 
 
 def fsdp_api() -> FsdpApi:
-    """The FSDP2 API of this torch; raises :class:`OdcUsageError` (naming what is missing) if ODC cannot work."""
+    """The FSDP2 API of this torch; raises ``OdcUsageError`` (naming what is missing) if ODC cannot work."""
     api = _detect()
     if isinstance(api, str):
         raise _missing("custom_comm_hooks", api)
@@ -162,7 +162,7 @@ def fsdp_api() -> FsdpApi:
 
 
 def has_capability(name: str) -> bool:
-    """Whether this torch has capability ``name`` (a key of :data:`CAPABILITIES`), by feature detection."""
+    """Whether this torch has capability ``name`` (a key of ``CAPABILITIES``), by feature detection."""
     if name == "custom_comm_hooks":
         return not isinstance(_detect(), str)
     if name == "reduce_scatter_unused_params":

@@ -3,22 +3,22 @@
 With plain FSDP2 every backward reduce-scatters at once, so inside a gradient-accumulation window ``.grad`` holds
 the sum over every rank of the micro-batches so far: ``optimizer.zero_grad()`` after a backward drops those
 micro-batches, and ``clip_grad_norm_`` clips that partial sum. In ODC mode the gradients arrive in the owners'
-accumulators one-sidedly, from every rank at its own pace, and only :func:`end_minibatch` turns them into ``.grad``:
+accumulators one-sidedly, from every rank at its own pace, and only ``end_minibatch`` turns them into ``.grad``:
 inside a minibatch there is no partial sum to drop or clip (what arrived at an owner depends on the other ranks'
 timing, and this rank's own contributions sit in the other owners' accumulators). Doing nothing would silently
 train on a different gradient than FSDP2 (the issue this module fixes), so ODC refuses these uses:
 
-- :func:`hold` (at ``begin_minibatch``) sets every trainable sharded parameter's ``.grad`` to a *placeholder*: a
-  DTensor whose local tensor is a :class:`PendingGrad`. FSDP's own accumulation of ODC's zero reduce-scatter output
+- ``hold`` (at ``begin_minibatch``) sets every trainable sharded parameter's ``.grad`` to a *placeholder*: a
+  DTensor whose local tensor is a ``PendingGrad``. FSDP's own accumulation of ODC's zero reduce-scatter output
   into it (``grad._local_tensor += ...``, an ``add_``) is a no-op; any other operation on it, a read included
   (``clip_grad_norm_``, ``zero_grad(set_to_none=False)``, a gradient norm per micro-batch), raises
-  :class:`OdcUsageError` at the call, on every rank alike (each holds placeholders), so a collective inside the
+  ``OdcUsageError`` at the call, on every rank alike (each holds placeholders), so a collective inside the
   caller (the norm's all-reduce) is never entered by some ranks only.
 - ``zero_grad()`` with ``set_to_none=True`` (the default) touches no tensor: it replaces the placeholder by
   ``None``. Before this rank's first backward of the minibatch that is what FSDP2 does too (it drops the gradients
   of earlier minibatches, e.g. ``with minibatch(model): optimizer.zero_grad(); ...``), and ODC does the same. After
-  one, :func:`release` reports it and ``end_minibatch`` refuses the minibatch on every rank (its agreement step).
-- :func:`release` (at ``end_minibatch``, or when a minibatch is abandoned) puts back what ``.grad`` held before.
+  one, ``release`` reports it and ``end_minibatch`` refuses the minibatch on every rank (its agreement step).
+- ``release`` (at ``end_minibatch``, or when a minibatch is abandoned) puts back what ``.grad`` held before.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ _VIEWS = {torch.ops.aten.alias.default, torch.ops.aten.view.default, torch.ops.a
 
 class PendingGrad(torch.Tensor):
     """Local tensor of a placeholder gradient: no storage; ``add_`` into it is a no-op, views stay placeholders,
-    anything else raises :class:`OdcUsageError` (module docstring)."""
+    anything else raises ``OdcUsageError`` (module docstring)."""
 
     @staticmethod
     def __new__(cls: type[PendingGrad], like: torch.Tensor, device: torch.device | None = None) -> PendingGrad:
@@ -93,7 +93,7 @@ def hold(state: State) -> None:
 def before_reduce(unit: Any) -> None:
     """In ODC's reduce-scatter, before FSDP accumulates: a placeholder that ``zero_grad()`` replaced by ``None``
     before this unit's first backward of the minibatch means "drop the earlier gradients" (as FSDP2); put a new
-    placeholder back so FSDP adds into it. After a backward, the replacement is left for :func:`release` to
+    placeholder back so FSDP adds into it. After a backward, the replacement is left for ``release`` to
     report."""
     if not unit.reduced:
         for p in unit.params:

@@ -5,7 +5,7 @@ one minibatch behind (an optimizer step inside the minibatch uses the previous m
 parameter versions across ranks. The two common slips (``optimizer.step()``, ``load_state_dict()``) are refused at
 the call; any other in-place change is caught by end_minibatch's bitwise comparison with the published rows. A
 training forward outside a minibatch is refused before FSDP's pre-forward (see
-:func:`_refuse_training_forward_outside`).
+``_refuse_training_forward_outside``).
 """
 
 from __future__ import annotations

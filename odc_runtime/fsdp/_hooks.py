@@ -233,7 +233,7 @@ def _marker(p: Param) -> Callable[[torch.Tensor], None]:
 
 
 def remove_unused_tracking(unit: Unit) -> None:
-    """Undo :func:`install_unused_tracking`."""
+    """Undo ``install_unused_tracking``."""
     for handle in unit.handles:
         handle.remove()
     unit.handles.clear()

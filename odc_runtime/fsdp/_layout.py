@@ -3,8 +3,8 @@
 FSDP2 flattens each parameter's shard (dim 0 split into ``W`` chunks, each padded to ``ceil(rows / W)`` rows) and
 concatenates them in parameter order: rank ``r``'s all-gather input (``I`` elements) is row ``r`` of the
 all-gather output, and ``reduce_scatter_input.view(W, -1)[r]`` (``R`` elements, trainable parameters only) is the
-gradient rank ``r`` keeps. :func:`build_unit` recomputes those offsets and dtypes from the group's parameters and
-policies (read through :mod:`._compat`); the hooks re-check them on every call.
+gradient rank ``r`` keeps. ``build_unit`` recomputes those offsets and dtypes from the group's parameters and
+policies (read through ``_compat``); the hooks re-check them on every call.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def fp16_pre_factor(reduce_dtype: torch.dtype, factor: float) -> float:
 def build_unit(
     module: nn.Module, fqn: str, group: FSDPParamGroup, world_size: int, api: _compat.FsdpApi, names: dict[int, str]
 ) -> Unit:
-    """Read one FSDP parameter group into a :class:`Unit` (offsets, dtypes, scale); refuse what ODC cannot do.
+    """Read one FSDP parameter group into a ``Unit`` (offsets, dtypes, scale); refuse what ODC cannot do.
 
     ``names`` maps ``id(sharded parameter)`` to its name in the root model.
     """

@@ -20,7 +20,7 @@ def close_window(state: State, *, ended: bool = False) -> None:
     record it, i.e. ``state.last_minibatch`` and a trace line, with this rank's ``micro_batches`` (backward passes),
     ``sync_wait_s`` (host seconds in its two ``odc.sync`` calls: waiting for the other ranks), ``fetches``,
     ``pushes``, ``syncs``, ``fetch_bytes``, ``push_bytes``, ``start`` / ``end`` (wall-clock seconds) and the rest of
-    a trace line (:func:`odc_runtime.telemetry.make_record`). Otherwise (the minibatch failed) drop it."""
+    a trace line (``odc_runtime.telemetry.make_record``). Otherwise (the minibatch failed) drop it."""
     window, state.window = state.window, None
     if window is None:
         return

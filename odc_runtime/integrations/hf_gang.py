@@ -1,17 +1,17 @@
-"""Hugging Face ``transformers``: gang attention (:mod:`odc_runtime.gang`) as a registered attention implementation.
+"""Hugging Face ``transformers``: gang attention (``odc_runtime.gang``) as a registered attention implementation.
 
-:func:`enable` registers :data:`ATTN_IMPLEMENTATION` through ``transformers.AttentionInterface`` and switches a model
+``enable`` registers ``ATTN_IMPLEMENTATION`` through ``transformers.AttentionInterface`` and switches a model
 to it. Inside ``with exchange.step(chunk):`` the model runs one chunk of a split sample: pass the chunk's tokens and
-their *global* positions (:func:`chunk_inputs`, so rotary embeddings see the unsplit sequence) and every attention
+their *global* positions (``chunk_inputs``, so rotary embeddings see the unsplit sequence) and every attention
 layer exchanges K/V with the gang. Outside a gang step the same function is plain causal attention over the
 micro-batch (several samples packed in one row are separated where ``position_ids`` restart), so one model runs
-gang and whole-sample micro-batches alike. Loss: :func:`chunk_loss`, the sum of the chunk's token losses over the
+gang and whole-sample micro-batches alike. Loss: ``chunk_loss``, the sum of the chunk's token losses over the
 *global* target count, so the members' losses add up to the unsplit sample's mean.
 
 Supported: decoder-only models whose attention modules call the attention interface with ``(module, query, key,
 value, attention_mask, scaling=..., dropout=...)`` and carry ``layer_idx`` (Llama, Qwen2 and most of their kin);
 batch size 1 (packed rows); no attention dropout. Activation checkpointing (``gradient_checkpointing_enable()``)
-works: a recomputed layer exchanges its K/V again (:mod:`odc_runtime.gang`).
+works: a recomputed layer exchanges its K/V again (``odc_runtime.gang``).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def gang_attention_forward(
 
 
 def register() -> None:
-    """Register :data:`ATTN_IMPLEMENTATION` with transformers (idempotent)."""
+    """Register ``ATTN_IMPLEMENTATION`` with transformers (idempotent)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, gang_attention_forward)
@@ -96,8 +96,8 @@ def enable(model: Any) -> Any:
 
 def exchange_for(model: Any, max_chunk_tokens: int, dtype: torch.dtype | None = None, *, depth: int = 2,
                  max_gang_size: int | None = None) -> GangExchange:
-    """Collective: a :class:`GangExchange` sized for ``model``'s layers and K/V heads (``dtype``: the dtype the
-    attention runs in, default the model's; ``depth``, ``max_gang_size``: as for :class:`GangExchange`)."""
+    """Collective: a ``GangExchange`` sized for ``model``'s layers and K/V heads (``dtype``: the dtype the
+    attention runs in, default the model's; ``depth``, ``max_gang_size``: as for ``GangExchange``)."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -110,7 +110,7 @@ def exchange_for(model: Any, max_chunk_tokens: int, dtype: torch.dtype | None = 
 def chunk_inputs(input_ids: torch.Tensor, chunk: Chunk, ignore_index: int = -100) -> dict[str, torch.Tensor]:
     """Model inputs of ``chunk`` from the whole sample's ``input_ids`` (1-D, ``chunk.length`` tokens):
     ``input_ids`` and ``position_ids`` (global) of shape ``(1, tokens)``, and ``labels``, each token's *next*
-    token in the unsplit sample (``ignore_index`` after the last one). Pass ``labels`` to :func:`chunk_loss`, not to
+    token in the unsplit sample (``ignore_index`` after the last one). Pass ``labels`` to ``chunk_loss``, not to
     the model (which would shift them again)."""
     if input_ids.dim() != 1 or input_ids.numel() != chunk.length:
         raise OdcUsageError(f"chunk_inputs: expected the sample's {chunk.length} token ids (1-D), got "

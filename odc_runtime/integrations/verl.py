@@ -1,7 +1,7 @@
 """veRL recipe: run the actor's FSDP2 updates in ODC mode, with micro-batches planned without equal counts.
 
 Tested with veRL **0.9.1** (the newest release) on torch 2.13.0 (CPU, gloo: ``tests/test_verl_real.py``, run by
-``.ci/verl.sh``); :func:`install` refuses any veRL other than 0.9.x (:data:`SUPPORTED_VERL`). Names below are
+``.ci/verl.sh``); ``install`` refuses any veRL other than 0.9.x (``SUPPORTED_VERL``). Names below are
 veRL 0.9.1's; this module copies none of its code.
 
 The path a PPO step takes in veRL 0.9 (``verl.workers.engine_workers``): ``ActorRolloutRefWorker.compute_log_prob``
@@ -20,8 +20,8 @@ global token count times the data-parallel size (FSDP averages gradients over ra
 
 What ODC changes (see the README's "With veRL" section and ``examples/verl_odc.py``):
 
-1. :func:`enable_actor` switches the actor's FSDP2 module to ODC mode (``odc_runtime.fsdp.enable``).
-2. :func:`rearrange_micro_batches` (same arguments and results as veRL's) plans each rank's micro-batches from its
+1. ``enable_actor`` switches the actor's FSDP2 module to ODC mode (``odc_runtime.fsdp.enable``).
+2. ``rearrange_micro_batches`` (same arguments and results as veRL's) plans each rank's micro-batches from its
    own samples only: as few as fit under ``max_token_len`` (best-fit packing by ``odc_runtime.balance``, the
    packing step of ``lb_mini``), with no all-reduce of the count, so counts differ between ranks. veRL's driver
    (``balance_batch``) balances each rank's share of the whole step with equal sample counts; ODC waits once per
@@ -36,7 +36,7 @@ What ODC changes (see the README's "With veRL" section and ``examples/verl_odc.p
    so veRL's ``× dp_size / global tokens`` gives the same gradients as before.
 5. Per-micro-batch metrics. ``train_mini_batch`` all-gathers each rank's per-micro-batch ``Metric`` lists and
    reduces them with ``Metric.aggregate_dp``, which raises unless every rank has the same number of values. This
-   module *corrects veRL's reduction* (:func:`aggregate_dp`, installed over ``Metric.aggregate_dp``) rather than
+   module *corrects veRL's reduction* (``aggregate_dp``, installed over ``Metric.aggregate_dp``) rather than
    giving veRL equal counts (e.g. one collapsed value per rank), because the correction leaves every case stock veRL
    handles untouched: with equal counts, or with no ODC engine attached in the process, veRL's own function runs
    (bitwise the same values, the same error). Only unequal counts under ODC take the new path, which reduces each
@@ -52,10 +52,10 @@ What ODC changes (see the README's "With veRL" section and ``examples/verl_odc.p
    ours) and reduces with ``Metric.aggregate_dp``: ``odc/sync_wait_s/max`` and ``odc/sync_wait_s/mean`` (seconds
    the ranks waited in ``odc.sync``: max and mean over ranks), ``odc/micro_batches/min`` and
    ``odc/micro_batches/max`` (over ranks), ``odc/push_bytes`` (bytes a rank pushed, mean over ranks). They reach
-   whatever logger the trainer set up, per PPO mini-batch like ``loss`` (:data:`METRICS`).
+   whatever logger the trainer set up, per PPO mini-batch like ``loss`` (``METRICS``).
 
-:func:`attach_engine` does 1 and 3 on a veRL FSDP engine object (anything with ``.module`` and
-``.forward_backward_batch(data, loss_function, forward_only)``), and :func:`install` routes veRL's
+``attach_engine`` does 1 and 3 on a veRL FSDP engine object (anything with ``.module`` and
+``.forward_backward_batch(data, loss_function, forward_only)``), and ``install`` routes veRL's
 ``rearrange_micro_batches`` to ours *only while an attached engine is inside its minibatch*, so the reference and
 critic models (stock FSDP) keep veRL's equal counts, and installs 5.
 """
@@ -100,13 +100,13 @@ __all__ = [
 
 #: veRL releases (major, minor) whose worker/engine path this module follows; 0.9.1 is the one tested.
 SUPPORTED_VERL = ((0, 9),)
-#: Where veRL's ``Metric`` class lives (its ``aggregate_dp`` is corrected by :func:`install`).
+#: Where veRL's ``Metric`` class lives (its ``aggregate_dp`` is corrected by ``install``).
 VERL_METRIC_SITE = "verl.utils.metric.utils"
 
 #: Where veRL keeps a module-level reference to ``rearrange_micro_batches`` (``from ... import`` copies it).
 VERL_PLANNER_SITES = ("verl.utils.seqlen_balancing", "verl.workers.engine.utils")
 
-#: The metrics :func:`attach_engine` adds per training pass: name -> (veRL aggregation, last_minibatch key).
+#: The metrics ``attach_engine`` adds per training pass: name -> (veRL aggregation, last_minibatch key).
 METRICS = {
     "odc/sync_wait_s/max": ("max", "sync_wait_s"),
     "odc/sync_wait_s/mean": ("mean", "sync_wait_s"),
@@ -155,7 +155,7 @@ def plan_micro_batches(
     indices ascending inside each; every index appears exactly once; an empty shard gives ``[]``. The count depends
     on this rank's samples alone (no collective), which ODC allows and collectives do not. ``force_group_size``
     keeps each run of that many consecutive samples together (veRL's pairwise reward-model batches). A sample (or
-    group) longer than ``max_token_len`` raises :class:`OdcUsageError`, as veRL asserts.
+    group) longer than ``max_token_len`` raises ``OdcUsageError``, as veRL asserts.
     """
     if isinstance(seqlens, torch.Tensor):
         seqlens = seqlens.reshape(-1).tolist()
@@ -241,10 +241,10 @@ def rearrange_micro_batches(
 
     Returns ``(micro_batches, index_lists)``: ``micro_batches[i]`` holds rows ``index_lists[i]`` of ``batch``
     (veRL restores the original order from ``index_lists``, e.g. with ``restore_dynamic_batch``). The count comes
-    from this rank's samples only (:func:`plan_micro_batches`): ``dp_group`` and ``same_micro_num_in_dp`` are
+    from this rank's samples only (``plan_micro_batches``): ``dp_group`` and ``same_micro_num_in_dp`` are
     accepted and ignored, because ODC needs no equal counts; ``use_dynamic_bsz_balance`` (veRL's ordering for
     pipeline bubbles) does not apply. ``num_batches_divided_by`` and ``min_num_micro_batch`` serve pipeline
-    parallelism (Megatron), whose schedule needs fixed counts: they raise :class:`OdcUsageError`.
+    parallelism (Megatron), whose schedule needs fixed counts: they raise ``OdcUsageError``.
     """
     del dp_group, same_micro_num_in_dp, use_dynamic_bsz_balance
     if num_batches_divided_by is not None or min_num_micro_batch is not None:
@@ -278,12 +278,12 @@ def _no_deferred_grad_sync(*, is_last_micro_batch: bool = True, **_: Any) -> Ite
 def attach_engine(engine: Any, *, backend: str | None = None, cost: balance.CostModel | None = None) -> Any:
     """Put a veRL FSDP engine (the actor's) in ODC mode (collective, on every actor rank).
 
-    - :func:`enable_actor` on ``engine.module``;
+    - ``enable_actor`` on ``engine.module``;
     - ``engine.forward_backward_batch`` runs inside ``odc_runtime.fsdp.minibatch(engine.module)``, forward-only
-      calls (``compute_log_prob``) included, and while it runs :func:`install`'s hook plans micro-batches with
-      :func:`rearrange_micro_batches` (``cost`` orders and packs them; default from ``engine.module.config``);
+      calls (``compute_log_prob``) included, and while it runs ``install``'s hook plans micro-batches with
+      ``rearrange_micro_batches`` (``cost`` orders and packs them; default from ``engine.module.config``);
     - ``engine._gradient_sync_context`` (deferred gradient sync, newer veRL) becomes a no-op;
-    - a training pass's output ``metrics`` (a dict) gets ODC's figures (:data:`METRICS`, see the module docstring).
+    - a training pass's output ``metrics`` (a dict) gets ODC's figures (``METRICS``, see the module docstring).
 
     The engine's ``optimizer_step`` runs after ``forward_backward_batch`` returns, i.e. after the minibatch's
     closing sync has written the gradients. Returns ``engine``.
@@ -329,7 +329,7 @@ def attach_engine(engine: Any, *, backend: str | None = None, cost: balance.Cost
 
 
 def add_metrics(output: Any, figures: dict[str, Any] | None) -> None:
-    """Add :data:`METRICS` from ``figures`` (``odc_runtime.fsdp.stats(module)["last_minibatch"]``) to
+    """Add ``METRICS`` from ``figures`` (``odc_runtime.fsdp.stats(module)["last_minibatch"]``) to
     ``output["metrics"]`` as veRL ``Metric`` objects, where the engine's output has a metrics dict (veRL's
     ``forward_backward_batch``)."""
     metrics = output.get("metrics") if isinstance(output, dict) else None
@@ -354,7 +354,7 @@ def _routed(original: Callable) -> Callable:
 
 
 def verl_version() -> tuple[int, ...]:
-    """The installed veRL's version as integers (``(0, 9, 1)``); :class:`OdcUsageError` if veRL is not importable."""
+    """The installed veRL's version as integers (``(0, 9, 1)``); ``OdcUsageError`` if veRL is not importable."""
     try:
         verl = importlib.import_module("verl")
     except ImportError as e:
@@ -418,10 +418,10 @@ def _install_metric_reduction() -> None:
 
 
 def install() -> list[str]:
-    """Route veRL's ``rearrange_micro_batches`` (at every site in :data:`VERL_PLANNER_SITES` that exists) to ours
-    while an :func:`attach_engine`-d engine runs, elsewhere veRL's function runs unchanged; and correct
-    ``Metric.aggregate_dp`` for unequal counts (:func:`aggregate_dp`). Idempotent; returns the patched planner sites.
-    Raises :class:`OdcUsageError` if veRL is not importable, is not a supported version (:data:`SUPPORTED_VERL`), or
+    """Route veRL's ``rearrange_micro_batches`` (at every site in ``VERL_PLANNER_SITES`` that exists) to ours
+    while an ``attach_engine``-d engine runs, elsewhere veRL's function runs unchanged; and correct
+    ``Metric.aggregate_dp`` for unequal counts (``aggregate_dp``). Idempotent; returns the patched planner sites.
+    Raises ``OdcUsageError`` if veRL is not importable, is not a supported version (``SUPPORTED_VERL``), or
     no site was found."""
     _check_version()
     patched = []
@@ -449,7 +449,7 @@ def install() -> list[str]:
 
 
 def uninstall() -> None:
-    """Undo :func:`install` (engines stay attached)."""
+    """Undo ``install`` (engines stay attached)."""
     for site, original in list(_ORIGINALS.items()):
         mod = importlib.import_module(site)
         if site == VERL_METRIC_SITE:

@@ -1,11 +1,11 @@
-"""Transports: symmetric memory with one-sided fetch / push (see :mod:`odc_runtime.transport.base`), and the
+"""Transports: symmetric memory with one-sided fetch / push (see ``odc_runtime.transport.base``), and the
 registry that ``odc.init``, the FSDP integration and the benchmarks pick them from.
 
 A new transport is one module with ``create(*, timeout, heap_size) -> Transport`` and ``is_available() -> bool``,
-plus one :func:`register` line below. Modules are imported only when a transport is created or asked whether it is
+plus one ``register`` line below. Modules are imported only when a transport is created or asked whether it is
 available, so importing the package never loads CUDA or the compiled extension.
 
-Which transport ``odc.init()`` uses (:func:`choose`, the one place this is decided):
+Which transport ``odc.init()`` uses (``choose``, the one place this is decided):
 
 1. ``init(backend=...)``, else ``ODC_BACKEND``: that transport, the same on every rank (else OdcMismatchError).
 2. Otherwise the transport with the highest ``priority`` among those with ``auto`` set that are available on every
@@ -71,7 +71,7 @@ class TransportSpec:
         name: what users pass to ``odc.init(backend=...)`` / ``ODC_BACKEND``.
         module: import path of the module that implements ``create`` and ``is_available``.
         device_type: ``torch.device`` type of the tensors it works on (``"cpu"``, ``"cuda"``).
-        priority: ``init(backend=None)`` picks the available transport with the highest priority (:func:`choose`).
+        priority: ``init(backend=None)`` picks the available transport with the highest priority (``choose``).
         multi_node: whether it runs ranks on several hosts (only such transports are chosen for a multi-host job).
         auto: whether ``init(backend=None)`` may choose it at all.
     """
@@ -135,7 +135,7 @@ def choose(requested: Sequence[str | None], candidates: Sequence[Sequence[str]],
     """The transport of a job (the rule in this module's docstring), from every rank's facts, indexed by rank.
 
     ``requested[r]``: rank r's ``init(backend=...)`` / ``ODC_BACKEND`` (None: choose); ``candidates[r]``: its
-    :func:`auto_candidates`; ``hosts[r]``: its host name. Deterministic, so every rank that calls it with the same
+    ``auto_candidates``; ``hosts[r]``: its host name. Deterministic, so every rank that calls it with the same
     (exchanged) facts gets the same answer or the same error: OdcMismatchError when ranks request different
     backends, OdcUsageError when no transport fits.
     """
@@ -159,7 +159,7 @@ def choose(requested: Sequence[str | None], candidates: Sequence[Sequence[str]],
 
 
 def auto_select() -> TransportSpec:
-    """The transport :func:`choose` picks for ranks on this host alone (what a single-machine launcher such as
+    """The transport ``choose`` picks for ranks on this host alone (what a single-machine launcher such as
     ``bench/comm.py`` starts)."""
     return get(choose([None], [auto_candidates()], [socket.gethostname()]))
 

@@ -6,50 +6,50 @@ processes on one machine) and ``nvshmem`` (GPUs) implement it. Keep it this smal
 Semantics every transport provides:
 
 * ``alloc`` is collective: every rank calls it in the same order with the same arguments and gets a
-  :class:`SymmetricBuffer` whose ``local`` tensor is this rank's region. Peers address the same buffer by
+  ``SymmetricBuffer`` whose ``local`` tensor is this rank's region. Peers address the same buffer by
   ``(buffer, peer)``. ``free`` is collective too and never lets a later allocation alias a region that a live
   tensor still views (the transport refuses, defers the reuse, or keeps the memory alive).
 * ``fetch`` copies a peer's region into a local tensor; ``push`` adds ``src * scale`` (converted to the
   buffer's dtype) into a peer's region. Concurrent pushes from any number of ranks into the same region are
   exact (no lost updates). With ``async_op=False`` they are issued in the caller's order (on GPU: ordered on the
   current CUDA stream, so the host does not wait for them); with ``async_op=True`` they run concurrently with
-  the caller and return a :class:`Work` whose ``wait()`` orders the caller after them. ``quiet`` completes every
+  the caller and return a ``Work`` whose ``wait()`` orders the caller after them. ``quiet`` completes every
   operation this rank issued, asynchronous ones included.
 * ``barrier`` is collective and implies ``quiet`` on every rank: after it (on GPU: after it in stream order),
   every push issued by any rank before its barrier call is visible in the owner's region, and every write
   a rank made to its own regions before the barrier is what any later ``fetch`` returns.
 * Every wait that a dead or stuck peer can block gives up after ``timeout`` seconds with
-  :class:`~odc_runtime.errors.OdcTimeoutError` naming the operation and the ranks that did not answer (on GPU
+  ``OdcTimeoutError`` naming the operation and the ranks that did not answer (on GPU
   the error may surface at the next call into the transport, because waits are stream-ordered).
-* :meth:`Transport.plan` returns a :class:`TransferPlan`: the validated, reusable form of one fetch or push
+* ``Transport.plan`` returns a ``TransferPlan``: the validated, reusable form of one fetch or push
   pattern (which peer receives which slice of a flat tensor), so that the core API's steady-state calls skip
   validation and request building. Transports may subclass it to precompute their own state (peer pointers).
-* ``offset`` (in :class:`FetchRequest`, :class:`PushRequest`, :class:`Piece`, :class:`PutRequest`) is an
+* ``offset`` (in ``FetchRequest``, ``PushRequest``, ``Piece``, ``PutRequest``) is an
   element offset into the peer's region; ``offset + numel`` never exceeds the buffer's ``numel`` (the caller
   checks).
-* :meth:`Transport.put_signal` writes a local tensor into a peer's region and then adds 1 to a word of the peer's
+* ``Transport.put_signal`` writes a local tensor into a peer's region and then adds 1 to a word of the peer's
   ``int64`` *signal* buffer; a rank that sees the word reach a count sees the data of every put counted in it.
-  :meth:`Transport.wait_signal` waits for a local signal word to reach a count (on GPU: the current stream waits,
+  ``Transport.wait_signal`` waits for a local signal word to reach a count (on GPU: the current stream waits,
   the host does not; a wait that misses ``timeout`` is released and raised at the next call). Signal words only
   grow, so a waiter compares against a running count and never resets them.
-* :meth:`Transport.node_size` is how many consecutive ranks share a node (a fast, atomics-capable domain: one
+* ``Transport.node_size`` is how many consecutive ranks share a node (a fast, atomics-capable domain: one
   machine for ``host``, one NVLink domain for ``nvshmem``); the core API may declare a smaller *virtual* node.
-* :meth:`Transport.group_barrier` is :meth:`Transport.barrier` among the ranks of a :class:`Group` only (the other
+* ``Transport.group_barrier`` is ``Transport.barrier`` among the ranks of a ``Group`` only (the other
   ranks do not take part). Allocation stays collective over *all* ranks (offsets are symmetric across the whole
   world); only fences are scoped. A transport without group fences raises
-  :class:`~odc_runtime.errors.OdcUsageError` (the default).
+  ``OdcUsageError`` (the default).
 
 Declared state and capabilities (read directly by the layers above; never detected by probing for overrides):
 
-* :attr:`Transport.failure` is ``None`` while the transport is healthy and the first fatal
-  :class:`~odc_runtime.errors.OdcError` once it is not (a peer lost, a collective timed out or mismatched, an
+* ``Transport.failure`` is ``None`` while the transport is healthy and the first fatal
+  ``OdcError`` once it is not (a peer lost, a collective timed out or mismatched, an
   operation interrupted after it changed shared state: see docs/design.md, "Fail-stop"). Once set, every later
   operation raises at once and ``finalize`` releases local resources without waiting for the peers.
-* :attr:`Transport.device_type` is the ``torch.device`` type of the tensors it works on.
-* :attr:`Transport.capabilities` says which optional parts of the contract it implements
-  (:class:`Capabilities`: signalled puts, group fences, a node layout below the world).
-* :meth:`Transport.exchange` is a bounded all-gather of small payloads used by the core API's agreement steps
-  (default: through the ``torch.distributed`` store, :class:`odc_runtime.agree.StoreExchange`).
+* ``Transport.device_type`` is the ``torch.device`` type of the tensors it works on.
+* ``Transport.capabilities`` says which optional parts of the contract it implements
+  (``Capabilities``: signalled puts, group fences, a node layout below the world).
+* ``Transport.exchange`` is a bounded all-gather of small payloads used by the core API's agreement steps
+  (default: through the ``torch.distributed`` store, ``odc_runtime.agree.StoreExchange``).
 
 Lifecycle and call order: ``create`` (collective) → any number of collective ``alloc`` / ``free`` / ``barrier`` /
 ``group_barrier`` / ``exchange`` in the same order on every rank (group fences: in the same order on the ranks
@@ -82,7 +82,7 @@ def as_failure(op: str, error: BaseException, what: str) -> OdcError:
 
 def raw_stream(device_index: int) -> int:
     """The current CUDA stream of ``device_index`` as a ``cudaStream_t`` integer (cheap where torch allows): what
-    a GPU transport's :meth:`Transport.stream_key` returns, and the stream its launches go to."""
+    a GPU transport's ``Transport.stream_key`` returns, and the stream its launches go to."""
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
@@ -95,11 +95,11 @@ class Capabilities:
     """The optional parts of the contract a transport implements.
 
     Attributes:
-        signals: :meth:`Transport.put_signal` / :meth:`Transport.wait_signal` (needed by the hierarchical
+        signals: ``Transport.put_signal`` / ``Transport.wait_signal`` (needed by the hierarchical
             protocol, i.e. nodes smaller than the world).
-        group_fences: :meth:`Transport.group_barrier` (``sync(group=...)``).
-        nodes: :meth:`Transport.node_size` may be below the world size (a real multi-node layout).
-        deterministic: :meth:`Transport.push` into an ``int64`` buffer (scale 1) adds exactly, so the core API's
+        group_fences: ``Transport.group_barrier`` (``sync(group=...)``).
+        nodes: ``Transport.node_size`` may be below the world size (a real multi-node layout).
+        deterministic: ``Transport.push`` into an ``int64`` buffer (scale 1) adds exactly, so the core API's
             deterministic mode (``odc_runtime.deterministic``) can run on it.
     """
 
@@ -200,8 +200,8 @@ class Piece:
 class TransferPlan:
     """A validated fetch or push pattern over a flat local tensor, reusable across calls.
 
-    The generic plan slices the tensor and calls :meth:`Transport.fetch` / :meth:`Transport.push`;
-    transports override :meth:`Transport.plan` to return a subclass with precomputed state. A plan is only valid
+    The generic plan slices the tensor and calls ``Transport.fetch`` / ``Transport.push``;
+    transports override ``Transport.plan`` to return a subclass with precomputed state. A plan is only valid
     while its buffer is allocated and for the stream key it was made for (the caller checks both).
     """
 
@@ -260,7 +260,7 @@ class Transport(abc.ABC):
     def fail_stop(self, op: str, what: str, step: Callable[[], T], *, aligned: tuple[type, ...] = ()) -> T:
         """Run ``step``, a protocol step that changes shared state before it can fail (``what`` says which, for
         the message): any exception escaping it, except the ``aligned`` types (errors that leave every rank's
-        protocol state consistent), records the failure (:meth:`fail`) and is re-raised unchanged, so an
+        protocol state consistent), records the failure (``fail``) and is re-raised unchanged, so an
         interrupt stays an interrupt while every later operation raises the recorded failure."""
         try:
             return step()
@@ -294,13 +294,13 @@ class Transport(abc.ABC):
     def alloc(self, numel: int, dtype: torch.dtype, tag: str = "") -> SymmetricBuffer:
         """Collective: allocate ``numel`` zero-initialised elements of ``dtype`` on every rank.
 
-        Raises :class:`~odc_runtime.errors.OdcMemoryError` (on every rank, before allocating anything) when the
+        Raises ``OdcMemoryError`` (on every rank, before allocating anything) when the
         symmetric heap cannot hold it.
         """
 
     @abc.abstractmethod
     def free(self, buf: SymmetricBuffer) -> None:
-        """Collective: release a buffer allocated by :meth:`alloc` (same order on all ranks)."""
+        """Collective: release a buffer allocated by ``alloc`` (same order on all ranks)."""
 
     @abc.abstractmethod
     def heap_capacity(self) -> int:
@@ -320,7 +320,7 @@ class Transport(abc.ABC):
         """Issue the copies in ``requests`` (from peers' regions of ``buf`` into local tensors).
 
         Requests are issued in the given order; the caller rotates peers so owners are not all hit at once.
-        Returns a :class:`Work` with ``async_op=True``, else ``None``.
+        Returns a ``Work`` with ``async_op=True``, else ``None``.
         """
 
     @abc.abstractmethod
@@ -329,13 +329,13 @@ class Transport(abc.ABC):
     ) -> Work | None:
         """Issue ``peer_region[:n] += src.to(buf.dtype) * scale`` for every request.
 
-        Returns a :class:`Work` with ``async_op=True``, else ``None``.
+        Returns a ``Work`` with ``async_op=True``, else ``None``.
         """
 
     def plan(self, buf: SymmetricBuffer, kind: str, pieces: Sequence[Piece]) -> TransferPlan:
         """A reusable plan of ``kind`` (``"fetch"`` or ``"push"``) for ``pieces`` of ``buf``.
 
-        The caller has validated everything; the plan is valid for :meth:`stream_key` at this moment.
+        The caller has validated everything; the plan is valid for ``stream_key`` at this moment.
         """
         return TransferPlan(self, buf, kind, pieces, self.stream_key())
 
@@ -354,11 +354,11 @@ class Transport(abc.ABC):
     # -- signalled puts (the hierarchical push across nodes, odc_runtime.hierarchy) --------------------------
     def put_signal(self, buf: SymmetricBuffer, requests: Sequence[PutRequest], signal: SymmetricBuffer) -> None:
         """For every request: write ``src`` into ``peer``'s region of ``buf`` at ``offset``, then add 1 to
-        ``peer``'s ``signal[signal_index]`` (an ``int64`` buffer from :meth:`alloc`) after the data is delivered.
+        ``peer``'s ``signal[signal_index]`` (an ``int64`` buffer from ``alloc``) after the data is delivered.
 
         Issued in order (GPU: on the current stream; ``src`` may be reused after it in stream order). Completion
-        at the peer is what the signal says; :meth:`quiet` / :meth:`barrier` complete them too. A transport
-        without signalled puts (``capabilities.signals`` false) raises :class:`~odc_runtime.errors.OdcUsageError`
+        at the peer is what the signal says; ``quiet`` / ``barrier`` complete them too. A transport
+        without signalled puts (``capabilities.signals`` false) raises ``OdcUsageError``
         (the default).
         """
         raise OdcUsageError(
@@ -389,7 +389,7 @@ class Transport(abc.ABC):
         multi-node job) switches here; the default changes nothing."""
 
     def group_barrier(self, op: str, group: Group) -> None:
-        """Collective over ``group.ranks`` only: :meth:`barrier`'s guarantees among those ranks (implies quiet on
+        """Collective over ``group.ranks`` only: ``barrier``'s guarantees among those ranks (implies quiet on
         each of them; pushes a member issued before it are visible in the owners' regions, writes a member
         made to its own regions before it are what later gets return). This rank must be a member."""
         raise OdcUsageError(

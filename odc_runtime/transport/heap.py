@@ -22,7 +22,7 @@ def human_bytes(n: int) -> str:
 
 
 class HeapAllocator:
-    """First-fit allocation of byte ranges in ``[0, capacity)``, aligned to :data:`ALIGNMENT`."""
+    """First-fit allocation of byte ranges in ``[0, capacity)``, aligned to ``ALIGNMENT``."""
 
     def __init__(self, capacity: int, *, limit_hint: str) -> None:
         self.capacity = capacity - capacity % ALIGNMENT

@@ -1,13 +1,13 @@
 """Bounded waits: the one polling loop every wait of the runtime goes through.
 
-A wait that a dead, stopped or misbehaving peer can block must end. :func:`wait_for` polls a set of pending items
+A wait that a dead, stopped or misbehaving peer can block must end. ``wait_for`` polls a set of pending items
 (usually peer ranks) until each is done, spinning first (most waits end within microseconds) and then backing
 off to a cap; every liveness period it calls a *check* that may raise what is already known (a peer died, a
 peer failed, two ranks are crossed in different collectives), and past the deadline it raises the error its
-caller builds from the items still missing ("who is missing"). :class:`Deadline` and :class:`Backoff` are the
+caller builds from the items still missing ("who is missing"). ``Deadline`` and ``Backoff`` are the
 two parts, for loops that poll something other than a set of peers (a contended byte-range lock).
 
-Used by :mod:`odc_runtime.agree` (the store exchange) and the host transport (barriers, group fences, signal
+Used by ``odc_runtime.agree`` (the store exchange) and the host transport (barriers, group fences, signal
 waits, byte-range locks); a transport whose waits run on a device models its host-side waits on the same parts.
 """
 

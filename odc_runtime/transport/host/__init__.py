@@ -3,19 +3,19 @@
 Every rank maps every rank's segment, so a *fetch* is a ``memcpy`` from a peer's mapping and a *push* is an
 ``add_`` into it. The package is split by concern, each part a helper object the transport owns:
 
-* :mod:`.segments`: segment files (naming, sparse sizing, ``posix_fallocate`` reservation, mapping, stale-file
+* ``segments``: segment files (naming, sparse sizing, ``posix_fallocate`` reservation, mapping, stale-file
   removal). Memory is reserved before it is touched, so a full ``/dev/shm`` is an OdcMemoryError, not a SIGBUS.
-* :mod:`.locks`: byte-range locks that make concurrent pushes exact (one lock held at a time: no cycles).
-* :mod:`.control`: the first control page: world rounds (barrier and exchange: epoch, operation digest, payload)
+* ``locks``: byte-range locks that make concurrent pushes exact (one lock held at a time: no cycles).
+* ``control``: the first control page: world rounds (barrier and exchange: epoch, operation digest, payload)
   and the failed flag.
-* :mod:`.fences`: group fences (``sync(group=...)``) and crossed-collective detection.
-* :mod:`.worker`: the asynchronous operations' thread.
-* :mod:`.plan`: :class:`~.plan.HostPlan`, a fetch/push plan with its segment views and lock ranges resolved once.
-* :mod:`.transport`: :class:`HostTransport` itself (the data paths, rounds, waits and fail-stop).
-* :mod:`.bootstrap`: :func:`create`, the collective construction.
+* ``fences``: group fences (``sync(group=...)``) and crossed-collective detection.
+* ``worker``: the asynchronous operations' thread.
+* ``plan``: ``HostPlan``, a fetch/push plan with its segment views and lock ranges resolved once.
+* ``transport``: ``HostTransport`` itself (the data paths, rounds, waits and fail-stop).
+* ``bootstrap``: ``create``, the collective construction.
 
 Dead peers: while it waits, a rank checks every half second whether the processes it waits for still exist (pid +
-start time from their control pages) or have failed; either raises :class:`~odc_runtime.errors.OdcPeerLostError`
+start time from their control pages) or have failed; either raises ``OdcPeerLostError``
 at once, naming the rank and where it was. After that (or any timeout) the transport is *failed*: every later
 operation raises at once, ``free`` releases locally, and ``finalize`` does not wait again.
 """

@@ -21,7 +21,7 @@ def create(
 ) -> HostTransport:
     """Collective: build the host transport over the default ``torch.distributed`` group.
 
-    Every step is one bounded agreement round (:func:`~odc_runtime.agree.gather_checked` over the store, with
+    Every step is one bounded agreement round (``gather_checked`` over the store, with
     ``timeout``): any local failure (bad settings, a segment that cannot be created, sized or mapped, an OS
     error) makes every rank raise together instead of some waiting for the others, and every rank removes the
     segment it created. Once all ranks have mapped all segments each rank unlinks its own file: the memory lives

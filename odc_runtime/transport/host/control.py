@@ -43,7 +43,7 @@ class PeerState(NamedTuple):
     prev_digest: bytes  # of the op at ``epoch - 1``
     prev_name: bytes
     status: int  # HEALTHY, FAILED, LEFT, EXITED or EXITED_RAISING
-    raw: bytes  # the page up to the payloads (for :meth:`ControlPage.payload`)
+    raw: bytes  # the page up to the payloads (for ``ControlPage.payload``)
 
 
 class ControlPage:

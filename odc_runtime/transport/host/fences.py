@@ -6,9 +6,9 @@ number with the marker set (one locked store), poll the members' numbers for tha
 clear the marker. The world epoch is untouched, so groups fence at their own pace. Two ranks waiting for each
 other in different collectives (one in a group fence, the other in a world round or another group's fence, each
 needing the other first) see it from the peer's world epoch or marker and raise
-:class:`~odc_runtime.errors.OdcMismatchError` instead of timing out; longer cycles (rank 0 in a fence waiting for
+``OdcMismatchError`` instead of timing out; longer cycles (rank 0 in a fence waiting for
 rank 1 in another fence waiting for rank 2 ... waiting for rank 0) are found in the wait-for graph of every rank's
-pages (:meth:`GroupFences.wait_graph`), read twice one liveness period apart. Ordering and deadlock argument:
+pages (``GroupFences.wait_graph``), read twice one liveness period apart. Ordering and deadlock argument:
 docs/design.md, "Process groups".
 """
 

@@ -4,7 +4,7 @@ A push holds a POSIX byte-range lock (``fcntl``) on the target bytes of the owne
 chunk at a time. A process holds at most one lock at a time, so lock waits cannot form a cycle; the kernel releases
 a dead process's locks, and a contended lock is polled until ``ODC_TIMEOUT`` so that a stopped holder cannot hang
 the caller. POSIX locks do not exclude threads of one process, so a per-peer ``threading.Lock``
-(:meth:`ByteRangeLocks.thread_lock`) serialises this process's own threads (caller and async worker) first. Lock
+(``ByteRangeLocks.thread_lock``) serialises this process's own threads (caller and async worker) first. Lock
 and unlock are system calls that order memory: what a holder wrote is seen by the next holder.
 """
 
@@ -36,7 +36,7 @@ class ByteRangeLocks:
 
     def lock(self, peer: int, fd: int, start: int, length: int, *, exclusive: bool, op: str) -> None:
         """Take a POSIX lock on bytes ``[start, start+length)`` of ``peer``'s segment (``fd``); release it with
-        :meth:`unlock`. Uncontended, this is one system call. Contended, it polls instead of blocking in the
+        ``unlock``. Uncontended, this is one system call. Contended, it polls instead of blocking in the
         kernel, so that a holder that is stopped (not dead: the kernel releases a dead process's locks) cannot
         hang us forever."""
         mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
@@ -70,7 +70,7 @@ class ByteRangeLocks:
 
     @contextlib.contextmanager
     def held(self, peer: int, start: int, length: int, *, exclusive: bool, op: str) -> Iterator[None]:
-        """Hold :meth:`lock` on bytes ``[start, start+length)`` of ``peer``'s segment for the ``with`` block."""
+        """Hold ``lock`` on bytes ``[start, start+length)`` of ``peer``'s segment for the ``with`` block."""
         fd = self._segments.get(peer).fd
         try:  # lock inside the try: an interrupt between the lock and the try would leak it
             self.lock(peer, fd, start, length, exclusive=exclusive, op=op)

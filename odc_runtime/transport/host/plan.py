@@ -2,8 +2,8 @@
 
 A synchronous ``run`` then costs the copies or adds themselves plus, for a push, one lock and unlock system call per
 chunk: no requests, no segment look-ups, no views of the segments per call. The byte-range locks and the fail-stop
-rule of a push are exactly those of :meth:`HostTransport.push <.transport.HostTransport.push>` (one shared
-implementation, :meth:`~.transport.HostTransport.add_chunks`). Whatever the fast path cannot vouch for (an
+rule of a push are exactly those of ``HostTransport.push <.transport.HostTransport.push>`` (one shared
+implementation, ``add_chunks``). Whatever the fast path cannot vouch for (an
 asynchronous operation; a transport that failed, was finalized or lives in a forked child) takes the generic
 path, which raises the same errors as before.
 """
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class HostPlan(TransferPlan):
-    """A :class:`TransferPlan` whose pieces are bound to segment views (fetch) or lock ranges (push)."""
+    """A ``TransferPlan`` whose pieces are bound to segment views (fetch) or lock ranges (push)."""
 
     __slots__ = ("_adds", "_reads")
 

@@ -3,9 +3,9 @@
 Each rank creates one segment ``odc-<job>-r<rank>-p<pid>-s<start>-n<pidns>.heap`` (mode 0600; ``start`` is the
 process's start time, so a later process that reuses the pid is not mistaken for the creator; ``pidns`` its pid
 namespace, so segments of another container sharing the directory are never judged by pid): the control pages
-(:data:`CONTROL_BYTES`) followed by the rank's symmetric heap. The file is sparse; every allocation first
-reserves its bytes with ``posix_fallocate`` (:meth:`Segments.reserve`), so a full filesystem is an
-:class:`~odc_runtime.errors.OdcMemoryError` and not a ``SIGBUS`` on first touch.
+(``CONTROL_BYTES``) followed by the rank's symmetric heap. The file is sparse; every allocation first
+reserves its bytes with ``posix_fallocate`` (``Segments.reserve``), so a full filesystem is an
+``OdcMemoryError`` and not a ``SIGBUS`` on first touch.
 """
 
 from __future__ import annotations

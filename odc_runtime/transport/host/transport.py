@@ -1,9 +1,9 @@
 """The host transport object: symmetric memory, fetch / push / signalled puts, barriers, fail-stop.
 
-Its helpers, each owned by one transport: :class:`~.segments.Segments` (files and mappings),
-:class:`~.locks.ByteRangeLocks`, :class:`~.control.ControlPage` (world rounds, failure flag),
-:class:`~.fences.GroupFences`, :class:`~.worker.AsyncWorker`. Every wait goes through
-:func:`odc_runtime.transport.wait.wait_for`.
+Its helpers, each owned by one transport: ``Segments`` (files and mappings),
+``ByteRangeLocks``, ``ControlPage`` (world rounds, failure flag),
+``GroupFences``, ``AsyncWorker``. Every wait goes through
+``odc_runtime.transport.wait.wait_for``.
 
 Fail-stop (docs/design.md, "Fail-stop"): an exception that escapes a step after it changed shared state (a world
 round or group fence after this rank announced its arrival, a push after a chunk of it landed, a signalled put)
@@ -163,7 +163,7 @@ class HostTransport(Transport):
 
     def place(self, offset: int, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
         """Back ``numel`` ``dtype`` elements at heap byte ``offset`` with memory, zero them, and return this rank's
-        view (a subclass with its heap elsewhere overrides this; :meth:`alloc` agrees on the result)."""
+        view (a subclass with its heap elsewhere overrides this; ``alloc`` agrees on the result)."""
         seg = self.segments.get(self.rank)
         self.segments.reserve(seg.fd, CONTROL_BYTES + offset, max(numel * dtype.itemsize, 1), what)
         view = seg.view(offset, numel, dtype)
@@ -416,7 +416,7 @@ class HostTransport(Transport):
 
     # -- group fences -------------------------------------------------------------------------------
     def group_barrier(self, op: str, group: Group) -> None:
-        """Fence among ``group.ranks`` only (see :mod:`.fences`)."""
+        """Fence among ``group.ranks`` only (see ``fences``)."""
         self.check_usable(shorten(op))
         if not 0 <= group.index < MAX_GROUPS:
             raise OdcUsageError(

@@ -42,7 +42,7 @@ class FutureWork(Work):
 
 
 class AsyncWorker:
-    """Runs submitted functions on one thread in issue order; :meth:`quiet` waits for all and reports failures."""
+    """Runs submitted functions on one thread in issue order; ``quiet`` waits for all and reports failures."""
 
     def __init__(self, rank: int, timeout: float) -> None:
         self._rank = rank

@@ -1,12 +1,12 @@
 """GPU transport on NVSHMEM (through the compiled extension ``odc_runtime._C``), split by concern:
 
-* :mod:`.extension` — loading ``_C``, NVSHMEM versions, the process-wide NVSHMEM state;
-* :mod:`.settings` — settings, heap size, GPU sharing and node layout agreed at init;
-* :mod:`.bootstrap` — :func:`create` (collective init);
-* :mod:`.transport` — :class:`NvshmemTransport`, the transport contract, owning:
-* :mod:`.memory` — the symmetric heap (arena, views, free quarantine, symmetric offsets);
-* :mod:`.plans` — extension plans (near: peer pointers; far: symmetric offsets) and the streams they run on;
-* :mod:`.watchdog` — deadlines, abort, the error messages and the failure state.
+* ``extension`` — loading ``_C``, NVSHMEM versions, the process-wide NVSHMEM state;
+* ``settings`` — settings, heap size, GPU sharing and node layout agreed at init;
+* ``bootstrap`` — ``create`` (collective init);
+* ``transport`` — ``NvshmemTransport``, the transport contract, owning:
+* ``memory`` — the symmetric heap (arena, views, free quarantine, symmetric offsets);
+* ``plans`` — extension plans (near: peer pointers; far: symmetric offsets) and the streams they run on;
+* ``watchdog`` — deadlines, abort, the error messages and the failure state.
 
 Importing this package never needs a GPU or the extension. The device protocols and their ordering arguments
 are in ``csrc/`` (``csrc/kernels.h`` lists them) and ``docs/design.md``.

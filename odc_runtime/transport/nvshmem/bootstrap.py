@@ -1,4 +1,4 @@
-"""Bootstrap of the nvshmem transport (:func:`create`, collective).
+"""Bootstrap of the nvshmem transport (``create``, collective).
 
 Every rank validates its side and parses its settings, the ranks agree on all of them over ``torch.distributed``
 (a mismatch raises on every rank, naming the setting and the values), several PEs on one GPU without CUDA MPS are

@@ -39,11 +39,11 @@ def _nvshmem_lib_dirs() -> list[str]:
 
 
 def load_extension() -> ModuleType:
-    """Import ``odc_runtime._C``; raise :class:`OdcBackendError` saying why it is not usable.
+    """Import ``odc_runtime._C``; raise ``OdcBackendError`` saying why it is not usable.
 
     ``libnvshmem_host.so.3`` is preloaded from ``NVSHMEM_HOME`` or the installed ``nvidia-nvshmem`` wheel unless
     the process already has one (``import torch`` loads its own in torch CUDA builds; the same soname is then
-    reused, which is why :func:`check_version` compares versions before init).
+    reused, which is why ``check_version`` compares versions before init).
     """
     global _ext, _ext_error
     if _ext is not None:
@@ -70,7 +70,7 @@ def _fmt(v: Sequence[int]) -> str:
 
 
 def check_version(C: ModuleType) -> tuple[int, int, int]:
-    """Return the NVSHMEM version in use; raise :class:`OdcBackendError` if it is not the one ``C`` was built for.
+    """Return the NVSHMEM version in use; raise ``OdcBackendError`` if it is not the one ``C`` was built for.
 
     ``C`` (``odc_runtime._C``) links NVSHMEM's device library statically but uses whichever
     ``libnvshmem_host.so.3`` the process loaded first (torch's, in torch CUDA builds); device and host halves of

@@ -1,12 +1,12 @@
 """Plan building and stream use of the nvshmem transport.
 
-:class:`PlanBuilder` turns ``(peer, local element offset, numel, peer element offset)`` entries into extension
+``PlanBuilder`` turns ``(peer, local element offset, numel, peer element offset)`` entries into extension
 plans: ``near`` (peer pointers: copy engines / SM copy for fetch, fused atomics for push; runs on the caller's
 stream) and ``far`` (NVSHMEM network operations: staged fetch, locked push; the scratch users). A near entry
 carries the peer pointer; a far entry carries the *symmetric offset* of the peer's range in the arena, from which
-the kernels derive NVSHMEM's address, cells and locks (``csrc/cells.cu``). :class:`Streams` runs them: scratch
+the kernels derive NVSHMEM's address, cells and locks (``csrc/cells.cu``). ``Streams`` runs them: scratch
 users on one internal stream (so no two ever share a scratch slot) that waits for the caller's stream and is
-joined back into it; ``async_op=True`` on a side stream whose event :class:`CudaWork` hands back.
+joined back into it; ``async_op=True`` on a side stream whose event ``CudaWork`` hands back.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def check_push(acc: torch.dtype, src: torch.dtype, scale: float) -> None:
 
 
 def source_codes(codes: dict[torch.dtype, int], acc: torch.dtype) -> dict[torch.dtype, int]:
-    """The dtype codes of the sources a push into an ``acc`` accumulator may have (:func:`check_push`)."""
+    """The dtype codes of the sources a push into an ``acc`` accumulator may have (``check_push``)."""
     if acc == torch.int64:
         return {torch.int64: codes[torch.int64]}
     return {d: c for d, c in codes.items() if d != torch.int64}

@@ -1,5 +1,5 @@
 """The nvshmem transport's settings and the facts every rank must agree on at init: protocol settings and heap
-size (parsed by :func:`odc_runtime.config.nvshmem_settings`), GPU sharing (MPS), and the node layout derived from
+size (parsed by ``odc_runtime.config.nvshmem_settings``), GPU sharing (MPS), and the node layout derived from
 peer-pointer reach. Pure functions of the exchanged data, so every rank takes the same decision."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def local_settings(heap_size: int | str | None) -> tuple[config.NvshmemSettings,
 
 def agree_settings(infos: Sequence[tuple[config.NvshmemSettings, int, int]]) -> tuple[config.NvshmemSettings, int, int]:
     """From every rank's ``(settings, heap bytes, SM count)`` (indexed by rank, the same list on every rank):
-    raise :class:`~odc_runtime.errors.OdcMismatchError` naming the first setting that differs and every rank's
+    raise ``OdcMismatchError`` naming the first setting that differs and every rank's
     value, else return ``(settings, heap bytes, scratch slots)``. Mixed push protocols would lose updates and the
     scratch and heap are symmetric allocations, so nothing here may differ; the default scratch slot count is one
     per SM of the largest GPU."""
@@ -109,7 +109,7 @@ def network_transport(environ: dict[str, str] | None = None, ib_dir: str = "/sys
 
 def check_atomics_path(p2p_atomics: bool, reach: Sequence[Sequence[int]], network: Sequence[bool]) -> None:
     """Refuse a node whose GPUs reach each other by peer pointer but without load/store atomics (PCIe, no NVLink)
-    when the node has no network transport (``network[r]``: :func:`network_transport` on rank ``r``).
+    when the node has no network transport (``network[r]``: ``network_transport`` on rank ``r``).
 
     There NVSHMEM routes every atomic (the locked push's ticket locks, the signal adds) through the network
     transport, which does not exist, and NVSHMEM 3.4.5's signal add falls back to a system-scope atomic through

@@ -1,9 +1,9 @@
-"""The nvshmem transport: the :class:`~odc_runtime.transport.base.Transport` contract on NVSHMEM.
+"""The nvshmem transport: the ``Transport`` contract on NVSHMEM.
 
-It owns one helper per concern: :class:`~.memory.SymmetricHeap` (arena, views, free quarantine),
-:class:`~.plans.PlanBuilder` and :class:`~.plans.Streams` (extension plans and the streams they run on),
-:class:`~.watchdog.Watchdog` (deadlines, abort, failure state) and the extension's ``Engine`` (barrier, quiet,
-signalled puts, the deadline thread). Bootstrap is :func:`~.bootstrap.create`.
+It owns one helper per concern: ``SymmetricHeap`` (arena, views, free quarantine),
+``PlanBuilder`` and ``Streams`` (extension plans and the streams they run on),
+``Watchdog`` (deadlines, abort, failure state) and the extension's ``Engine`` (barrier, quiet,
+signalled puts, the deadline thread). Bootstrap is ``create``.
 
 Memory: the whole symmetric heap is allocated once at init and sub-allocated in Python. No NVSHMEM host call
 happens after init: no ``nvshmem_malloc``/``free``, no host or on-stream collective, which a dead peer could block
@@ -14,7 +14,7 @@ valid; the GPU memory is returned when the process exits.
 Barrier and failure: ``barrier`` is our own kernel (``csrc/barrier.cu``). It is stream-ordered and does not block
 the host; the engine's deadline thread and the watchdog hold its event against ``ODC_TIMEOUT``. On timeout the
 abort word is raised (every waiting kernel leaves within microseconds, the CUDA context stays usable), and an
-:class:`~odc_runtime.errors.OdcTimeoutError` naming the operation and the peers is recorded in ``failure``; every
+``OdcTimeoutError`` naming the operation and the peers is recorded in ``failure``; every
 later call into the transport raises it. ``barrier`` keeps at most one barrier in flight: it first waits (short
 polling, same deadline) for the previous one, so a sync that times out is reported by the next sync at the latest.
 
@@ -93,7 +93,7 @@ class NvshmemTransport(Transport):
         atomic_push: bool,
         node: int | str,
     ) -> None:
-        """``node``: the node size derived at init (:func:`~.settings.node_layout`), or why it cannot be derived."""
+        """``node``: the node size derived at init (``node_layout``), or why it cannot be derived."""
         super().__init__(rank, world_size, device, timeout)
         self._C = ext
         self._codes = extension.dtype_codes(ext)
@@ -137,7 +137,7 @@ class NvshmemTransport(Transport):
 
     def _launch(self, op: str, fn: object, *args: object) -> object:
         """An engine launch (barrier, quiet, signalled put, signal wait): its refusal goes through
-        :meth:`_launch_failed`, so after the deadline thread's abort the caller gets the late operation's timeout
+        ``_launch_failed``, so after the deadline thread's abort the caller gets the late operation's timeout
         (the signal word and the peer, or the barrier and the missing ranks), not a generic backend error."""
         try:
             return fn(*args)  # type: ignore[operator]
@@ -265,7 +265,7 @@ class NvshmemTransport(Transport):
 
         Peers with a peer pointer (same node) are written by an SM copy, the others by network puts, which read
         the source directly: for those, ``src`` must lie inside the symmetric heap (a view of a buffer from
-        :meth:`alloc`), since the network can only read registered memory. Nothing is issued unless every
+        ``alloc``), since the network can only read registered memory. Nothing is issued unless every
         request is valid. The host does not wait."""
         self._check("put_signal")
         if buf.freed:
@@ -308,7 +308,7 @@ class NvshmemTransport(Transport):
 
         The wait is watched: past ``timeout`` the abort word releases the wait kernel (and every other waiting
         kernel of this engine), and the next call into the transport raises
-        :class:`~odc_runtime.errors.OdcTimeoutError` naming ``op``, ``peers`` and the count that was reached."""
+        ``OdcTimeoutError`` naming ``op``, ``peers`` and the count that was reached."""
         self._check(op)
         offset = self._check_signal(op, signal, index)
         if value < 0:
@@ -337,7 +337,7 @@ class NvshmemTransport(Transport):
 
     def node_size(self) -> int:
         """The PEs that reach each other by peer pointer (one NVLink domain / host), derived and checked at init:
-        consecutive blocks of one size on every rank, else :class:`~odc_runtime.errors.OdcUsageError` asking for
+        consecutive blocks of one size on every rank, else ``OdcUsageError`` asking for
         ``ODC_NODE_SIZE``."""
         if isinstance(self._node, str):
             raise OdcUsageError(self._node)

@@ -2,7 +2,7 @@
 
 Every operation that waits for other PEs on the GPU (a barrier, a locked push, a signal wait) is *watched*: the
 engine's deadline thread (C++, ``csrc/engine.cu``, needs no Python) raises the abort word when the operation's
-event is late, and :class:`Watchdog` (a Python daemon thread plus the host waits of the transport) turns what the
+event is late, and ``Watchdog`` (a Python daemon thread plus the host waits of the transport) turns what the
 kernels recorded into the error. On abort every waiting kernel of the engine leaves within microseconds, the CUDA
 context stays usable, and the transport stays failed: every later call raises the recorded error.
 

@@ -1,11 +1,11 @@
 """The one-node Triton transport: push, fetch, signalled puts and fences are Triton kernels over peer pointers
-into a symmetric heap per rank (:class:`~.heap.PeerHeap`), so that what CI executes on CPU ranks under the Triton
+into a symmetric heap per rank (``PeerHeap``), so that what CI executes on CPU ranks under the Triton
 interpreter is what runs on GPUs.
 
-* ``symm-cpu`` (:mod:`.cpu`): CPU ranks, the host transport's shared-memory segments as the heap, kernels under
+* ``symm-cpu`` (``cpu``): CPU ranks, the host transport's shared-memory segments as the heap, kernels under
   ``TRITON_INTERPRET=1``. Selected by ``odc.init(backend="symm-cpu")`` / ``ODC_BACKEND=symm-cpu``; never chosen
   automatically (it is the host transport, only slower, and exists to execute the GPU data plane in CI).
-* ``symm`` (:mod:`.cuda`): GPUs of one node, the heap from PyTorch's symmetric memory.
+* ``symm`` (``cuda``): GPUs of one node, the heap from PyTorch's symmetric memory.
 
 Protocols, ordering and deadlines: docs/design.md, "One-node Triton transport (symm, symm-cpu)".
 """

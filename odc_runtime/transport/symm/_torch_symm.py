@@ -1,9 +1,9 @@
 """Everything ODC uses of PyTorch's SymmetricMemory (``torch.distributed._symmetric_memory``), in one place.
 
 That module is private and marked alpha: its Python API has moved between releases, so nothing else in
-odc_runtime imports it. :func:`detect` reads what the running torch offers, by feature (never by version number),
-into a :class:`SymmApi`; the helpers below take that and a rendezvous handle. A missing or changed piece is an
-:class:`~odc_runtime.errors.OdcBackendError` naming the torch version and the attribute, and
+odc_runtime imports it. ``detect`` reads what the running torch offers, by feature (never by version number),
+into a ``SymmApi``; the helpers below take that and a rendezvous handle. A missing or changed piece is an
+``OdcBackendError`` naming the torch version and the attribute, and
 ``tests/test_symm_torch.py`` runs the detection against a fake module of each API shape.
 
 What ODC needs, and where it differs (read from the released sources: torch 2.9.1, 2.13.0 and 2.15.0, files
@@ -92,7 +92,7 @@ def _positional_params(fn: Callable[..., Any]) -> int | None:
 
 
 def detect(module: ModuleType) -> SymmApi:
-    """Read ``module`` (``torch.distributed._symmetric_memory`` or a stand-in) into a :class:`SymmApi`.
+    """Read ``module`` (``torch.distributed._symmetric_memory`` or a stand-in) into a ``SymmApi``.
 
     Raises OdcBackendError naming what is missing.
     """
@@ -123,7 +123,7 @@ def detect(module: ModuleType) -> SymmApi:
 
 @functools.cache
 def api() -> SymmApi:
-    """The running torch's :class:`SymmApi` (imported and detected once). Raises OdcBackendError."""
+    """The running torch's ``SymmApi`` (imported and detected once). Raises OdcBackendError."""
     try:
         module = importlib.import_module(MODULE)
     except Exception as e:  # absent, or failing to import on a build without distributed / CUDA support

@@ -1,7 +1,7 @@
 """``symm-cpu``: the one-node Triton transport on CPU ranks, its kernels executed by the Triton interpreter.
 
 The interpreter is chosen when a kernel is *defined* (``TRITON_INTERPRET=1`` read by ``triton.jit``), so
-:func:`create` sets the variable before it imports ``odc_runtime.kernels.peer``; if that module was already
+``create`` sets the variable before it imports ``odc_runtime.kernels.peer``; if that module was already
 imported compiled (a process that used the kernels on a GPU first), it raises and says how to start instead.
 """
 

@@ -1,14 +1,14 @@
 """``symm``: the one-node Triton transport on the GPUs of one node, its heap from PyTorch's symmetric memory.
 
-Everything but memory and streams is :class:`~.transport.SymmTransport` (the kernels, rounds, watchdog and
+Everything but memory and streams is ``SymmTransport`` (the kernels, rounds, watchdog and
 fail-stop that ``symm-cpu`` executes in CI). What differs on a GPU, and only that, is here:
 
-* the heap is a :class:`~.torch_heap.CudaPeerHeap` (:func:`~.torch_heap.open_heap`, collective, returns zeroed);
+* the heap is a ``CudaPeerHeap`` (``open_heap``, collective, returns zeroed);
   the host segments keep only the control pages (they are sparse: the heap part is never reserved);
 * buffers are views of that heap, zeroed on the device before the allocation's agreement round;
 * kernels launch on the caller's current CUDA stream; ``async_op=True`` launches there too and returns a
-  :class:`StreamWork` (an event: ``wait`` orders the caller's current stream after it, the host does not block);
-* a world ``barrier`` (``sync``) is stream-ordered (:attr:`ordered_barriers`): it returns after the launch and the
+  ``StreamWork`` (an event: ``wait`` orders the caller's current stream after it, the host does not block);
+* a world ``barrier`` (``sync``) is stream-ordered (``ordered_barriers``): it returns after the launch and the
   next call settles it; group fences and ``wait_signal`` wait for their kernel's event under the same persistent
   watchdog (docs/design.md, "Stream-ordered ``sync`` with one persistent watchdog").
 """
@@ -55,7 +55,7 @@ class StreamWork(Work):
 
 
 class CudaSymmTransport(SymmTransport):
-    """:class:`SymmTransport` over a :class:`~.torch_heap.CudaPeerHeap` on this rank's GPU."""
+    """``SymmTransport`` over a ``CudaPeerHeap`` on this rank's GPU."""
 
     name = "symm"
     device_type = "cuda"

@@ -1,10 +1,10 @@
-"""The seam between the one-node Triton transport and whatever maps the ranks' memory: a :class:`PeerHeap`.
+"""The seam between the one-node Triton transport and whatever maps the ranks' memory: a ``PeerHeap``.
 
 A heap provider gives every rank one symmetric heap of ``nbytes`` bytes, mapped into every peer's address space
 (at a different address in each process: only symmetric *offsets* mean the same thing on every rank), and a
 per-process table of peer base addresses that the kernels load and cast to pointers. Providers are duck-typed:
 
-* :class:`SegmentHeap` (here): CPU ranks, over the host transport's shared-memory segments (``symm-cpu``).
+* ``SegmentHeap`` (here): CPU ranks, over the host transport's shared-memory segments (``symm-cpu``).
 * the CUDA provider over ``torch.distributed._symmetric_memory`` (``symm``) implements the same shape.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from odc_runtime.transport.host.segments import CONTROL_BYTES, Segments
 
-# A fetch piece of at least this many bytes is copied from the peer's heap view (:meth:`PeerHeap.peer_view`: the
+# A fetch piece of at least this many bytes is copied from the peer's heap view (``PeerHeap.peer_view``: the
 # copy engines on a GPU, leaving the SMs to the model); smaller pieces go together in one copy-kernel launch (one
 # launch costs the host less than a copy each).
 COPY_MIN_BYTES = 1 << 20
@@ -42,10 +42,10 @@ class PeerHeap(Protocol):
 
 
 class SegmentHeap:
-    """:class:`PeerHeap` over the host transport's segments: the heap is each segment after its control pages.
+    """``PeerHeap`` over the host transport's segments: the heap is each segment after its control pages.
 
     The segments are mapped with ``mmap`` in every process, so the same heap sits at a different address in each
-    one; :attr:`peer_bases` holds this process's addresses. The segments' owner (the transport) closes them.
+    one; ``peer_bases`` holds this process's addresses. The segments' owner (the transport) closes them.
     """
 
     def __init__(self, segments: Segments, rank: int, world: int, nbytes: int) -> None:

@@ -28,7 +28,7 @@ _KEEP = 4  # descriptors per plan (one per caller address), the oldest dropped f
 
 
 class SymmPlan(TransferPlan):
-    """A :class:`TransferPlan` that launches the kernel with a cached descriptor (see the module docstring)."""
+    """A ``TransferPlan`` that launches the kernel with a cached descriptor (see the module docstring)."""
 
     __slots__ = ("_copies", "_descs", "_fast", "_launches", "_longest", "_rows", "_stream")
 

@@ -1,11 +1,11 @@
 """The ``symm`` transport's memory on GPUs: one SymmetricMemory block per rank, mapped into every peer (one node).
 
-:func:`open_heap` is collective over the default ``torch.distributed`` group and returns a :class:`CudaPeerHeap`, the
+``open_heap`` is collective over the default ``torch.distributed`` group and returns a ``CudaPeerHeap``, the
 CUDA implementation of the transport's ``PeerHeap`` shape (``odc_runtime.transport.symm.heap``): ``local`` is this
 rank's ``uint8[nbytes]`` heap, ``peer_bases`` an ``int64[world]`` CUDA tensor of every rank's heap address *in this
 process* (what the Triton kernels load and cast to pointers), ``peer_view(p)`` a tensor view of rank ``p``'s heap
 (what copy-engine fetches read). Every touch of torch's private SymmetricMemory API goes through
-:mod:`._torch_symm`.
+``_torch_symm``.
 
 Creation, step by step, each step agreed by every rank (``gather_checked``: a failure anywhere raises on every rank,
 within ``timeout``) before the next, so no rank enters torch's rendezvous (which waits on the store without our
@@ -40,12 +40,12 @@ log = logging.getLogger(__name__)
 
 
 def is_available() -> bool:
-    """Whether this process could create a :class:`CudaPeerHeap` (CUDA device and SymmetricMemory present)."""
+    """Whether this process could create a ``CudaPeerHeap`` (CUDA device and SymmetricMemory present)."""
     return _torch_symm.unavailable_reason() is None
 
 
 class CudaPeerHeap:
-    """One rank's symmetric heap on its GPU and its peers' heaps as mapped here. Build it with :func:`open_heap`."""
+    """One rank's symmetric heap on its GPU and its peers' heaps as mapped here. Build it with ``open_heap``."""
 
     def __init__(self, *, rank: int, world: int, local: torch.Tensor, handle: Any) -> None:
         self.rank = rank
@@ -60,7 +60,7 @@ class CudaPeerHeap:
         self._views: dict[int, torch.Tensor] = {rank: local}
 
     def peer_view(self, peer: int) -> torch.Tensor:
-        """``uint8[nbytes]`` view of rank ``peer``'s heap in this process (this rank's own: :attr:`local`)."""
+        """``uint8[nbytes]`` view of rank ``peer``'s heap in this process (this rank's own: ``local``)."""
         if self._handle is None:
             raise OdcBackendError("symm heap: used after close()")
         if not 0 <= peer < self.world:

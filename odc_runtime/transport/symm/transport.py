@@ -1,9 +1,9 @@
-"""The one-node Triton transport: the data plane and fences are Triton kernels over a :class:`~.heap.PeerHeap`.
+"""The one-node Triton transport: the data plane and fences are Triton kernels over a ``PeerHeap``.
 
 Protocol, ordering arguments and deadlock freedom: docs/design.md, "One-node Triton transport (symm, symm-cpu)".
 In short:
 
-* **push** is one launch of :func:`~odc_runtime.kernels.peer.push_kernel`: fused cast, scale and fp32 atomic add
+* **push** is one launch of ``push_kernel``: fused cast, scale and fp32 atomic add
   into each owner's region through its peer pointer (deterministic mode: quantise and int64 atomic add, in the
   same kernel for a synchronous push). **fetch** is one launch of the copy kernel.
 * **put_signal** is one launch: the data, then (last block of each row) a release add on the peer's signal word.
@@ -11,13 +11,13 @@ In short:
 * **barrier** / **group_barrier**: one kernel announces the round number into every member's word (release max)
   and spins until every member's word in its own row reached it (acquire), watching the abort word.
 * The host side is the host transport's control plane, inherited: the control pages carry rounds (epoch, op
-  digest), liveness (pid, start time) and status; :meth:`HostTransport.exchange` is the payload round of
+  digest), liveness (pid, start time) and status; ``HostTransport.exchange`` is the payload round of
   ``shard`` / ``alloc``; allocation is the host transport's (same offsets on every rank). Every kernel wait runs
-  under the transport's one persistent **watchdog** thread (:mod:`.watch`: the host transport's own bounded wait,
-  :meth:`HostTransport._wait_for_peers`): it names a dead or failed peer within a liveness period, a crossed
+  under the transport's one persistent **watchdog** thread (``watch``: the host transport's own bounded wait,
+  ``HostTransport._wait_for_peers``): it names a dead or failed peer within a liveness period, a crossed
   collective, or the missing ranks at ``ODC_TIMEOUT``, and then raises the abort word that ends the kernel's spin.
-  On a GPU a world barrier is stream-ordered (:attr:`SymmTransport.ordered_barriers`): the call returns after the
-  launch and the next call that needs the round's outcome *settles* it (:meth:`SymmTransport.settle`).
+  On a GPU a world barrier is stream-ordered (``SymmTransport.ordered_barriers``): the call returns after the
+  launch and the next call that needs the round's outcome *settles* it (``SymmTransport.settle``).
 
 Symmetric control words at heap offset 0 (allocated first, so at the same offset on every rank): the abort word,
 then one row of ``world`` int64 barrier words for the world and one per group index.
@@ -315,7 +315,7 @@ class SymmTransport(HostTransport):
     def _watched(self, op: str, peers: list[int], arrived: Callable[[int], bool], watch: Callable[[int], None],
                  what: str, launch: Callable[[], None], *, after: Callable[[], None] | None = None,
                  ordered: bool = False) -> None:
-        """Run a waiting kernel (``launch``) under the watchdog (:mod:`.watch`), then settle it, or leave it
+        """Run a waiting kernel (``launch``) under the watchdog (``watch``), then settle it, or leave it
         pending when ``ordered`` (the next call settles it).
 
         The watchdog polls what the kernel waits for (``arrived``; on a GPU only the kernel's event, since a read of
@@ -348,7 +348,7 @@ class SymmTransport(HostTransport):
     def settle(self) -> None:
         """Complete the stream-ordered barrier still pending, if any: wait (bounded by the watchdog's deadline)
         until it is finished and raise its error or the round's mismatch. Every call that needs a round's outcome
-        calls this first; on the CPU nothing is ever pending unless :attr:`ordered_barriers` is set."""
+        calls this first; on the CPU nothing is ever pending unless ``ordered_barriers`` is set."""
         entry, self._pending = self._pending, None
         if entry is not None:
             self._settle(entry)

@@ -2,7 +2,7 @@
 (barrier, group fence, signal wait) against its deadline, so that no call creates a thread.
 
 Protocol (docs/design.md, "Stream-ordered ``sync`` with one persistent watchdog"): the caller *arms* an
-:class:`Entry` and launches its kernel; the thread runs the host transport's bounded wait
+``Entry`` and launches its kernel; the thread runs the host transport's bounded wait
 (``HostTransport._wait_for_peers``: liveness every period, crossed collectives, ``ODC_TIMEOUT``) over the entry's
 completion. An entry is *finished* exactly once, under the watchdog's lock, by whoever sees it first: the thread
 (the kernel completed, or an error) or the caller (it saw the kernel complete). On an error the thread finishes the
@@ -49,7 +49,7 @@ class Entry:
 
 
 class Watchdog:
-    """The persistent watchdog thread of one :class:`~.transport.SymmTransport` (see the module docstring)."""
+    """The persistent watchdog thread of one ``SymmTransport`` (see the module docstring)."""
 
     def __init__(self, transport: SymmTransport) -> None:
         self._transport = weakref.ref(transport)
