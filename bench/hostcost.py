@@ -302,7 +302,7 @@ def _symm_stubbed(runs_: int, calls: int) -> dict[str, float] | None:
             for (kind, tensor, buf), args in zip(
                 (("fetch", out, st._param), ("push", grad, st._grad)), list(launched)[-2:], strict=True  # type: ignore[attr-defined]
             ):
-                desc = plans[kind]._desc_of(tensor)  # type: ignore[attr-defined]
+                desc, _ = plans[kind]._desc_of(tensor)  # type: ignore[attr-defined]
                 if args[:3] != (1, 1, 1) or args[10] != desc.data_ptr() or desc.tolist() != [
                     [0, buf.handle, tensor.data_ptr(), NUMEL]
                 ]:

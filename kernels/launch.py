@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import triton
+from triton.runtime import driver as _driver
 
 __all__ = ["RUNNER_LINES", "CachedKernel", "runner_supported"]
 
@@ -73,14 +74,13 @@ def _kind(a: object) -> object:
 class CachedKernel:
     """One ``@triton.jit`` kernel launched through its compiled runner once compiled for a signature."""
 
-    __slots__ = ("_cache", "_fast", "_order", "_stream", "kernel", "launches")
+    __slots__ = ("_cache", "_fast", "_order", "kernel", "launches")
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self._fast = runner_supported()
         self._cache: dict[tuple, tuple[Callable[..., Any], Any, Any, tuple]] = {}
         self._order: tuple[str, ...] = tuple(getattr(kernel, "arg_names", ()))
-        self._stream: Callable[[], int] | None = None
         self.launches = [0, 0]  # (through triton's binder, through the cached runner): for tests and benchmarks
 
     def __call__(self, grid: tuple[int, ...], *args: object, **constexprs: object) -> None:
@@ -90,7 +90,11 @@ class CachedKernel:
             self.launches[0] += 1
             self.kernel[grid](*args, **constexprs)
             return
-        key = (*map(_kind, args), *constexprs.items())
+        active = _driver.active
+        device = active.get_current_device()
+        # per device, as Triton's own cache: a compiled kernel's function handle belongs to one device (and one
+        # target: the launch check compiles for several with fake drivers in one process)
+        key = (device, *map(_kind, args), *constexprs.items())
         hit = self._cache.get(key)
         if hit is None:
             self.launches[0] += 1
@@ -99,8 +103,8 @@ class CachedKernel:
         run, function, metadata, tail = hit
         raw = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
         self.launches[1] += 1
-        run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, self._stream(),  # type: ignore[misc]
-            function, metadata, None, None, None, *raw, *tail)
+        run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+            active.get_current_stream(device), function, metadata, None, None, None, *raw, *tail)
 
     def bind(self, grid: tuple[int, ...], args: tuple, late: tuple[float, ...] = (), stream: int | None = None,
              **constexprs: object) -> Launch | None:
@@ -118,18 +122,18 @@ class CachedKernel:
             raise TypeError("CachedKernel.bind: at most one late argument, a float (its value is not specialised)")
         if not self._fast:
             return None
-        hit = self._cache.get((*map(_kind, args), *map(_kind, late), *constexprs.items()))
+        active = _driver.active
+        device = active.get_current_device()
+        hit = self._cache.get((device, *map(_kind, args), *map(_kind, late), *constexprs.items()))
         k = _KNOBS
         enter, leave = k.launch_enter_hook, k.launch_exit_hook
         if hit is None or not all(h is None or isinstance(getattr(h, "calls", None), list) for h in (enter, leave)):
             return None  # not compiled yet, or a hook that is not Triton's chain (go through Triton's path)
         run, function, metadata, tail = hit
-        current = self._stream
-        assert current is not None  # set with the first cached signature
         gx, gy, gz = (*grid, 1, 1)[:3]
         fixed = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
-        head = functools.partial(run, gx, gy, gz, current() if stream is None else stream, function, metadata, None,
-                                 None, None, *fixed)
+        head = functools.partial(run, gx, gy, gz, active.get_current_stream(device) if stream is None else stream,
+                                 function, metadata, None, None, None, *fixed)
         counts = self.launches
         # The hooks are idle while the knobs hold the objects seen now and those (``None`` or Triton's chains, which
         # add/remove mutate in place) have no call: their lists are kept to test that with no lookup per launch.
@@ -165,10 +169,4 @@ class CachedKernel:
         except (AttributeError, KeyError):
             self._fast = False
             return
-        if self._stream is None:
-            from triton.runtime import driver
-
-            active = driver.active
-            get_device, get_stream = active.get_current_device, active.get_current_stream
-            self._stream = lambda: get_stream(get_device())
         self._cache[key] = (run, function, metadata, tail)

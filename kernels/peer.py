@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import triton
@@ -46,12 +46,14 @@ ORDERING: dict[str, list[tuple[str, str, str]]] = {
     # lost-update freedom across GPUs: every add one hardware atomic at system scope; no ordering needed (the
     # barrier's release/acquire publishes the sums)
     "push_kernel": [("red.add", "relaxed", "sys")],
+    "push_kernel:aligned": [("red.add", "relaxed", "sys")],  # the same, 4 floats an operation (VECTOR)
     # the same for deterministic mode's int64 fixed-point push (an integer red.add: exact in any order)
     "push_kernel:int64": [("red.add", "relaxed", "sys")],
     # ... and its fused variant, quantising a float source in registers before the same integer red.add
     "push_kernel:fixed": [("red.add", "relaxed", "sys")],
     # plain loads: the barrier before the fetch orders them
     "fetch_kernel": [],
+    "fetch_kernel:aligned": [],
     # data stores, then each block counts itself in (acq_rel); the last block's release add on the peer's signal
     # word makes every block's data visible to an acquire of that word
     "put_signal_kernel": [("atom.add", "acq_rel", "sys"), ("red.add", "release", "sys")],
@@ -61,31 +63,47 @@ ORDERING: dict[str, list[tuple[str, str, str]]] = {
     "barrier_kernel": [("red.max", "release", "sys"), ("ld", "acquire", "sys")],
 }
 
+# The vector accesses the aligned variants must have, per architecture, as (op, bytes per access): ORDERING names
+# operations without their vector width. 16-byte loads and stores everywhere; 16-byte fp32 reductions
+# (``red.global.add.v4.f32``) on sm_90 and sm_100 only (sm_80 has no vector red, so its reductions stay scalar).
+VECTOR: dict[str, dict[int, list[tuple[str, int]]]] = {
+    "push_kernel:aligned": {80: [("ld", 16)], 90: [("ld", 16), ("red.add", 16)], 100: [("ld", 16), ("red.add", 16)]},
+    "fetch_kernel:aligned": {arch: [("ld", 16), ("st", 16)] for arch in (80, 90, 100)},
+}
+
 # How the PTX check (``odc_runtime.kernels.ptx``, tests/test_ptx.py) compiles each kernel of ORDERING: the
 # signature and constexprs the launchers below use (one representative source dtype where a kernel takes several).
 _PUSH_SIG = {"table_ptr": "*i64", "desc_ptr": "*i64", "f1": "fp32", "f2": "fp32", "scale": "fp32"}
 PTX_ARGS: dict[str, tuple[dict[str, str], dict[str, object]]] = {
-    "push_kernel": (_PUSH_SIG, {"SRC": tl.bfloat16, "ACC": tl.float32, "BLOCK": 1024}),
-    "push_kernel:int64": (_PUSH_SIG, {"SRC": tl.int64, "ACC": tl.int64, "BLOCK": 1024}),
-    "push_kernel:fixed": (_PUSH_SIG, {"SRC": tl.bfloat16, "ACC": tl.int64, "BLOCK": 1024}),
-    "fetch_kernel": ({"table_ptr": "*i64", "desc_ptr": "*i64"}, {"DT": tl.int16, "BLOCK": 1024}),
+    "push_kernel": (_PUSH_SIG, {"SRC": tl.bfloat16, "ACC": tl.float32, "BLOCK": 1024, "ALIGNED": False}),
+    "push_kernel:aligned": (_PUSH_SIG, {"SRC": tl.bfloat16, "ACC": tl.float32, "BLOCK": 1024, "ALIGNED": True}),
+    "push_kernel:int64": (_PUSH_SIG, {"SRC": tl.int64, "ACC": tl.int64, "BLOCK": 1024, "ALIGNED": False}),
+    "push_kernel:fixed": (_PUSH_SIG, {"SRC": tl.bfloat16, "ACC": tl.int64, "BLOCK": 1024, "ALIGNED": False}),
+    "fetch_kernel": ({"table_ptr": "*i64", "desc_ptr": "*i64"}, {"DT": tl.int16, "BLOCK": 1024, "ALIGNED": False}),
+    "fetch_kernel:aligned": ({"table_ptr": "*i64", "desc_ptr": "*i64"},
+                             {"DT": tl.int16, "BLOCK": 1024, "ALIGNED": True}),
     "put_signal_kernel": ({"table_ptr": "*i64", "desc_ptr": "*i64", "sig_ptr": "*i64", "count_ptr": "*i64"},
                           {"DT": tl.int32, "BLOCK": 1024}),
     "wait_kernel": ({"word_ptr": "*i64", "target": "i64", "abort_ptr": "*i64", "status_ptr": "*i64"}, {}),
     "barrier_kernel": ({"table_ptr": "*i64", "members_ptr": "*i32", "nmembers": "i32", "rank": "i32",
                         "row_offset": "i64", "epoch": "i64", "abort_ptr": "*i64", "status_ptr": "*i64"}, {}),
 }
-PTX_HELPERS = ("_peer_ptr", "_span")  # device functions, checked inside the kernels that call it
+PTX_HELPERS = ("_peer_ptr", "_span", "_ends", "_part")  # device functions, checked inside the kernels
 
 # The interpreter must not run launches of two threads of one process at once (the async worker and the caller).
 _LAUNCH = threading.Lock() if INTERPRET else None
 
 
 @triton.jit
-def _peer_ptr(table_ptr, peer, offset, dtype: tl.constexpr):
-    """Pointer of type ``dtype`` to byte ``offset`` of ``peer``'s heap, through this process's peer table."""
+def _peer_ptr(table_ptr, peer, offset, dtype: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pointer of type ``dtype`` to byte ``offset`` of ``peer``'s heap, through this process's peer table;
+    ``ALIGNED``: declared 16-byte aligned (here, where the pointer is made: triton <= 3.6 drop a hint put on the
+    result of a call once they inline it)."""
     base = tl.load(table_ptr + peer)
-    return (base + offset).to(tl.pointer_type(dtype))
+    ptr = (base + offset).to(tl.pointer_type(dtype))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
 
 @triton.jit
@@ -93,49 +111,86 @@ def _span(table_ptr, row, n, b, PEER: tl.constexpr, LOCAL: tl.constexpr, BLOCK: 
     """Block ``b`` of descriptor ``row`` (``n`` elements): the pointer into the peer's heap (type ``PEER``), the
     local pointer (type ``LOCAL``), the block's element offsets and their mask."""
     offs = b * BLOCK + tl.arange(0, BLOCK)
-    peer = _peer_ptr(table_ptr, tl.load(row), tl.load(row + 1), PEER)
+    peer = _peer_ptr(table_ptr, tl.load(row), tl.load(row + 1), PEER, False)
     return peer, tl.load(row + 2).to(tl.pointer_type(LOCAL)), offs, offs < n
 
 
 @triton.jit
-def push_kernel(table_ptr, desc_ptr, f1, f2, scale, SRC: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
+def _ends(table_ptr, row, PEER: tl.constexpr, LOCAL: tl.constexpr, ALIGNED: tl.constexpr):
+    """The pointer into the peer's heap (type ``PEER``) and the local pointer (type ``LOCAL``) of descriptor
+    ``row``; with ``ALIGNED`` both are declared 16-byte aligned (the launcher checked every row: ALIGN)."""
+    peer = _peer_ptr(table_ptr, tl.load(row), tl.load(row + 1), PEER, ALIGNED)
+    local = tl.load(row + 2).to(tl.pointer_type(LOCAL))
+    if ALIGNED:
+        local = tl.multiple_of(local, 16)
+    return peer, local
+
+
+@triton.jit
+def _part(b, n, PART: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """Element offsets and mask of part ``PART`` of block ``b`` of a row of ``n`` elements. Unaligned: one part,
+    the block. Aligned: part 0 is the block bounded by ``n`` rounded down to a multiple of 16 elements (a mask
+    constant over every 16 elements, so with 16-byte aligned pointers Triton emits 16-byte vector accesses);
+    part 1 is the row's last ``n % 16`` elements, each done by the block it falls in, with scalar accesses."""
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    if ALIGNED:
+        main = tl.multiple_of((n // 16) * 16, 16)
+        if PART == 0:
+            mask = offs < main
+        else:
+            offs = main + tl.arange(0, 16)
+            mask = (offs < n) & (offs >= b * BLOCK) & (offs < b * BLOCK + BLOCK)  # each tail element once
+    return offs, mask
+
+
+@triton.jit
+def push_kernel(table_ptr, desc_ptr, f1, f2, scale, SRC: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr,
+                ALIGNED: tl.constexpr):
     """``peer_heap[offset:][:n] += ACC(src[:n]) * scale`` for each descriptor row, with system-scope atomics.
 
     ``ACC`` int64 is deterministic mode's fixed point (``odc_runtime.deterministic``), an exact integer add: with
     ``SRC`` int64 the source is already quantised (``scale``, ``f1``, ``f2`` unused); with a float ``SRC`` the kernel
     quantises in registers, ``q = round_half_even(fp64(fp32(src * scale)) * f1 * f2)`` (``f1 * f2 = 2**F``, two
     powers of two that fp32 arguments can carry), bit for bit the host-side quantiser's ``q``. ``scale`` is the
-    last runtime parameter: a bound launch (``bind_push``) takes it at each call."""
+    last runtime parameter: a bound launch (``bind_push``) takes it at each call. ``ALIGNED``: every row's
+    addresses are 16-byte aligned (``_part``: vector loads, and vector reductions where the target has them)."""
     b = tl.program_id(0).to(tl.int64)
     row = desc_ptr + tl.program_id(1).to(tl.int64) * 4
     n = tl.load(row + 3)
     if b * BLOCK < n:
-        dst, src, offs, mask = _span(table_ptr, row, n, b, ACC, SRC, BLOCK)
-        if ACC == tl.int64:  # noqa: SIM300 (a constexpr parameter, not a constant)
-            if SRC == tl.int64:  # noqa: SIM300
-                q = tl.load(src + offs, mask=mask, other=0)
+        dst, src = _ends(table_ptr, row, ACC, SRC, ALIGNED)
+        for part in tl.static_range(1 + ALIGNED):
+            offs, mask = _part(b, n, part, BLOCK, ALIGNED)
+            if ACC == tl.int64:  # noqa: SIM300 (a constexpr parameter, not a constant)
+                if SRC == tl.int64:  # noqa: SIM300
+                    q = tl.load(src + offs, mask=mask, other=0)
+                else:
+                    v = tl.load(src + offs, mask=mask, other=0).to(tl.float32) * scale  # the default mode's fp32
+                    # exact products (powers of two, |x| < 2**51 when the bound covers v), so contracting the last
+                    # one with the add into an fma (the compiler does) rounds the same; adding 1.5 * 2**52
+                    # (deterministic.py's _ROUNDER) rounds to an integer held in the low mantissa bits: the bit
+                    # pattern minus the constant's
+                    x = v.to(tl.float64) * f1 * f2 + 6755399441055744.0
+                    q = x.to(tl.int64, bitcast=True) - 4843621399236968448
+                tl.atomic_add(dst + offs, q, mask=mask, sem="relaxed", scope="sys")
             else:
-                v = tl.load(src + offs, mask=mask, other=0).to(tl.float32) * scale  # the default mode's fp32 value
-                # exact products (powers of two, |x| < 2**51 when the bound covers v), so contracting the last one
-                # with the add into an fma (the compiler does) rounds the same; adding 1.5 * 2**52 (deterministic.py's
-                # _ROUNDER) rounds to an integer held in the low mantissa bits: the bit pattern minus the constant's
-                x = v.to(tl.float64) * f1 * f2 + 6755399441055744.0
-                q = x.to(tl.int64, bitcast=True) - 4843621399236968448
-            tl.atomic_add(dst + offs, q, mask=mask, sem="relaxed", scope="sys")
-        else:
-            val = tl.load(src + offs, mask=mask, other=0).to(tl.float32) * scale
-            tl.atomic_add(dst + offs, val.to(ACC), mask=mask, sem="relaxed", scope="sys")
+                val = tl.load(src + offs, mask=mask, other=0).to(tl.float32) * scale
+                tl.atomic_add(dst + offs, val.to(ACC), mask=mask, sem="relaxed", scope="sys")
 
 
 @triton.jit
-def fetch_kernel(table_ptr, desc_ptr, DT: tl.constexpr, BLOCK: tl.constexpr):
-    """``local[:n] = peer_heap[offset:][:n]`` for each descriptor row (plain loads: the barrier orders them)."""
+def fetch_kernel(table_ptr, desc_ptr, DT: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """``local[:n] = peer_heap[offset:][:n]`` for each descriptor row (plain loads: the barrier orders them);
+    ``ALIGNED`` as ``push_kernel``'s (vector loads and stores)."""
     b = tl.program_id(0).to(tl.int64)
     row = desc_ptr + tl.program_id(1).to(tl.int64) * 4
     n = tl.load(row + 3)
     if b * BLOCK < n:
-        src, dst, offs, mask = _span(table_ptr, row, n, b, DT, DT, BLOCK)
-        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+        src, dst = _ends(table_ptr, row, DT, DT, ALIGNED)
+        for part in tl.static_range(1 + ALIGNED):
+            offs, mask = _part(b, n, part, BLOCK, ALIGNED)
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -156,7 +211,7 @@ def put_signal_kernel(table_ptr, desc_ptr, sig_ptr, count_ptr, DT: tl.constexpr,
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
     done = tl.atomic_add(count_ptr + r, 1, sem="acq_rel", scope="sys")
     if done == tl.num_programs(0) - 1:
-        word = _peer_ptr(table_ptr, peer, tl.load(sig_ptr + r), tl.int64)
+        word = _peer_ptr(table_ptr, peer, tl.load(sig_ptr + r), tl.int64, False)
         tl.atomic_add(word, 1, sem="release", scope="sys")
 
 
@@ -190,9 +245,10 @@ def barrier_kernel(table_ptr, members_ptr, nmembers, rank, row_offset, epoch, ab
     i = 0
     while i < nmembers:
         q = tl.load(members_ptr + i).to(tl.int64)
-        tl.atomic_max(_peer_ptr(table_ptr, q, row_offset + rank * 8, tl.int64), epoch, sem="release", scope="sys")
+        word = _peer_ptr(table_ptr, q, row_offset + rank * 8, tl.int64, False)
+        tl.atomic_max(word, epoch, sem="release", scope="sys")
         i += 1
-    own = _peer_ptr(table_ptr, rank, row_offset, tl.int64)
+    own = _peer_ptr(table_ptr, rank, row_offset, tl.int64, False)
     aborted = tl.load(abort_ptr, volatile=True)  # an int64 scalar (loop-carried), already raised or not
     i = 0
     while (i < nmembers) & (aborted == 0):
@@ -255,43 +311,54 @@ def _launch(kernel, grid, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
 
 
+ALIGN = 16  # bytes: rows whose addresses are all multiples of this take the kernels' ALIGNED variant
+
+
+def rows_aligned(rows: Iterable[tuple[int, int, int, int]], heaps_aligned: bool) -> bool:
+    """Whether descriptor rows ``(peer, byte offset in the peer's heap, local address, numel)`` may take the
+    ALIGNED variant: every peer offset and local address is a multiple of ``ALIGN``, and so are the heaps'
+    bases in this process (``heaps_aligned``: the transport checked its peer table once)."""
+    return heaps_aligned and all(off % ALIGN == 0 and addr % ALIGN == 0 for _, off, addr, _ in rows)
+
+
 def _grid(desc: torch.Tensor, longest: int) -> tuple[int, int]:
     return (max(1, -(-longest // BLOCK)), desc.shape[0])  # not triton.cdiv: a jit function, a µs per call
 
 
 def push(table: torch.Tensor, desc: torch.Tensor, longest: int, scale: float, src_dtype: torch.dtype,
-         acc_dtype: torch.dtype = torch.float32, shift: int = 0) -> None:
+         acc_dtype: torch.dtype = torch.float32, shift: int = 0, aligned: bool = False) -> None:
     """Launch ``push_kernel`` over the rows of ``desc`` (``longest`` = the largest ``numel`` of a row); into an
-    int64 accumulator from a float source, each value is quantised with ``2**shift`` in the kernel."""
+    int64 accumulator from a float source, each value is quantised with ``2**shift`` in the kernel. ``aligned``:
+    the rows passed ``rows_aligned`` (the vector variant)."""
     half = shift // 2  # 2**shift as two fp32-representable factors (|shift| <= 200)
     _launch(push_kernel, _grid(desc, longest), table, desc, math.ldexp(1.0, half), math.ldexp(1.0, shift - half),
-            float(scale), SRC=tl_dtype(src_dtype), ACC=tl_dtype(acc_dtype), BLOCK=BLOCK)
+            float(scale), SRC=tl_dtype(src_dtype), ACC=tl_dtype(acc_dtype), BLOCK=BLOCK, ALIGNED=bool(aligned))
 
 
-def fetch(table: torch.Tensor, desc: torch.Tensor, longest: int, dtype: torch.dtype) -> None:
-    """Launch ``fetch_kernel`` over the rows of ``desc``."""
-    _launch(fetch_kernel, _grid(desc, longest), table, desc, DT=word_dtype(dtype), BLOCK=BLOCK)
+def fetch(table: torch.Tensor, desc: torch.Tensor, longest: int, dtype: torch.dtype, aligned: bool = False) -> None:
+    """Launch ``fetch_kernel`` over the rows of ``desc`` (``aligned`` as ``push``'s)."""
+    _launch(fetch_kernel, _grid(desc, longest), table, desc, DT=word_dtype(dtype), BLOCK=BLOCK, ALIGNED=bool(aligned))
 
 
-def bind_fetch(table: torch.Tensor, desc: torch.Tensor, longest: int, dtype: torch.dtype,
+def bind_fetch(table: torch.Tensor, desc: torch.Tensor, longest: int, dtype: torch.dtype, aligned: bool,
                stream: int | None) -> Callable[[], None] | None:
     """``fetch`` of these arguments made ready to repeat (``launch()``: the compiled runner, nothing else); ``None``
     where the cached launch path does not apply (then call ``fetch``), or before ``fetch`` compiled this
-    signature. ``stream``: the raw stream to launch on, ``None`` for the current one at each launch."""
+    signature. ``stream``: the raw stream to launch on (``None``: see ``CachedKernel.bind``)."""
     if _LAUNCH is not None:
         return None
     return _CACHED[fetch_kernel].bind(_grid(desc, longest), (table, desc), stream=stream, DT=word_dtype(dtype),
-                                      BLOCK=BLOCK)
+                                      BLOCK=BLOCK, ALIGNED=bool(aligned))
 
 
-def bind_push(table: torch.Tensor, desc: torch.Tensor, longest: int, src_dtype: torch.dtype,
+def bind_push(table: torch.Tensor, desc: torch.Tensor, longest: int, src_dtype: torch.dtype, aligned: bool,
               stream: int | None) -> Callable[[float], None] | None:
     """``push`` into an fp32 accumulator made ready to repeat (``launch(scale)``), as ``bind_fetch``."""
     if _LAUNCH is not None:
         return None
     # f1 = f2 = 1.0 (2**0): unused by a float accumulator
     return _CACHED[push_kernel].bind(_grid(desc, longest), (table, desc, 1.0, 1.0), (1.0,), stream,
-                                     SRC=tl_dtype(src_dtype), ACC=tl.float32, BLOCK=BLOCK)
+                                     SRC=tl_dtype(src_dtype), ACC=tl.float32, BLOCK=BLOCK, ALIGNED=bool(aligned))
 
 
 def put_signal(table: torch.Tensor, desc: torch.Tensor, longest: int, dtype: torch.dtype,
@@ -317,7 +384,8 @@ def launch_examples() -> list[tuple[str, str, object]]:
     """The calls the launch check (``odc_runtime.kernels.launch_check``) compiles, per ORDERING case: the launchers
     with CPU tensors standing for the transport's (peer table, descriptor rows, heap words), for the values Triton
     specializes on: world 1 (one member, rank 0), rank 1, epoch and target 1, words at 8-byte (unaligned) and 16-byte
-    offsets. No data is read: the fake driver launches nothing."""
+    offsets; push and fetch rows with and without the ALIGNED variant. No data is read: the fake driver launches
+    nothing."""
 
     def i64(n: int, offset: int = 0) -> torch.Tensor:
         return torch.zeros(n + offset, dtype=torch.int64)[offset:]  # offset 1: a word 8 but not 16-byte aligned
@@ -339,9 +407,20 @@ def launch_examples() -> list[tuple[str, str, object]]:
         ("push_kernel:fixed", "bf16 quantised in the kernel, 3 peers",
          lambda: push(i64(3), desc(3), 1001, 0.5, torch.bfloat16, torch.int64, shift=40)),
     ]
+    out += [  # the vector variant: every row's addresses 16-byte aligned (rows_aligned)
+        ("push_kernel:aligned", "bf16 into fp32, aligned rows, world 1",
+         lambda: push(i64(1), desc(1), 1000, 0.5, torch.bfloat16, aligned=True)),
+        ("push_kernel:aligned", "fp32 into fp32, aligned rows, 4 peers",
+         lambda: push(i64(4), desc(4), 4096, 1.0, torch.float32, aligned=True)),
+    ]
     for dtype in (torch.uint8, torch.bfloat16, torch.float32, torch.int64):
         out.append(("fetch_kernel", f"{dtype}, world 1", lambda d=dtype: fetch(i64(1), desc(1), 1001, d)))
+    for dtype in (torch.bfloat16, torch.float32, torch.int64):  # 16-byte vectors (a uint8 row gets 8-byte ones)
+        out.append(("fetch_kernel:aligned", f"{dtype}, aligned rows, world 1",
+                    lambda d=dtype: fetch(i64(1), desc(1), 1001, d, aligned=True)))
     out += [
+        ("fetch_kernel:aligned", "fp32, aligned rows, 3 peers",
+         lambda: fetch(i64(3), desc(3), 5000, torch.float32, aligned=True)),
         ("fetch_kernel", "fp32, 4 peers", lambda: fetch(i64(4), desc(4), 4096, torch.float32)),
         ("put_signal_kernel", "bf16, one row", lambda: put_signal(i64(1), desc(1), 1000, torch.bfloat16, i64(1),
                                                                    i64(1))),

@@ -39,6 +39,15 @@ What counts as an ordered operation, and how it is named (PTX ISA, "Memory Consi
   ``sem="acquire"`` into ``ld.acquire``.
 * ``fence.<sem>.<scope>`` and ``membar.<level>`` (``membar.gl`` = ``fence.sc.gpu``): ``("fence", sem, scope)``.
 
+Vector widths (optional): ``ORDERING`` names operations without their vector width. A module may also declare
+``VECTOR``, per case and architecture, the vector accesses the case's PTX must contain, as ``(op, bytes)``::
+
+    VECTOR = {"push:aligned": {90: [("ld", 16), ("red.add", 16)], 80: [("ld", 16)]}}
+
+``("red.add", 16)`` is a 16-byte vector reduction (``red.global....add.v4.f32``), ``("ld", 16)`` a 16-byte vector
+load (``ld.global.v4.b32`` or ``ld.global.v2.b64``). Each declared access must be present (a kernel whose
+alignment hints stopped reaching the code generator fails); other vector accesses are allowed.
+
 Mutation check (``mutation_survivors``): every ``sem="..."`` / ``scope="..."`` literal in a kernel's source is
 changed, one at a time, the kernel is recompiled from the changed source, and its cases must then fail the check.
 A literal whose change no case notices is reported: the table would not catch a mistake there.
@@ -66,7 +75,7 @@ import re
 import sys
 import textwrap
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -83,6 +92,7 @@ __all__ = [
     "main",
     "mutation_survivors",
     "supported_archs",
+    "vector_accesses",
 ]
 
 ARCHS = (80, 90, 100)  # Ampere, Hopper, Blackwell: where the transport runs
@@ -93,6 +103,7 @@ _SCOPES = {"cta", "cluster", "gpu", "sys"}
 _ATOM_OPS = {"add", "inc", "dec", "min", "max", "and", "or", "xor", "exch", "cas"}
 _UNORDERED_SPACES = {"shared", "shared::cta", "shared::cluster", "local", "param", "const", "tex"}
 _MEMBAR = {"cta": "cta", "gl": "gpu", "sys": "sys"}
+_TYPE_BITS = re.compile(r"^[bfsu](\d+)$")  # a PTX type qualifier (b32, f32, u64, ...) and its bits
 # An instruction: optional predicate, then the dotted opcode.
 _INSTR = re.compile(r"^\s*(?:@!?%\w+\s+)?((?:atom|red|ld|st|fence|membar)(?:\.[\w:]+)+)\b")
 
@@ -167,15 +178,45 @@ def accesses(ptx: str) -> dict[Access, str]:
     return found
 
 
+Vector = tuple[str, int]  # a vector access: (op as in ORDERING, red.* as atom.*; bytes per access)
+
+
+def _vector_of(entry: Iterable[Any]) -> Vector:
+    """A ``VECTOR`` entry ``(op, bytes)``, ``red.<op>`` taken as ``atom.<op>``."""
+    op, nbytes = entry
+    if not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"bad vector entry {tuple(entry)!r}: (op, bytes per access)")
+    return ("atom." + op[4:] if op.startswith("red.") else op), nbytes
+
+
+def vector_accesses(ptx: str) -> dict[Vector, str]:
+    """Every distinct vector access to global or generic memory in ``ptx`` (``ld``/``st``, ``atom``/``red`` with a
+    ``.vN`` qualifier) as ``(op, bytes per access)``, with the first PTX line that performs it."""
+    found: dict[Vector, str] = {}
+    for line in ptx.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        base, *quals = m.group(1).split(".")
+        width = next((int(q[1:]) for q in quals if q[:1] == "v" and q[1:].isdigit()), None)
+        bits = next((int(t.group(1)) for q in quals if (t := _TYPE_BITS.match(q))), None)
+        if width is None or bits is None or set(quals) & _UNORDERED_SPACES or base not in ("ld", "st", "atom", "red"):
+            continue
+        op = base if base in ("ld", "st") else "atom." + next((o for o in quals if o in _ATOM_OPS), "?")
+        found.setdefault((op, width * bits // 8), line.strip())
+    return found
+
+
 @dataclass(frozen=True)
 class Case:
-    """One kernel compiled one way, and the ordered operations its PTX must have."""
+    """One kernel compiled one way, and the ordered operations (and vector accesses) its PTX must have."""
 
     name: str  # "kernel" or "kernel:label"
     fn: Any  # the triton JITFunction
     signature: Mapping[str, str]
     constexprs: Mapping[str, Any]
     requires: frozenset[Access]
+    vectors: Mapping[int, frozenset[Vector]] = field(default_factory=dict)  # arch -> vector accesses it must have
 
 
 def cases(module: ModuleType) -> list[Case]:
@@ -196,12 +237,24 @@ def cases(module: ModuleType) -> list[Case]:
             f"{module.__name__}: kernels without a declared ordering: {sorted(unchecked)}; add them to ORDERING and "
             "PTX_ARGS (a @triton.jit helper that is never launched on its own: to PTX_HELPERS)"
         )
+    vectors = _vectors(module)
     out = []
     for name, table in ordering.items():
         fn = getattr(module, name.split(":")[0])
         signature, constexprs = args[name]
-        out.append(Case(name, fn, dict(signature), dict(constexprs), frozenset(Access.of(e) for e in table)))
+        out.append(Case(name, fn, dict(signature), dict(constexprs), frozenset(Access.of(e) for e in table),
+                        vectors.get(name, {})))
     return out
+
+
+def _vectors(module: ModuleType) -> dict[str, dict[int, frozenset[Vector]]]:
+    """The module's ``VECTOR`` table, normalised; ValueError for a case ``ORDERING`` does not declare."""
+    table: Mapping[str, Mapping[int, Iterable[Iterable[Any]]]] = getattr(module, "VECTOR", {})
+    unknown = set(table) - set(getattr(module, "ORDERING", {}))
+    if unknown:
+        raise ValueError(f"{module.__name__}: VECTOR names cases ORDERING does not declare: {sorted(unknown)}")
+    return {name: {arch: frozenset(map(_vector_of, entries)) for arch, entries in per_arch.items()}
+            for name, per_arch in table.items()}
 
 
 def compile_ptx(fn: Any, signature: Mapping[str, str], constexprs: Mapping[str, Any], arch: int) -> str:
@@ -236,14 +289,18 @@ def check_case(case: Case, arch: int, fn: Any = None) -> list[str]:
     ``fn`` replaces the case's kernel (a mutant) when given.
     """
     ptx = compile_ptx(fn if fn is not None else case.fn, case.signature, case.constexprs, arch)
-    return _compare(f"{case.name} sm_{arch}", case.requires, ptx)
+    return _compare(f"{case.name} sm_{arch}", case.requires, ptx, case.vectors.get(arch, frozenset()))
 
 
-def _compare(what: str, requires: frozenset[Access], ptx: str) -> list[str]:
+def _compare(what: str, requires: frozenset[Access], ptx: str, vectors: frozenset[Vector] = frozenset()) -> list[str]:
     found = accesses(ptx)
     problems = [f"{what}: missing {a}" for a in sorted(requires - found.keys())]
     extra = sorted(a for a in found.keys() - requires if a.sem != "volatile")
     problems += [f"{what}: unexpected {a}: {found[a]}" for a in extra]
+    if vectors:
+        have = vector_accesses(ptx)
+        problems += [f"{what}: missing the {n}-byte vector {op} (VECTOR); vector accesses found: "
+                     f"{sorted(have) or 'none'}" for op, n in sorted(vectors - have.keys())]
     return problems
 
 
@@ -258,6 +315,7 @@ def check_launches(module: ModuleType, archs: Iterable[int]) -> list[dict[str, A
 
     ordering: Mapping[str, Iterable[Iterable[str]]] = getattr(module, "ORDERING", {})
     requires = {name: frozenset(Access.of(e) for e in table) for name, table in ordering.items()}
+    vectors = _vectors(module)
     entries: dict[tuple[str, str], dict[str, Any]] = {}
     for arch in archs:
         for run in launch.compiled_launches(module, arch):
@@ -271,7 +329,8 @@ def check_launches(module: ModuleType, archs: Iterable[int]) -> list[dict[str, A
             if run.case not in requires or run.kernel != run.case.split(":")[0]:
                 e["problems"].append(f"{where}: launched {run.kernel}, not a kernel of the ORDERING case {run.case}")
                 continue
-            e["problems"] += _compare(where, requires[run.case], run.ptx or "")
+            e["problems"] += _compare(where, requires[run.case], run.ptx or "",
+                                      vectors.get(run.case, {}).get(arch, frozenset()))
     for name in sorted(set(requires) - {case for case, _ in entries}):
         entries[(name, "")] = {"case": name, "what": "", "specializations": [],
                                "problems": [f"{name}: no launch example compiles this case; add one to "
@@ -364,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         mod_cases = cases(mod)
         for case in mod_cases:
             problems = [p for arch in archs for p in check_case(case, arch)]
-            entry["cases"][case.name] = {"requires": sorted(map(str, case.requires)), "problems": problems}
+            entry["cases"][case.name] = {"requires": sorted(map(str, case.requires)), "problems": problems,
+                                         "vectors": {a: sorted(v) for a, v in case.vectors.items() if a in archs}}
             failed |= bool(problems)
         if args.launches and hasattr(mod, "launch_examples"):
             entry["launches"] = check_launches(mod, archs)
@@ -383,7 +443,9 @@ def main(argv: list[str] | None = None) -> int:
               + (f" (this triton cannot target {missing})" if missing else ""))
         for name, entry in report["modules"].items():
             for case, r in entry["cases"].items():
-                print(f"  {name}.{case}: {'ok' if not r['problems'] else 'FAIL'} [{', '.join(r['requires']) or '-'}]")
+                vec = "; ".join(f"sm_{a}: " + ", ".join(f"{op} x{n}B" for op, n in v) for a, v in r["vectors"].items())
+                print(f"  {name}.{case}: {'ok' if not r['problems'] else 'FAIL'} [{', '.join(r['requires']) or '-'}]"
+                      + (f" vectors [{vec}]" if vec else ""))
                 for p in r["problems"]:
                     print(f"    {p}")
             for e in entry.get("launches", []):

@@ -29,28 +29,28 @@ with testing.stubbed_triton_launches() as launched:
     desc = torch.zeros(2, 4, dtype=torch.int64)
     fetch = CachedKernel(peer.fetch_kernel)
     for _ in range(3):
-        fetch((2, 1), table, desc, DT=peer.tl.int16, BLOCK=1024)
+        fetch((2, 1), table, desc, DT=peer.tl.int16, BLOCK=1024, ALIGNED=False)
     out["fetch"] = list(fetch.launches)
     out["args"] = [list(launched[-1][:4]), list(launched[-1][9:11]), str(launched[-1][11]), launched[-1][12]]
     out["ptrs"] = [table.data_ptr(), desc.data_ptr()]
     # a descriptor 8 bytes into a tensor: not 16-byte aligned, so not the aligned signature's compiled kernel
     odd = torch.zeros(9, 4, dtype=torch.int64).view(-1)[1:9].view(2, 4)
-    fetch((2, 1), table, odd, DT=peer.tl.int16, BLOCK=1024)
+    fetch((2, 1), table, odd, DT=peer.tl.int16, BLOCK=1024, ALIGNED=False)
     out["odd"] = list(fetch.launches)
-    fetch((2, 1), table, odd, DT=peer.tl.int16, BLOCK=1024)
+    fetch((2, 1), table, odd, DT=peer.tl.int16, BLOCK=1024, ALIGNED=False)
     out["odd_again"] = list(fetch.launches)
     # another constexpr: another signature
-    fetch((2, 1), table, desc, DT=peer.tl.int32, BLOCK=1024)
+    fetch((2, 1), table, desc, DT=peer.tl.int32, BLOCK=1024, ALIGNED=False)
     out["dtype"] = list(fetch.launches)
     # a bound launch: the same runner call as the cached path's, nothing else; none for a signature not compiled
-    bound = fetch.bind((2, 1), (table, desc), DT=peer.tl.int16, BLOCK=1024)
-    fetch((2, 1), table, desc, DT=peer.tl.int16, BLOCK=1024)
+    bound = fetch.bind((2, 1), (table, desc), DT=peer.tl.int16, BLOCK=1024, ALIGNED=False)
+    fetch((2, 1), table, desc, DT=peer.tl.int16, BLOCK=1024, ALIGNED=False)
     bound()
     out["bound"] = [list(fetch.launches), launched[-1] == launched[-2]]
-    out["unbound"] = fetch.bind((2, 1), (table, desc), DT=peer.tl.int8, BLOCK=1024) is None
+    out["unbound"] = fetch.bind((2, 1), (table, desc), DT=peer.tl.int8, BLOCK=1024, ALIGNED=False) is None
     # ... with its last runtime parameter (a push's scale) given at each launch
     push = CachedKernel(peer.push_kernel)
-    constexprs = dict(SRC=peer.tl.bfloat16, ACC=peer.tl.float32, BLOCK=1024)
+    constexprs = dict(SRC=peer.tl.bfloat16, ACC=peer.tl.float32, BLOCK=1024, ALIGNED=False)
     push((1, 1), table, desc, 1.0, 1.0, 0.5, **constexprs)
     bound_push = push.bind((1, 1), (table, desc, 1.0, 1.0), (0.5,), **constexprs)
     push((1, 1), table, desc, 1.0, 1.0, 0.25, **constexprs)
@@ -70,7 +70,7 @@ with testing.stubbed_triton_launches() as launched:
     hook = lambda metadata: None
     triton.knobs.runtime.launch_enter_hook.add(hook)
     try:
-        fetch((2, 1), table, desc, DT=peer.tl.int16, BLOCK=1024)
+        fetch((2, 1), table, desc, DT=peer.tl.int16, BLOCK=1024, ALIGNED=False)
         bound()
         bound_push(0.5)
         # Triton's path hands the launcher the hook chain (the stub's launcher does not call it)
@@ -130,9 +130,10 @@ with testing.stubbed_triton_launches() as launched:
     grads = [torch.ones(1000) for _ in range(6)]
 
     def desc_rows(args):  # the descriptor a stubbed launch carried: its pointer is an entry of the plan's cache
-        plan = next(p for p in st._plans.plans() if p.kind == ("fetch" if len(args) == 13 else "push"))
+        # 9 runner arguments, then the kernel's: fetch (table, desc, DT, BLOCK, ALIGNED), push (8 more)
+        plan = next(p for p in st._plans.plans() if p.kind == ("fetch" if len(args) == 14 else "push"))
         ptr = args[10] if isinstance(args[10], int) else args[10].data_ptr()  # Triton's own path passes tensors
-        found = [d for d in plan._descs.values() if d.data_ptr() == ptr]
+        found = [d for d, _ in plan._descs.values() if d.data_ptr() == ptr]
         return found[0].tolist() if found else None
 
     for rnd in range(3):
@@ -147,6 +148,13 @@ with testing.stubbed_triton_launches() as launched:
                                  after["fetch_kernel"][1] - before["fetch_kernel"][1]])
             out["push"].append([desc_rows(push_args) == [[0, st._grad.handle, grad.data_ptr(), 1000]],
                                 after["push_kernel"][1] - before["push_kernel"][1], push_args[13]])
+    # the vector variant (ALIGNED, the kernel's last argument) exactly where every address is 16-byte aligned
+    odd = torch.empty(1001)[1:]  # 4 bytes past an aligned allocation
+    aligned = []
+    for dst in (odd, odd, dsts[0]):
+        odc.fetch(st, out=dst)
+        aligned.append(launched[-1][-1])
+    out["aligned"] = aligned
     plan = next(p for p in st._plans.plans() if p.kind == "push")
     out["kept"] = [sorted(plan._launches) == sorted(plan._descs), len(plan._launches)]
     testing.uninstall()
@@ -174,3 +182,4 @@ def test_plans_bind_their_launch_per_caller_tensor() -> None:
     # (also a runner launch once the signature is compiled), so every call after the very first is a runner call
     assert [n for _, n in out["fetch"]][1:] == [1] * 17 and [n for _, n, _ in out["push"]][1:] == [1] * 17
     assert out["kept"] == [True, 4]
+    assert out["aligned"] == [False, False, True]  # a caller tensor 4 bytes off: the scalar variant

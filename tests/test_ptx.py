@@ -202,3 +202,29 @@ def test_every_kernel_of_a_module_needs_a_case() -> None:
     mod.ORDERING = {"k": []}
     with pytest.raises(ValueError, match="only in ORDERING"):
         ptx.cases(mod)
+
+
+def test_vector_accesses_read_their_width_in_bytes() -> None:
+    found = ptx.vector_accesses(PTX + """
+    @%p2 ld.global.v4.b32 { %r5, %r6, %r7, %r8 }, [ %rd15 + 0 ];
+    @%p3 red.global.sys.relaxed.add.v4.f32 [ %rd16 + 0 ], { %r9, %r10, %r11, %r12 };
+    ld.global.v2.b64 { %rd1, %rd2 }, [ %rd3 + 0 ];
+    st.global.v2.b32 [ %rd4 + 0 ], { %r1, %r2 };
+    ld.shared.v4.b32 { %r5, %r6, %r7, %r8 }, [ %r9 + 0 ];
+""")
+    # 16-byte loads (v4.b32 and v2.b64 alike), the 16-byte vector reduction, an 8-byte store; shared memory is not
+    # the transport's traffic
+    assert sorted(found) == [("atom.add", 16), ("ld", 16), ("st", 8)]
+
+
+def test_a_declared_vector_access_that_is_missing_fails_the_check() -> None:
+    required = frozenset({("ld", 16)})
+    assert ptx._compare("k", frozenset(), "\tld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];", required) == []
+    problems = ptx._compare("k", frozenset(), "\tld.global.b32 %r1, [ %rd1 + 0 ];", required)
+    assert problems == ["k: missing the 16-byte vector ld (VECTOR); vector accesses found: none"]
+    with pytest.raises(ValueError, match="bad vector entry"):
+        ptx._vector_of(("ld", "16"))
+    mod = types.ModuleType("fake_kernels")
+    mod.ORDERING, mod.VECTOR = {}, {"k:aligned": {90: [("ld", 16)]}}
+    with pytest.raises(ValueError, match=r"VECTOR names cases ORDERING does not declare: \['k:aligned'\]"):
+        ptx._vectors(mod)

@@ -424,3 +424,64 @@ def test_copy_engine_fetch_for_large_pieces_a_kernel_for_the_rest() -> None:
         # mixed: one kernel row per fetch (rank 1's 16 elements), both fetches; all: none; none: two per fetch
         assert (r["mixed"], r["all"], r["none"]) == (1 * 2, 0, 2 * 2), r
         assert r["none_views"] == 0 and r["all_views"] >= 2 and r["mixed_views"] >= 1, r
+
+
+# -- the kernels' vector variant (kernels/peer.py ALIGNED) ----------------------------------------------------------
+def _rank_vector_variants(rank: int, world: int, numel: int) -> list[tuple[str, bool]]:
+    """Fetches and pushes through caller tensors 16-byte aligned and 4 bytes off: the launches take the ALIGNED
+    variant exactly for the former, and both land exact values, the rows' last ``n % 16`` elements included."""
+    import torch
+
+    import odc_runtime as odc
+    from odc_runtime import testing
+
+    odc.init()
+    t = testing.transport()
+    kernels, seen = t.kernels, []  # type: ignore[attr-defined]
+
+    class Spy:  # the kernels module, the variant of each fetch/push launch recorded
+        def __getattr__(self, name: str) -> object:
+            return getattr(kernels, name)
+
+        def fetch(self, table: torch.Tensor, desc: torch.Tensor, longest: int, dtype: torch.dtype,
+                  aligned: bool = False) -> None:
+            seen.append(("fetch", aligned))
+            kernels.fetch(table, desc, longest, dtype, aligned)
+
+        def push(self, *args: object, aligned: bool = False) -> None:
+            aligned = bool(args[7]) if len(args) > 7 else aligned
+            seen.append(("push", aligned))
+            kernels.push(*args[:7], aligned=aligned)
+
+    t.kernels = Spy()  # type: ignore[attr-defined]
+    full = torch.arange(numel, dtype=torch.float32) * 3 - 5
+    st = odc.shard(full.clone(), name="vector")
+    space = torch.full((numel + 4,), -1.0)  # a fresh allocation: 16-byte aligned
+    grads = torch.zeros(numel + 4)
+    expected = torch.zeros(numel)
+    for off, k in ((0, 1.0), (1, 2.0), (0, 5.0)):  # aligned, 4 bytes off, aligned again (the plan's kept entry)
+        out = space[off : off + numel]
+        space.fill_(-1.0)
+        odc.fetch(st, out=out)
+        assert torch.equal(out, full), f"fetch at element offset {off}"
+        grad = grads[off : off + numel]
+        grad.copy_(torch.arange(numel, dtype=torch.float32) * k + rank)
+        odc.push(st, grad)
+        expected += torch.arange(numel, dtype=torch.float32) * k * world + sum(range(world))
+    odd = torch.zeros(numel + 1)[1:]
+    odd.copy_(torch.arange(numel, dtype=torch.float32) * 7 + rank)
+    odc.push(st, odd, async_op=True).wait()  # the generic path chooses too
+    expected += torch.arange(numel, dtype=torch.float32) * 7 * world + sum(range(world))
+    odc.sync()
+    lo, hi = st.shard_range
+    assert torch.equal(st.grad, expected[lo:hi]), (st.grad, expected[lo:hi])
+    odc.finalize()
+    return seen
+
+
+def test_vector_variant_exactly_for_aligned_rows_with_exact_sums() -> None:
+    # 8232 = 2 * 4116 elements: rows longer than the interpreter's block (4096) with 4 elements past a multiple of 16
+    seen = run_on_symm(_rank_vector_variants, 2, 8232, timeout=240)
+    for rank_seen in seen:
+        assert rank_seen == [("fetch", True), ("push", True), ("fetch", False), ("push", False), ("fetch", True),
+                             ("push", True), ("push", False)], rank_seen

@@ -50,7 +50,7 @@ class SymmPlan(TransferPlan):
         # The caller's tensors have one dtype, shape and device per plan (the plan cache's key); a push into a
         # non-fp32 buffer takes the generic path, which refuses it.
         self._fast = bool(live or self._copies) and (kind == "fetch" or buf.dtype == torch.float32)
-        self._descs: dict[int, torch.Tensor] = {}  # caller's data_ptr -> descriptor
+        self._descs: dict[int, tuple[torch.Tensor, bool]] = {}  # caller's data_ptr -> (descriptor, aligned rows)
         # caller's data_ptr -> the bound launch of its descriptor (kernels/launch.py: the compiled runner, every
         # argument fixed but a push's scale), from the second launch on where the cached launch path applies
         self._launches: dict[int, Callable[..., None]] = {}
@@ -58,16 +58,17 @@ class SymmPlan(TransferPlan):
         # the driver's current stream when the launch is bound)
         self._stream = stream_key if isinstance(stream_key, int) else None
 
-    def _desc(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _desc(self, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        transport: SymmTransport = self.transport  # type: ignore[assignment]
         base, size = tensor.data_ptr(), tensor.dtype.itemsize
         rows = [(peer, off, base + start * size, n) for peer, off, start, n in self._rows]
-        desc = torch.tensor(rows, dtype=torch.int64, device=self.transport.device).reshape(-1, 4)
+        desc = torch.tensor(rows, dtype=torch.int64, device=transport.device).reshape(-1, 4)
         if len(self._descs) >= _KEEP:
             oldest = next(iter(self._descs))
             del self._descs[oldest]
             self._launches.pop(oldest, None)  # a launch holds its descriptor's address: never outlives it
-        self._descs[base] = desc
-        return desc
+        self._descs[base] = entry = (desc, transport.kernels.rows_aligned(rows, transport._heaps_aligned))
+        return entry
 
     def run(self, tensor: torch.Tensor, scale: float = 1.0, *, async_op: bool = False) -> Work | None:
         transport: SymmTransport = self.transport  # type: ignore[assignment]
@@ -90,15 +91,15 @@ class SymmPlan(TransferPlan):
                 for start, n, source in self._copies:
                     flat[start : start + n].copy_(source)
             if self._rows:
-                desc = self._desc_of(tensor)
-                transport.kernels.fetch(transport._table, desc, self._longest, self.buf.dtype)
+                desc, aligned = self._desc_of(tensor)
+                transport.kernels.fetch(transport._table, desc, self._longest, self.buf.dtype, aligned)
                 if not self._copies:  # a bound launch is the kernel alone
                     self._bind(tensor, transport.kernels.bind_fetch(
-                        transport._table, desc, self._longest, self.buf.dtype, self._stream))
+                        transport._table, desc, self._longest, self.buf.dtype, aligned, self._stream))
             return None
-        desc = self._push(tensor, scale, torch.float32, 0)
+        desc, aligned = self._push(tensor, scale, torch.float32, 0)
         self._bind(tensor, transport.kernels.bind_push(
-            transport._table, desc, self._longest, tensor.dtype, self._stream))
+            transport._table, desc, self._longest, tensor.dtype, aligned, self._stream))
         return None
 
     def _bind(self, tensor: torch.Tensor, launch: Callable[..., None] | None) -> None:
@@ -117,16 +118,17 @@ class SymmPlan(TransferPlan):
             self._push(tensor, scale, torch.int64, shift)
         return True
 
-    def _desc_of(self, tensor: torch.Tensor) -> torch.Tensor:
-        desc = self._descs.get(tensor.data_ptr())
-        return self._desc(tensor) if desc is None else desc
+    def _desc_of(self, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The descriptor for ``tensor``'s address and whether its rows take the vector variant (made once)."""
+        entry = self._descs.get(tensor.data_ptr())
+        return self._desc(tensor) if entry is None else entry
 
-    def _push(self, tensor: torch.Tensor, scale: float, acc: torch.dtype, shift: int) -> torch.Tensor:
+    def _push(self, tensor: torch.Tensor, scale: float, acc: torch.dtype, shift: int) -> tuple[torch.Tensor, bool]:
         transport: SymmTransport = self.transport  # type: ignore[assignment]
-        desc = self._desc_of(tensor)
+        desc, aligned = entry = self._desc_of(tensor)
         try:  # fail-stop as the generic push (Transport.fail_stop, inlined)
-            transport.kernels.push(transport._table, desc, self._longest, scale, tensor.dtype, acc, shift)
+            transport.kernels.push(transport._table, desc, self._longest, scale, tensor.dtype, acc, shift, aligned)
         except BaseException as e:
             transport.fail(as_failure("push", e, "part of the push may have landed"))
             raise
-        return desc
+        return entry

@@ -101,6 +101,9 @@ class SymmTransport(HostTransport):
         super().map_peers(identities)
         self.heap = self.open_heap()
         self._table = self.heap.peer_bases
+        # Whether every heap base in this process is 16-byte aligned (read once: on a GPU the table is on the
+        # device), so a row's own offsets decide the kernels' vector variant (kernels.rows_aligned).
+        self._heaps_aligned = all(base % self.kernels.ALIGN == 0 for base in self._table.tolist())
         self._members = torch.arange(self.world_size, dtype=torch.int32, device=self.heap.device)
         self._group_members: dict[int, torch.Tensor] = {}  # group index -> its members, on the device
         self._abort = self._int64(self._words, 1)
@@ -128,7 +131,8 @@ class SymmTransport(HostTransport):
         return SymmPlan(self, buf, kind, pieces, self.stream_key())
 
     def _rows(self, buf: SymmetricBuffer, peers_offsets_tensors: list[tuple[int, int, torch.Tensor]]) -> tuple:
-        """The descriptor tensor of ``(peer, byte offset in the peer's heap, local address, numel)`` rows."""
+        """The descriptor tensor of ``(peer, byte offset in the peer's heap, local address, numel)`` rows, the
+        longest row and whether the rows may take the kernels' vector variant."""
         itemsize = buf.dtype.itemsize
         if any(t.device != self.device for _, _, t in peers_offsets_tensors):
             raise OdcUsageError(f"symm: local tensors must be on {self.device} (the kernels read them there)")
@@ -139,7 +143,7 @@ class SymmTransport(HostTransport):
             if len(self._descs) >= _KEEP_DESCS:
                 del self._descs[next(iter(self._descs))]
             self._descs[rows] = desc
-        return desc, max((r[3] for r in rows), default=0)
+        return desc, max((r[3] for r in rows), default=0), self.kernels.rows_aligned(rows, self._heaps_aligned)
 
     def _fetch_now(self, buf: SymmetricBuffer, requests: Sequence[FetchRequest]) -> None:
         self.check_usable("fetch")
@@ -157,8 +161,8 @@ class SymmTransport(HostTransport):
             else:
                 small.append((peer, off, t))
         if small:
-            desc, longest = self._rows(buf, small)
-            self.kernels.fetch(self._table, desc, longest, buf.dtype)
+            desc, longest, aligned = self._rows(buf, small)
+            self.kernels.fetch(self._table, desc, longest, buf.dtype, aligned)
 
     def peer_region(self, buf: SymmetricBuffer, peer: int, offset: int, numel: int) -> torch.Tensor:
         """Elements ``[offset, offset + numel)`` of ``peer``'s part of ``buf``: a view of its heap in this process
@@ -187,8 +191,8 @@ class SymmTransport(HostTransport):
         launches = [(dtype, *self._rows(buf, work)) for dtype, work in by_dtype.items()]
 
         def launch_all() -> None:
-            for dtype, desc, longest in launches:
-                self.kernels.push(self._table, desc, longest, scale, dtype, buf.dtype)
+            for dtype, desc, longest, aligned in launches:
+                self.kernels.push(self._table, desc, longest, scale, dtype, buf.dtype, aligned=aligned)
 
         self.fail_stop("push", "part of the push may have landed", launch_all)
 
@@ -214,7 +218,7 @@ class SymmTransport(HostTransport):
             work.append((req.peer, req.offset, req.src.detach().reshape(-1).contiguous()))
         if not work:
             return
-        desc, longest = self._rows(buf, work)
+        desc, longest, _ = self._rows(buf, work)  # put_signal has no vector variant
         offsets = torch.tensor(words, dtype=torch.int64, device=self.device)
         counters = torch.zeros(len(words), dtype=torch.int64, device=self.device)
         self.fail_stop(
