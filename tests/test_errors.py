@@ -37,6 +37,7 @@ BUILTIN_RAISES: dict[tuple[str, str], str] = {
     ("kernels/peer.py", "TypeError"): "a dtype the kernels do not move; the transports refuse it first (OdcUsageError)",
     ("kernels/ptx.py", "TypeError"): "the PTX check tool of the CI (a developer's tool, not the runtime)",
     ("kernels/ptx.py", "ValueError"): "as TypeError above",
+    ("kernels/launch.py", "TypeError"): "CachedKernel.bind's argument contract, called by the transport's plans only",
     ("kernels/launch_check.py", "RuntimeError"): "the CI's launch check (a developer's tool, not the runtime)",
     ("odc_runtime/telemetry.py", "TypeError"): "make_record's keyword contract, as Python's own for an unknown "
     "keyword; "
