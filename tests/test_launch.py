@@ -83,14 +83,19 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.timeout(300)
-def test_cached_runner_after_the_first_launch_of_each_signature() -> None:
+def _run_child(source: str) -> dict:
+    """Run ``source`` in a child without the interpreter (compiled kernels, a stubbed driver); its last line's JSON."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", source], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(300)
+def test_cached_runner_after_the_first_launch_of_each_signature() -> None:
+    out = _run_child(_CHILD)
     assert out["fetch"] == [1, 2]  # compiled once through the binder, then the runner
     assert out["args"] == [[2, 1, 1, 0], out["ptrs"], "int16", 1024]  # grid, stream, raw pointers, constexprs
     assert out["odd"] == [2, 2] and out["odd_again"] == [2, 3]  # a new alignment: the binder once, then cached
@@ -169,12 +174,7 @@ print(json.dumps(out))
 def test_plans_bind_their_launch_per_caller_tensor() -> None:
     """A symm plan launches through a bound launch (kernels/launch.py ``CachedKernel.bind``) from a caller tensor's
     second call on, with that tensor's descriptor and the call's scale, also as addresses come and go."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _PLAN_CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=280)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _run_child(_PLAN_CHILD)
     assert all(right for right, _ in out["fetch"]), out["fetch"]  # every launch carried the caller's descriptor
     assert all(right for right, _, _ in out["push"]), out["push"]
     assert [s for _, _, s in out["push"]] == [0.5 + r + i for r in range(3) for i in range(6)]  # the call's scale
