@@ -12,6 +12,7 @@ from dataclasses import fields
 from odc_runtime import config
 from odc_runtime.agree import require_same
 from odc_runtime.errors import OdcUsageError
+from odc_runtime.transport import gpu_sharing
 
 log = logging.getLogger("odc_runtime")
 
@@ -66,29 +67,8 @@ def agree_settings(infos: Sequence[tuple[config.NvshmemSettings, int, int]]) -> 
 
 
 def check_gpu_sharing(sharing: dict[tuple[str, str], list[int]], mps: dict[int, int]) -> None:
-    """Refuse several PEs on one GPU without CUDA MPS (``sharing``: (host, GPU uuid) -> ranks; ``mps[r]``: 1
-    on, 0 off, -1 unknown). Every rank sees the same data, so every rank raises together, before NVSHMEM starts.
-
-    Without MPS the contexts of the PEs time-slice the GPU: a PE's waiting kernel (barrier, lock, signal wait)
-    holds its time slice while the PE it waits for cannot run, so every wait costs scheduler slices and progress
-    rests on the driver's time-slicing policy. When the runtime cannot tell (``-1``, an old driver), the job is
-    allowed with a warning."""
-    for (host, uuid), ranks in sorted(sharing.items()):
-        if len(ranks) < 2:
-            continue
-        states = {mps[r] for r in ranks}
-        if 0 in states:
-            raise OdcUsageError(
-                f"nvshmem transport: ranks {ranks} share GPU {uuid} on {host} without CUDA MPS; several NVSHMEM PEs "
-                "on one GPU need MPS (their waiting kernels would otherwise time-slice the GPU). Start the MPS "
-                "daemon before the job (`nvidia-cuda-mps-control -d`; stop it with `echo quit | "
-                "nvidia-cuda-mps-control`), or give every rank its own GPU"
-            )
-        if states != {1}:
-            log.warning(
-                "odc nvshmem: ranks %s share GPU %s on %s and this CUDA runtime cannot tell whether MPS is on; "
-                "without MPS (nvidia-cuda-mps-control -d) their kernels time-slice (slow).", ranks, uuid, host,
-            )
+    """``gpu_sharing.check_gpu_sharing`` for NVSHMEM PEs (the rule and its reason are there)."""
+    gpu_sharing.check_gpu_sharing("nvshmem", sharing, mps)
 
 
 def network_transport(environ: dict[str, str] | None = None, ib_dir: str = "/sys/class/infiniband") -> bool:
