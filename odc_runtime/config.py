@@ -265,6 +265,13 @@ def env_choice(name: str, choices: Iterable[str], default: str, environ: Mapping
     return raw.lower()
 
 
+def symm_heap(environ: Mapping[str, str] | None = None) -> str:
+    """``ODC_SYMM_HEAP``: where the ``symm`` transport's GPU heap comes from. ``auto`` (default): PyTorch's
+    SymmetricMemory where every rank has a GPU of its own, else CUDA IPC; ``symmetric-memory`` or ``ipc`` force
+    one (``odc_runtime.transport.symm.torch_heap.choose_provider``)."""
+    return env_choice("ODC_SYMM_HEAP", ("auto", "symmetric-memory", "ipc"), "auto", environ)
+
+
 def require_extension() -> bool:
     """``ODC_REQUIRE_EXTENSION``: tests fail (instead of skipping) when the compiled extension is missing."""
     return env_flag("ODC_REQUIRE_EXTENSION", False)

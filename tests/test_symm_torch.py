@@ -225,7 +225,8 @@ def test_heap_views_and_close(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
     local = torch.zeros(64, dtype=torch.uint8)
     h = FakeHandle([local.data_ptr(), 0x5000, 0x9000], offset=128, size=4096)
-    heap = torch_heap.CudaPeerHeap(rank=0, world=3, local=local, handle=h)
+    heap = torch_heap.symmetric_memory_heap(0, 3, local, h)
+    assert heap.provider == "symmetric-memory"
     assert heap.nbytes == 64 and heap.peer_bases.dtype == torch.int64
     assert heap.peer_bases.tolist() == [local.data_ptr() + 128, 0x5000 + 128, 0x9000 + 128]
     assert heap.peer_view(0) is local
@@ -269,7 +270,7 @@ def _fake_ranks(rank: int, calls: list[tuple], *, host: str, oom: bool) -> None:
     import odc_runtime.transport.symm._torch_symm as ts
     import odc_runtime.transport.symm.torch_heap as hc
 
-    hc._local_facts = lambda nbytes: (host, f"gpu{rank}", rank, nbytes)
+    hc._local_facts = lambda nbytes: hc.Facts(host, f"gpu{rank}", rank, nbytes, "auto", None, None, 0)
     hc._visible_gpus = dict
     error = torch.OutOfMemoryError("CUDA out of memory") if oom else None
     ts.api = lambda: ts.detect(fake_module("current", calls, empty_error=error))

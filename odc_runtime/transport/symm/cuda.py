@@ -3,7 +3,8 @@
 Everything but memory and streams is ``SymmTransport`` (the kernels, rounds, watchdog and
 fail-stop that ``symm-cpu`` executes in CI). What differs on a GPU, and only that, is here:
 
-* the heap is a ``CudaPeerHeap`` (``open_heap``, collective, returns zeroed);
+* the heap is a ``CudaPeerHeap`` (``open_heap``, collective, returns zeroed): SymmetricMemory where every rank
+  has a GPU of its own, CUDA IPC where ranks share one (``torch_heap.choose_provider``);
   the host segments keep only the control pages (they are sparse: the heap part is never reserved);
 * buffers are views of that heap, zeroed on the device before the allocation's agreement round;
 * kernels launch on the caller's current CUDA stream; ``async_op=True`` launches there too and returns a
@@ -24,12 +25,12 @@ from odc_runtime.errors import OdcBackendError
 from odc_runtime.transport import host
 from odc_runtime.transport.base import FetchRequest, PushRequest, SymmetricBuffer, Work, raw_stream
 from odc_runtime.transport.host.transport import HostTransport
-from odc_runtime.transport.symm import _torch_symm, torch_heap
+from odc_runtime.transport.symm import torch_heap
 from odc_runtime.transport.symm.transport import SymmTransport
 
 
 def is_available() -> bool:
-    """A CUDA device, PyTorch symmetric memory and Triton (compiled, not the interpreter) are here."""
+    """A CUDA device, a way to map peers' memory (PyTorch's SymmetricMemory or CUDA IPC) and Triton are here."""
     return importlib.util.find_spec("triton") is not None and host.is_available() and torch_heap.is_available()
 
 
@@ -63,7 +64,7 @@ class CudaSymmTransport(SymmTransport):
 
     def __init__(self, rank: int, world_size: int, job: str, **kwargs: object) -> None:
         # Runs inside bootstrap's "host segments" round: a rank that cannot run symm fails every rank together.
-        reason = _torch_symm.unavailable_reason()
+        reason = torch_heap.unavailable_reason()
         if reason is not None:
             raise OdcBackendError(
                 f"odc symm: {reason}; symm runs on the GPUs of one node (use backend='host' or 'symm-cpu' on CPU "
@@ -79,7 +80,7 @@ class CudaSymmTransport(SymmTransport):
         self._device_index = self.device.index
 
     def open_heap(self) -> torch_heap.CudaPeerHeap:
-        """Collective (called by every rank inside bootstrap's "map peers" round): the SymmetricMemory heap.
+        """Collective (called by every rank inside bootstrap's "map peers" round): the GPU heap.
 
         ``open_heap`` zeroes the heap and agrees before it returns; the words at offset 0 are zeroed again here on
         purpose (they are what every protocol starts from), and the "map peers" round that encloses this call is

@@ -1,99 +1,165 @@
-"""The ``symm`` transport's memory on GPUs: one SymmetricMemory block per rank, mapped into every peer (one node).
+"""The ``symm`` transport's memory on GPUs: one block per rank, mapped into every peer (one node).
 
 ``open_heap`` is collective over the default ``torch.distributed`` group and returns a ``CudaPeerHeap``, the
 CUDA implementation of the transport's ``PeerHeap`` shape (``odc_runtime.transport.symm.heap``): ``local`` is this
 rank's ``uint8[nbytes]`` heap, ``peer_bases`` an ``int64[world]`` CUDA tensor of every rank's heap address *in this
 process* (what the Triton kernels load and cast to pointers), ``peer_view(p)`` a tensor view of rank ``p``'s heap
-(what copy-engine fetches read). Every touch of torch's private SymmetricMemory API goes through
-``_torch_symm``.
+(what copy-engine fetches read).
+
+The blocks come from one of two providers (``choose_provider``; ``ODC_SYMM_HEAP`` forces one):
+
+* ``symmetric-memory``: PyTorch's SymmetricMemory (its CUDA backend), where every rank has a GPU of its own. Every
+  touch of its private API goes through ``_torch_symm``.
+* ``ipc``: CUDA IPC through torch's storage sharing (``_torch_ipc``), where ranks share a GPU (SymmetricMemory
+  refuses allocations from overlapping devices) or SymmetricMemory is missing. Each rank allocates its block,
+  exports one handle per peer, and the handles travel through the bootstrap's agreement rounds. Several ranks on
+  one GPU need CUDA MPS, as for nvshmem (``gpu_sharing``).
 
 Creation, step by step, each step agreed by every rank (``gather_checked``: a failure anywhere raises on every rank,
-within ``timeout``) before the next, so no rank enters torch's rendezvous (which waits on the store without our
-deadline) while a peer has already given up:
+within ``timeout``) before the next, so no rank enters a rendezvous or maps a peer while a peer has already given up:
 
-1. local checks: a CUDA device, SymmetricMemory's API, the host name and GPU of each rank;
-2. topology: every rank on one host (else OdcBackendError: this transport is one node; use ``nvshmem``), and every
-   pair of distinct GPUs that this process can see reaches each other by P2P (``cudaDeviceCanAccessPeer``);
-   peers hidden by ``CUDA_VISIBLE_DEVICES`` are checked by the rendezvous itself, whose failure says so;
-3. allocation with the CUDA backend;
-4. rendezvous (torch's collective), then the heap is zeroed and the ranks agree once more, so no rank reads a
-   peer's heap before that peer zeroed it.
+1. local checks: a CUDA device, what each provider lacks here, ``ODC_SYMM_HEAP``, the host name, GPU and MPS state
+   of each rank;
+2. topology: every rank on one host (else OdcBackendError: this transport is one node; use ``nvshmem``), every
+   pair of distinct GPUs that this process can see reaches each other by P2P (``cudaDeviceCanAccessPeer``), ranks
+   sharing a GPU under MPS, and the provider chosen from these facts (every rank decides alike);
+3. allocation (``ipc``: and export, the handles gathered);
+4. mapping: torch's rendezvous (``symmetric-memory``, its own collective) or opening every peer's handle (``ipc``,
+   agreed);
+5. the heap is zeroed and the ranks agree once more, so no rank reads a peer's heap before that peer zeroed it.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from odc_runtime import config
 from odc_runtime.agree import gather_checked
-from odc_runtime.errors import OdcBackendError, OdcMismatchError, OdcNotInitializedError, OdcUsageError
-from odc_runtime.transport.symm import _torch_symm
+from odc_runtime.errors import (
+    OdcBackendError,
+    OdcMismatchError,
+    OdcNotInitializedError,
+    OdcUsageError,
+)
+from odc_runtime.transport import gpu_sharing
+from odc_runtime.transport.symm import _torch_ipc, _torch_symm
 
-__all__ = ["CudaPeerHeap", "check_topology", "is_available", "open_heap"]
+__all__ = ["PROVIDERS", "CudaPeerHeap", "Facts", "check_topology", "choose_provider", "is_available", "open_heap",
+           "unavailable_reason"]
 
 log = logging.getLogger(__name__)
 
 
+PROVIDERS = ("symmetric-memory", "ipc")
+
+
 def is_available() -> bool:
-    """Whether this process could create a ``CudaPeerHeap`` (CUDA device and SymmetricMemory present)."""
-    return _torch_symm.unavailable_reason() is None
+    """Whether this process could create a ``CudaPeerHeap`` (a CUDA device, and SymmetricMemory or CUDA IPC)."""
+    return _torch_symm.unavailable_reason() is None or _torch_ipc.unavailable_reason() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why no provider can make the heap in this process (``None``: one can). Never raises."""
+    symm, ipc = _torch_symm.unavailable_reason(), _torch_ipc.unavailable_reason()
+    if symm is None or ipc is None:
+        return None
+    return symm if symm == ipc else f"SymmetricMemory: {symm}; CUDA IPC: {ipc}"
 
 
 class CudaPeerHeap:
-    """One rank's symmetric heap on its GPU and its peers' heaps as mapped here. Build it with ``open_heap``."""
+    """One rank's symmetric heap on its GPU and its peers' heaps as mapped here. Build it with ``open_heap``.
 
-    def __init__(self, *, rank: int, world: int, local: torch.Tensor, handle: Any) -> None:
+    ``bases[p]`` is rank ``p``'s heap address in this process and ``view(p)`` a ``uint8[nbytes]`` tensor there
+    (mapped on first use); ``keep`` is what keeps the mappings alive (the provider's handle or the views)."""
+
+    def __init__(
+        self, *, rank: int, world: int, local: torch.Tensor, bases: list[int], view: Callable[[int], torch.Tensor],
+        keep: Any, provider: str,
+    ) -> None:
         self.rank = rank
         self.world = world
         self.nbytes = local.numel()
         self.device = local.device
         self.local = local
-        self._handle: Any = handle
-        self.peer_bases = torch.tensor(
-            _torch_symm.peer_addresses(handle, self.nbytes), dtype=torch.int64, device=self.device
-        )
+        self.provider = provider  # "symmetric-memory" or "ipc"
+        self._keep: Any = keep
+        self._view = view
+        self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
         self._views: dict[int, torch.Tensor] = {rank: local}
 
     def peer_view(self, peer: int) -> torch.Tensor:
         """``uint8[nbytes]`` view of rank ``peer``'s heap in this process (this rank's own: ``local``)."""
-        if self._handle is None:
+        if self._keep is None:
             raise OdcBackendError("symm heap: used after close()")
         if not 0 <= peer < self.world:
             raise OdcUsageError(f"symm heap: peer {peer} is not a rank of a world of {self.world}")
         view = self._views.get(peer)
         if view is None:
-            view = self._views[peer] = _torch_symm.peer_buffer(self._handle, peer, self.nbytes)
+            view = self._views[peer] = self._view(peer)
         return view
 
     def close(self) -> None:
         """Release this rank's references to the heap and the peer mappings (local; idempotent).
 
-        The caller has synchronised with its peers first (the transport's final barrier): torch unmaps the peers'
-        blocks and frees this one once the last reference goes, so no kernel of any rank may still use them.
+        The caller has synchronised with its peers first (the transport's final barrier): the provider unmaps the
+        peers' blocks and frees this one once the last reference goes, so no kernel of any rank may still use them.
         """
-        if self._handle is None:
+        if self._keep is None:
             return
         torch.cuda.synchronize(self.device)  # this rank's kernels on the heap have finished
         self._views.clear()
-        self._handle = None
-        del self.local, self.peer_bases
+        self._keep = None
+        del self.local, self.peer_bases, self._view
 
 
-def _local_facts(nbytes: int) -> tuple[str, str, int, int]:
-    reason = _torch_symm.unavailable_reason()
-    if reason is not None:
-        raise OdcBackendError(f"symm transport: {reason} (use backend='host' on CPU, 'nvshmem' across nodes)")
+def symmetric_memory_heap(rank: int, world: int, local: torch.Tensor, handle: Any) -> CudaPeerHeap:
+    """The heap over a SymmetricMemory rendezvous ``handle`` of ``local``."""
+    nbytes = local.numel()
+    return CudaPeerHeap(
+        rank=rank, world=world, local=local, bases=_torch_symm.peer_addresses(handle, nbytes),
+        view=lambda peer: _torch_symm.peer_buffer(handle, peer, nbytes), keep=handle, provider="symmetric-memory",
+    )
+
+
+def ipc_heap(rank: int, world: int, views: list[torch.Tensor]) -> CudaPeerHeap:
+    """The heap over every rank's block as mapped here (``views[rank]``: this rank's own)."""
+    return CudaPeerHeap(
+        rank=rank, world=world, local=views[rank], bases=[v.data_ptr() for v in views], view=views.__getitem__,
+        keep=views, provider="ipc",
+    )
+
+
+class Facts(NamedTuple):
+    """What a rank tells its peers before the heap is made (JSON: exchanged as a list)."""
+
+    host: str
+    gpu: str  # the GPU's uuid (its index where torch has no uuid)
+    index: int
+    nbytes: int
+    mode: str  # ODC_SYMM_HEAP here: "auto" or a provider
+    symm_reason: str | None  # why SymmetricMemory cannot be used here (None: it can)
+    ipc_reason: str | None  # why CUDA IPC cannot be used here (None: it can)
+    mps: int  # CUDA MPS on this rank's GPU: 1 on, 0 off, -1 unknown
+
+
+def _local_facts(nbytes: int) -> Facts:
+    mode = config.symm_heap()
+    if not torch.cuda.is_available():
+        raise OdcBackendError("symm transport: no CUDA device is available (use backend='host' or 'symm-cpu' on "
+                              "CPU ranks)")
     index = torch.cuda.current_device()
     try:
         props = torch.cuda.get_device_properties(index)
     except RuntimeError as e:
         raise OdcBackendError(f"symm transport: cannot query CUDA device {index}: {e}") from e
-    return socket.gethostname(), str(getattr(props, "uuid", index)), index, nbytes
+    return Facts(socket.gethostname(), str(getattr(props, "uuid", index)), index, nbytes, mode,
+                 _torch_symm.unavailable_reason(), _torch_ipc.unavailable_reason(), gpu_sharing.mps_state(index))
 
 
 def _visible_gpus() -> dict[str, int]:
@@ -101,15 +167,15 @@ def _visible_gpus() -> dict[str, int]:
     return {str(getattr(torch.cuda.get_device_properties(i), "uuid", i)): i for i in range(torch.cuda.device_count())}
 
 
-def check_topology(facts: list[tuple[str, str, int, int]], rank: int, visible: dict[str, int]) -> None:
+def check_topology(facts: Sequence[Sequence[Any]], rank: int, visible: dict[str, int]) -> None:
     """Raise OdcBackendError unless every rank is on one host and this rank's GPU reaches every visible peer GPU.
 
-    ``facts[r]`` is rank ``r``'s ``(host, gpu uuid, device index, nbytes)``; ``visible`` maps the uuids this process
-    sees to device indices.
+    ``facts[r]`` starts with rank ``r``'s ``(host, gpu uuid, ...)`` (``Facts``); ``visible`` maps the uuids this
+    process sees to device indices.
     """
     hosts: dict[str, list[int]] = {}
-    for r, (host, *_rest) in enumerate(facts):
-        hosts.setdefault(host, []).append(r)
+    for r, f in enumerate(facts):
+        hosts.setdefault(f[0], []).append(r)
     if len(hosts) > 1:
         listing = "; ".join(f"{h}: ranks {rs}" for h, rs in hosts.items())
         raise OdcBackendError(
@@ -117,7 +183,8 @@ def check_topology(facts: list[tuple[str, str, int, int]], rank: int, visible: d
             "so it runs on one node only: use backend='nvshmem' across nodes"
         )
     mine = facts[rank][1]
-    for peer, (_, uuid, _, _) in enumerate(facts):
+    for peer, f in enumerate(facts):
+        uuid = f[1]
         if uuid == mine or uuid not in visible:
             continue
         if not torch.cuda.can_device_access_peer(visible[mine], visible[uuid]):
@@ -127,6 +194,48 @@ def check_topology(facts: list[tuple[str, str, int, int]], rank: int, visible: d
             )
 
 
+def sharing(facts: Sequence[Facts]) -> dict[tuple[str, str], list[int]]:
+    """(host, GPU uuid) -> the ranks on that GPU."""
+    out: dict[tuple[str, str], list[int]] = {}
+    for r, f in enumerate(facts):
+        out.setdefault((f.host, f.gpu), []).append(r)
+    return out
+
+
+def choose_provider(facts: Sequence[Facts]) -> str:
+    """The heap's provider, from every rank's facts (every rank decides alike): ``ODC_SYMM_HEAP`` where set, else
+    ``symmetric-memory`` where every rank has a GPU of its own and SymmetricMemory, else ``ipc``. Raises
+    OdcMismatchError when ranks set ``ODC_SYMM_HEAP`` differently, OdcBackendError when the provider asked for (or,
+    with ``auto``, both) cannot work, saying why."""
+    modes = [f.mode for f in facts]
+    if len(set(modes)) > 1:
+        raise OdcMismatchError(f"symm heap: ranks set ODC_SYMM_HEAP differently: {modes} (rank order)")
+    shared = {k: rs for k, rs in sharing(facts).items() if len(rs) > 1}
+    symm_missing = [(r, f.symm_reason) for r, f in enumerate(facts) if f.symm_reason is not None]
+    ipc_missing = [(r, f.ipc_reason) for r, f in enumerate(facts) if f.ipc_reason is not None]
+    symm_why = (f"ranks {[rs for rs in shared.values()]} share a GPU, and SymmetricMemory maps one rank per GPU"
+                if shared else None)
+    if symm_missing:
+        symm_why = f"rank {symm_missing[0][0]}: {symm_missing[0][1]}"
+    ipc_why = f"rank {ipc_missing[0][0]}: {ipc_missing[0][1]}" if ipc_missing else None
+    mode = modes[0]
+    if mode == "symmetric-memory" and symm_why is not None:
+        raise OdcBackendError(f"symm heap: ODC_SYMM_HEAP=symmetric-memory, but {symm_why}; unset it (auto) or set "
+                              "ODC_SYMM_HEAP=ipc")
+    if mode == "ipc" and ipc_why is not None:
+        raise OdcBackendError(f"symm heap: ODC_SYMM_HEAP=ipc, but CUDA IPC cannot be used: {ipc_why}")
+    if mode != "auto":
+        return mode
+    if symm_why is None:
+        return "symmetric-memory"
+    if ipc_why is None:
+        return "ipc"
+    raise OdcBackendError(
+        f"symm transport: neither provider can map the ranks' memory. SymmetricMemory: {symm_why}. CUDA IPC: "
+        f"{ipc_why}. Use backend='nvshmem' (several ranks per GPU under CUDA MPS) or backend='host'"
+    )
+
+
 def open_heap(
     rank: int, world: int, nbytes: int, device: torch.device, *, timeout: float | None = None
 ) -> CudaPeerHeap:
@@ -134,10 +243,11 @@ def open_heap(
     ``nbytes`` heap per rank on ``device`` (this rank's GPU); zeroed on return.
 
     ``timeout`` bounds each agreement step (default ``ODC_TIMEOUT``). Raises (on every rank together, within it
-    except inside torch's rendezvous): OdcBackendError when torch lacks SymmetricMemory, there is no CUDA device,
-    the job spans several hosts, peers are not P2P reachable or the rendezvous fails; OdcMemoryError when a GPU
-    cannot hold the heap; OdcMismatchError when another rank failed or ranks asked for different sizes;
-    OdcUsageError for bad arguments.
+    except inside torch's rendezvous): OdcBackendError when there is no CUDA device, the job spans several hosts,
+    peers are not P2P reachable, the provider ``choose_provider`` picks cannot work or its mapping fails;
+    OdcMemoryError when a GPU cannot hold the heap; OdcMismatchError when another rank failed, or ranks asked for
+    different sizes or set ``ODC_SYMM_HEAP`` differently; OdcUsageError for bad arguments, and for ranks that
+    share a GPU without CUDA MPS.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise OdcNotInitializedError("symm transport: call torch.distributed.init_process_group first")
@@ -160,14 +270,35 @@ def open_heap(
 
 
 def _open(rank: int, world: int, nbytes: int, timeout: float) -> CudaPeerHeap:
-    facts = gather_checked("symm heap (devices)", lambda: _local_facts(nbytes), timeout=timeout)
-    sizes = {f[3] for f in facts}
+    facts = [Facts(*f) for f in gather_checked("symm heap (devices)", lambda: _local_facts(nbytes), timeout=timeout)]
+    sizes = {f.nbytes for f in facts}
     if len(sizes) > 1:
-        raise OdcMismatchError(f"symm heap: ranks asked for different heap sizes: {[f[3] for f in facts]}")
-    gather_checked("symm heap (topology)", lambda: check_topology(facts, rank, _visible_gpus()), timeout=timeout)
+        raise OdcMismatchError(f"symm heap: ranks asked for different heap sizes: {[f.nbytes for f in facts]}")
+    provider: list[str] = []
 
-    symm = _torch_symm.api()
+    def agree_on_the_layout() -> None:
+        check_topology(facts, rank, _visible_gpus())
+        gpu_sharing.check_gpu_sharing("symm", sharing(facts), {r: f.mps for r, f in enumerate(facts)})
+        provider.append(choose_provider(facts))
+
+    gather_checked("symm heap (topology)", agree_on_the_layout, timeout=timeout)
     device = torch.device("cuda", torch.cuda.current_device())
+    if provider[0] == "ipc":
+        heap = _open_ipc(rank, world, nbytes, device, timeout)
+    else:
+        heap = _open_symmetric_memory(rank, world, nbytes, device, timeout)
+
+    def zero() -> None:
+        heap.local.zero_()
+        torch.cuda.synchronize(device)
+
+    gather_checked("symm heap (zeroed)", zero, timeout=timeout)
+    log.debug("symm heap: rank %d/%d, %d bytes on %s from %s", rank, world, nbytes, device, heap.provider)
+    return heap
+
+
+def _open_symmetric_memory(rank: int, world: int, nbytes: int, device: torch.device, timeout: float) -> CudaPeerHeap:
+    symm = _torch_symm.api()
     box: list[torch.Tensor] = []
 
     def allocate() -> None:
@@ -177,12 +308,23 @@ def _open(rank: int, world: int, nbytes: int, timeout: float) -> CudaPeerHeap:
     gather_checked("symm heap (allocate)", allocate, timeout=timeout)
     local = box[0]
     handle = _torch_symm.rendezvous(symm, local, dist.group.WORLD.group_name)  # type: ignore[union-attr]
-    heap = CudaPeerHeap(rank=rank, world=world, local=local, handle=handle)
+    return symmetric_memory_heap(rank, world, local, handle)
 
-    def zero() -> None:
-        local.zero_()
-        torch.cuda.synchronize(device)
 
-    gather_checked("symm heap (zeroed)", zero, timeout=timeout)
-    log.debug("symm heap: rank %d/%d, %d bytes on %s", rank, world, nbytes, device)
-    return heap
+def _open_ipc(rank: int, world: int, nbytes: int, device: torch.device, timeout: float) -> CudaPeerHeap:
+    """Allocate, export one handle per peer (gathered), then map every peer's handle for this rank (agreed)."""
+    box: list[torch.Tensor] = []
+
+    def allocate_and_export() -> list[object]:
+        box.append(_torch_ipc.allocate(nbytes, device))
+        return [None if peer == rank else _torch_ipc.export(box[0]) for peer in range(world)]
+
+    exports = gather_checked("symm heap (allocate, export)", allocate_and_export, timeout=timeout)
+    views: list[torch.Tensor] = []
+
+    def map_peers() -> None:
+        for peer in range(world):
+            views.append(box[0] if peer == rank else _torch_ipc.open_export(exports[peer][rank], device, nbytes))  # type: ignore[index]
+
+    gather_checked("symm heap (map peers)", map_peers, timeout=timeout)
+    return ipc_heap(rank, world, views)
