@@ -127,9 +127,19 @@ def scenario_flash() -> dict:
 
 
 def main() -> None:
-    out_path, scenario = sys.argv[1], sys.argv[2]
+    """``argv``: the result file, then scenario names separated by commas, run in order in this one torchrun (each
+    frees its exchange); the first failing one is reported."""
+    out_path, names = sys.argv[1], sys.argv[2].split(",")
+
+    def scenarios() -> dict:
+        for name in names:
+            result = globals()[f"scenario_{name}"]()
+            if result["result"] != "ok":
+                return {**result, "result": f"{name}: {result['result']}"}
+        return {"result": "ok"}
+
     _worker.start(heap_size="256M")
-    _worker.run_scenario(out_path, globals()[f"scenario_{scenario}"])
+    _worker.run_scenario(out_path, scenarios)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The frame every torchrun worker of the GPU tests shares: one PE per process (several per GPU when there are
-more processes than GPUs, under CUDA MPS), gloo for the test's own collectives, ODC on the nvshmem transport; each
+more processes than GPUs, under CUDA MPS), gloo for the test's own collectives, ODC on the nvshmem transport (or
+the one ``ODC_GPU_TEST_BACKEND`` names: the tests that also run on ``symm`` set it); each
 rank's failure caught with its rank and traceback, gathered, and written by rank 0 as the JSON result file the
 pytest side reads (so that a failure on any rank is reported, not just a hang or a non-zero exit)."""
 
@@ -18,12 +19,13 @@ import odc_runtime as odc
 
 
 def start(heap_size: str, **init_kwargs: Any) -> None:
-    """Select this PE's GPU, start gloo and ``odc.init(backend="nvshmem", heap_size=..., **init_kwargs)``."""
+    """Select this PE's GPU, start gloo and ``odc.init(backend=..., heap_size=..., **init_kwargs)`` (the backend:
+    ``ODC_GPU_TEST_BACKEND``, default ``nvshmem``)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank % torch.cuda.device_count())  # several PEs per GPU when nproc > GPUs
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    odc.init(backend="nvshmem", **init_kwargs, heap_size=heap_size)
+    odc.init(backend=os.environ.get("ODC_GPU_TEST_BACKEND", "nvshmem"), **init_kwargs, heap_size=heap_size)
 
 
 def failure() -> str:

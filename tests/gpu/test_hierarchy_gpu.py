@@ -19,9 +19,9 @@ TIMEOUT_S = 10
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
-# .ci/gpu --plan: (setup s, s per case, expected fraction) of every test here, one torchrun each (unmeasured; a
-# torchrun of 1-4 PEs with NVSHMEM's init measured 16-18 s for a whole function of 9 cases)
-GPU_BUDGET = {"*": (0, 90, 0.14)}
+# .ci/gpu --plan: (setup s, s per case, expected fraction) of every test here, one torchrun each (measured in the
+# proof of 2026-11-27: 15-24 s each, 87 s for the five)
+GPU_BUDGET = {"*": (0, 90, 0.19)}
 
 
 def _run(nproc: int, tmp_path, scenario: str, *extra: str, env: dict | None = None) -> dict:
