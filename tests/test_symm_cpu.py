@@ -314,6 +314,51 @@ def test_hundred_syncs_start_no_thread() -> None:
     assert run_on_symm(_rank_syncs_start_no_thread, 2, 100, timeout=280) == [0, 0]
 
 
+def _rank_watchdog_stays_asleep(rank: int, world: int, calls: int) -> dict:
+    """World 1, the kernels compiled for sm_90 with only the driver's launch stubbed (so a barrier completes at
+    once, as a quick one on a GPU does): how many of ``calls`` syncs the watchdog thread watched itself."""
+    import threading
+
+    import torch
+
+    import odc_runtime as odc
+    from odc_runtime import testing
+    from odc_runtime.transport import host
+    from odc_runtime.transport.symm.transport import SymmTransport
+
+    with testing.stubbed_triton_launches():
+        transport = host.create(timeout=60.0, heap_size="1M", transport_class=SymmTransport)
+        transport._status[0] = 1  # the stubbed barrier writes nothing: its status says "completed" (world 1)
+        testing.install(transport)
+        try:
+            odc.shard(torch.zeros(8), name="asleep")
+            odc.sync()
+            watchdog = transport._watchdog.thread
+            watched: list[str] = []
+            real = transport._wait_for_peers
+
+            def wait_for_peers(op: str, *args: Any, **kwargs: Any) -> None:
+                if threading.current_thread() is watchdog:
+                    watched.append(op)
+                real(op, *args, **kwargs)
+
+            transport._wait_for_peers = wait_for_peers
+            for _ in range(calls):
+                odc.sync()
+            return {"watched": len(watched), "alive": watchdog.is_alive()}
+        finally:
+            testing.uninstall()
+            transport.finalize()
+
+
+def test_the_watchdog_leaves_quick_syncs_to_their_caller() -> None:
+    """The watchdog thread shares the GIL with the training loop: it looks at a barrier only once it has been
+    pending for its grace period, so a loop of quick syncs does not make it run per sync (it watched every one
+    when every arm woke it: 144 of 200 in one run)."""
+    [result] = run_ranks(_rank_watchdog_stays_asleep, 1, 200, timeout=120, env={"TRITON_INTERPRET": "0"})
+    assert result["alive"] and result["watched"] < 20, result
+
+
 def _rank_deferred_mismatch(rank: int, world: int) -> str:
     """With the GPU's stream-ordered barriers turned on, a round where rank 0 is in ``sync`` and rank 1 in another
     collective returns on both ranks (the kernels met); the next call that settles raises the mismatch on every

@@ -63,7 +63,7 @@ from odc_runtime.transport.host.locks import ByteRangeLocks
 from odc_runtime.transport.host.plan import HostPlan
 from odc_runtime.transport.host.segments import CONTROL_BYTES, Segments
 from odc_runtime.transport.host.worker import AsyncWorker
-from odc_runtime.transport.wait import wait_for
+from odc_runtime.transport.wait import Backoff, wait_for
 
 log = logging.getLogger("odc_runtime.transport.host")
 
@@ -461,8 +461,10 @@ class HostTransport(Transport):
         arrived: Callable[[int], bool],
         watch: Callable[[int], None],
         what: str = "",
+        backoff: Backoff | None = None,
     ) -> None:
-        """Wait until ``arrived(p)`` for every rank ``p`` in ``waiting``. Every liveness period a dead or failed
+        """Wait until ``arrived(p)`` for every rank ``p`` in ``waiting`` (polled with ``backoff``, default
+        ``wait.Backoff()``). Every liveness period a dead or failed
         waited-for rank raises OdcPeerLostError and ``watch(p)`` may raise a crossed-collective error; past
         ``timeout`` OdcTimeoutError names the missing ranks (``what`` is appended). Any of these marks the
         transport failed."""
@@ -482,7 +484,7 @@ class HostTransport(Transport):
 
         try:
             wait_for(
-                waiting, arrived, timeout=self.timeout, check=check,
+                waiting, arrived, timeout=self.timeout, check=check, backoff=backoff,
                 on_timeout=lambda missing, waited: OdcTimeoutError(
                     self._describe_missing(op, missing, lost=[], waited=waited) + what
                 ),

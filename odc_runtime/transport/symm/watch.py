@@ -8,8 +8,13 @@ completion. An entry is *finished* exactly once, under the watchdog's lock, by w
 (the kernel completed, or an error) or the caller (it saw the kernel complete). On an error the thread finishes the
 entry with it and records the transport's failure *before* it raises the abort word, so a caller that finishes an
 entry itself knows its kernel was not released by an abort. The thread never waits for a caller, and a caller
-waits only for an entry to be finished, which the thread guarantees within the deadline plus one liveness
-period: no cycle, so no deadlock.
+waits only for an entry to be finished, which the thread guarantees within the deadline plus ``GRACE_S`` plus one
+liveness period: no cycle, so no deadlock.
+
+The thread is lazy, because it shares the GIL with the training loop: it looks at an entry ``GRACE_S`` after it
+was armed (most waiting kernels have completed by then and their caller finished them), and then polls at most
+every millisecond, backing off to ``POLL_CAP_S``. An arm wakes it only when it is idle; a finish never does. So
+a loop of syncs costs the thread about one wake per grace period, and no spin competes with the caller.
 """
 
 from __future__ import annotations
@@ -23,11 +28,15 @@ from typing import TYPE_CHECKING, Any
 
 from odc_runtime.errors import OdcError
 from odc_runtime.transport.base import as_failure
+from odc_runtime.transport.wait import Backoff
 
 if TYPE_CHECKING:
     from odc_runtime.transport.symm.transport import SymmTransport
 
 log = logging.getLogger("odc_runtime.transport.symm")
+
+GRACE_S = 0.02  # an entry is first looked at this long after it was armed
+POLL_STEP_S, POLL_CAP_S = 1e-3, 0.05  # then polled every step x round seconds, at most every cap
 
 
 class Entry:
@@ -53,43 +62,51 @@ class Watchdog:
 
     def __init__(self, transport: SymmTransport) -> None:
         self._transport = weakref.ref(transport)
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._work = threading.Condition(lock)  # the thread waits here while idle (an arm or a stop wakes it)
+        self._done = threading.Condition(lock)  # callers wait here for an entry to be finished
+        self._stopping = threading.Event()  # cuts the thread's grace wait short
         self._queue: deque[Entry] = deque()
+        self._idle = False
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="odc-symm-watchdog", daemon=True)
         self._thread.start()
 
     def arm(self, entry: Entry) -> None:
         """Watch ``entry`` from now on (its kernel is launched, or about to be)."""
-        with self._cond:
+        with self._work:
+            while self._queue and self._queue[0].finished:
+                self._queue.popleft()  # finished while the thread slept (the thread drops only its own entry)
             self._queue.append(entry)
-            self._cond.notify_all()
+            if self._idle:
+                self._work.notify()
 
     def finish(self, entry: Entry, error: BaseException | None = None) -> bool:
         """Finish ``entry`` (with ``error``) unless it already is; whether this call finished it."""
-        with self._cond:
+        with self._done:
             if entry.finished:
                 return False
             entry.finished, entry.error = True, error
-            self._cond.notify_all()
+            self._done.notify_all()
             return True
 
     def wait_finished(self, entry: Entry, poll: Callable[[], bool] | None = None) -> None:
         """Block until ``entry`` is finished. ``poll`` (GPU: the event query) may finish it from here first; the
         thread finishes it by the deadline in any case."""
-        with self._cond:
+        with self._done:
             while not entry.finished:
                 if poll is not None and poll():
                     entry.finished = True
-                    self._cond.notify_all()
+                    self._done.notify_all()
                     return
-                self._cond.wait(50e-6 if poll is not None else 0.1)
+                self._done.wait(50e-6 if poll is not None else 0.1)
 
     def stop(self) -> None:
         """Stop the thread once the entries armed before are finished (finalize)."""
-        with self._cond:
+        with self._work:
             self._stopped = True
-            self._cond.notify_all()
+            self._stopping.set()
+            self._work.notify_all()
 
     @property
     def thread(self) -> threading.Thread:
@@ -98,11 +115,19 @@ class Watchdog:
     def _loop(self) -> None:
         device = None
         while True:
-            with self._cond:
+            with self._work:
                 while not self._queue and not self._stopped:
-                    self._cond.wait()
+                    self._idle = True
+                    self._work.wait()
+                self._idle = False
                 if not self._queue:
                     return
+            self._stopping.wait(GRACE_S)  # most entries are finished by their caller meanwhile
+            with self._work:
+                while self._queue and self._queue[0].finished:
+                    self._queue.popleft()
+                if not self._queue:
+                    continue
                 entry = self._queue[0]
             transport = self._transport()
             if transport is None:
@@ -113,8 +138,9 @@ class Watchdog:
                 device = transport.device
                 torch.cuda.set_device(device)  # event queries and the abort's side stream on the transport's GPU
             self._watch(transport, entry)
-            with self._cond:
-                self._queue.popleft()
+            with self._work:
+                if self._queue and self._queue[0] is entry:  # an arm may have dropped it once finished
+                    self._queue.popleft()
             del transport
 
     def _watch(self, transport: SymmTransport, entry: Entry) -> None:
@@ -124,7 +150,8 @@ class Watchdog:
             return entry.finished or entry.complete() or (arrived is not None and arrived(p))
 
         try:
-            transport._wait_for_peers(entry.op, entry.peers or [transport.rank], done, entry.watch, entry.what)
+            transport._wait_for_peers(entry.op, entry.peers or [transport.rank], done, entry.watch, entry.what,
+                                      backoff=Backoff(spins=0, step=POLL_STEP_S, cap=POLL_CAP_S))
         except BaseException as e:  # a typed OdcError, or anything unexpected: the kernel must not spin on
             if self.finish(entry, e):
                 if transport.failure is None:
