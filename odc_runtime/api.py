@@ -87,7 +87,8 @@ def init(
 
     Args:
         backend: a name from the transport registry (``odc_runtime.transport.names()``): ``"host"`` (CPU shared
-            memory, ranks on one machine), ``"symm"`` (GPUs of one node, Triton over PyTorch SymmetricMemory),
+            memory, ranks on one machine), ``"symm"`` (GPUs of one node, Triton over PyTorch SymmetricMemory, or CUDA
+            IPC where ranks share a GPU),
             ``"nvshmem"`` (GPUs, across nodes), ``"symm-cpu"`` (the symm kernels on CPU ranks); or ``None`` to take
             ``ODC_BACKEND``, else the rule of `odc_runtime.transport.choose`: ``nvshmem`` where its extension
             is built and works on every rank, else (one node) ``symm`` on GPUs, else ``host``; across nodes
