@@ -56,6 +56,12 @@ with testing.stubbed_triton_launches() as launched:
     push((1, 1), table, desc, 1.0, 1.0, 0.25, **constexprs)
     bound_push(0.25)
     out["bound_push"] = [list(push.launches), launched[-1] == launched[-2], launched[-1][13]]
+    # a repeated value reuses the launch's arguments; a new one (the sign of a zero included) replaces them
+    values = []
+    for scale in (0.25, 0.5, 0.5, -0.0, 0.0, 0.0, -0.0, 0.25):
+        bound_push(scale)
+        values.append(repr(launched[-1][13]))
+    out["bound_values"] = values
     try:
         push.bind((1, 1), (table, desc, 1.0, 1.0), (1,), **constexprs)
     except TypeError:
@@ -103,9 +109,10 @@ def test_cached_runner_after_the_first_launch_of_each_signature() -> None:
     assert out["bound"] == [[3, 5], True]  # the runner twice (cached call, bound launch), with the same arguments
     assert out["unbound"]
     assert out["bound_push"] == [[1, 2], True, 0.25] and out["late_int"] == "TypeError"
+    assert out["bound_values"] == ["0.25", "0.5", "0.5", "-0.0", "0.0", "0.0", "-0.0", "0.25"]
     binder, runner = out["barrier"]
     assert binder + runner == 40 and binder <= 4, out["barrier"]  # epoch 1 / multiples of 16 / others, i32
-    assert out["hooked"] == [[5, 5], [2, 2], True]  # every launch through Triton's path, where hooks run
+    assert out["hooked"] == [[5, 5], [2, 10], True]  # every launch through Triton's path, where hooks run
     assert out["unhooked"] == [5, 6]
 
 
