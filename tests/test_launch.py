@@ -169,6 +169,18 @@ with testing.stubbed_triton_launches() as launched:
     out["aligned"] = aligned
     plan = next(p for p in st._plans.plans() if p.kind == "push")
     out["kept"] = [sorted(plan._launches) == sorted(plan._descs), len(plan._launches)]
+    # a failed transport: the bound launches are not used (the generic path raises the failure), nothing launched
+    fetch_plan = next(p for p in st._plans.plans() if p.kind == "fetch")
+    transport.fail(odc.OdcBackendError("failed on purpose"))
+    count = len(launched), launched[-1]
+    refused = []
+    for run in (lambda: fetch_plan.run(dsts[-1]), lambda: plan.run(grads[-1], 0.5)):
+        try:
+            run()
+            refused.append("ran")
+        except odc.OdcError as e:
+            refused.append(type(e).__name__)
+    out["refused"] = [*refused, (len(launched), launched[-1]) == count]
     testing.uninstall()
     transport.finalize()
 dist.destroy_process_group()
@@ -190,3 +202,4 @@ def test_plans_bind_their_launch_per_caller_tensor() -> None:
     assert [n for _, n in out["fetch"]][1:] == [1] * 17 and [n for _, n, _ in out["push"]][1:] == [1] * 17
     assert out["kept"] == [True, 4]
     assert out["aligned"] == [False, False, True]  # a caller tensor 4 bytes off: the scalar variant
+    assert out["refused"] == ["OdcBackendError", "OdcBackendError", True]
