@@ -419,6 +419,7 @@ def _issue(
 # and the counters updated once the call returned, on each path (a wrapper function cost more than the counting).
 _COUNTS = telemetry.counts
 _PROFILER = telemetry.profiling()
+_TINY, _MAX = checks.FP32_TINY, checks.FP32_MAX
 
 
 def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool = False) -> torch.Tensor | Handle:
@@ -496,8 +497,12 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
             plan = st._plans.get(key)
             if plan is not None:  # plans take contiguous tensors of any shape (see below)
                 src = grad if key[CONTIGUOUS] else grad.detach().contiguous()  # type: ignore[index]
-                # the scale can change from call to call: checked every time, before any remote effect
-                value = checks.scale_value(scale)
+                # the scale can change from call to call: checked every time, before any remote effect (inline:
+                # checks.scale_value's common case, a float that fp32 represents as non-zero)
+                if type(scale) is float and (_TINY <= scale <= _MAX or -_MAX <= scale <= -_TINY):
+                    value = scale
+                else:
+                    value = checks.check_scale("push", scale)
                 if async_op:
                     result = Handle(plan.run(src, value, async_op=True), None)  # type: ignore[arg-type]
                 else:
