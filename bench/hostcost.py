@@ -12,8 +12,9 @@ a bare ``out.copy_(src)`` of the same 4 KiB, measured side by side in one proces
   time). Shown where triton is installed.
 
 The third table is what ``odc.stats()``'s counters and the profiler check (``odc_runtime.telemetry``) cost per call:
-``odc.fetch`` / ``odc.push`` against the same API functions without their telemetry wrapper (``api.fetch.__wrapped__``),
-interleaved in the same runs, next to the interquartile range of the call's runs (its run-to-run noise).
+``odc.fetch`` / ``odc.push`` against the same API functions compiled again from their source without their telemetry
+statements (``_without_telemetry``: they are inline), interleaved in the same runs, next to the interquartile range
+of the call's runs (its run-to-run noise).
 
 * ``sync per call``: ``odc.sync()`` on the host transport at world size 1 with ``ODC_DEBUG`` off and on: what the
   debug mode's fingerprint (the caller's frame walk) and its extra exchange round cost the host per collective call,
@@ -73,12 +74,49 @@ def _measure(ops: dict[str, Callable[[], object]], runs: int, calls: int) -> dic
     return result
 
 
-def _ops(odc: object, st: object, out: object, grad: object, src: object) -> dict[str, Callable]:
-    """The timed calls: bare copy_ (the reference), fetch into a preallocated buffer, push; and both without the
-    telemetry wrapper (counters and profiler check, ``odc_runtime.telemetry``)."""
+def _without_telemetry(fn: Callable) -> Callable:
+    """``fn`` (``api.fetch`` / ``api.push``) compiled again from its source without its telemetry, for the third
+    table: the ``try`` that holds the profiler range unwrapped to its body, and the ``ranged = ...`` line and the
+    counter updates (``_COUNTS.<field> += ...``) dropped; the same code otherwise, in ``api``'s globals."""
+    import ast
+    import inspect
+    import textwrap
+
     from odc_runtime import api
 
-    fetch, push = api.fetch.__wrapped__, api.push.__wrapped__
+    func = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    assert isinstance(func, ast.FunctionDef)
+    counters = 0
+
+    class Strip(ast.NodeTransformer):
+        def visit_AugAssign(self, node: ast.AugAssign) -> ast.AST | None:
+            nonlocal counters
+            owner = getattr(node.target, "value", None)
+            if isinstance(node.target, ast.Attribute) and isinstance(owner, ast.Name) and owner.id == "_COUNTS":
+                counters += 1
+                return None
+            return node
+
+    docstring, ranged, held = func.body
+    if not (isinstance(ranged, ast.Assign) and isinstance(held, ast.Try) and held.finalbody):
+        raise RuntimeError(f"hostcost: api.{fn.__name__} no longer has the shape this bench strips (docstring, "
+                           "`ranged = ...`, try/finally): update _without_telemetry")
+    func.body = [docstring, *held.body]
+    func.decorator_list = []
+    Strip().visit(func)
+    if counters != 4:  # two counters, on the fast path and on the checked path
+        raise RuntimeError(f"hostcost: found {counters} counter updates in api.{fn.__name__}, expected 4")
+    namespace = dict(vars(api))
+    exec(compile(ast.fix_missing_locations(ast.Module([func], type_ignores=[])), api.__file__, "exec"), namespace)
+    return namespace[fn.__name__]
+
+
+def _ops(odc: object, st: object, out: object, grad: object, src: object) -> dict[str, Callable]:
+    """The timed calls: bare copy_ (the reference), fetch into a preallocated buffer, push; and both without their
+    telemetry (counters and profiler check, ``odc_runtime.telemetry``)."""
+    from odc_runtime import api
+
+    fetch, push = _without_telemetry(api.fetch), _without_telemetry(api.push)
     return {
         "copy_": lambda: out.copy_(src),  # type: ignore[attr-defined]
         "fetch": lambda: odc.fetch(st, out=out),  # type: ignore[attr-defined]
@@ -424,8 +462,8 @@ def main() -> None:
             "transport": "as in the first table",
             "call": "odc.fetch(st, out=out) / odc.push(st, grad), 4 KiB, as in the first table",
             "us": "host microseconds per call (median of runs), counters and profiler check included",
-            "no telemetry us": "the same API function without its telemetry wrapper (api.fetch.__wrapped__), "
-                               "interleaved in the same runs",
+            "no telemetry us": "the same API function compiled without its telemetry statements (the profiler "
+                               "range's try/finally, the counter updates), interleaved in the same runs",
             "telemetry us": "the difference: what odc.stats()'s counters and the profiler-range check cost per call",
             "spread us": "interquartile range over the runs of the call itself: the run-to-run noise",
         },

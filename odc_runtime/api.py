@@ -416,52 +416,69 @@ def _issue(
 # Python call costs about a tenth of a 4 KiB copy. A plan is taken only from a ShardedTensor of the live runtime
 # (its generation) in the process that owns it, under a key that an earlier call passed every check with
 # (odc_runtime.plans); the PlanCache refuses plans of freed buffers. Anything else takes the checked path.
-@telemetry.counted_fetch  # counters and the profiler range (odc_runtime.telemetry)
+# Telemetry (odc_runtime.telemetry) is inline too: the profiler range over the whole call while a profiler records,
+# and the counters updated once the call returned, on each path (a wrapper function cost more than the counting).
+_COUNTS = telemetry.counts
+_PROFILER = telemetry.profiling()
+_TINY, _MAX = checks.FP32_TINY, checks.FP32_MAX
+
+
 def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool = False) -> torch.Tensor | Handle:
     """Gather the full tensor (original shape) by reading every owner's shard; the owners do nothing.
 
     ``out`` (optional) must have ``st``'s shape and dtype, live on the transport's device and be contiguous.
     Returns the tensor, or a ``Handle`` whose ``wait()`` returns it when ``async_op=True``.
     """
-    runtime = state.current
-    if (
-        runtime is not None and type(st) is ShardedTensor and not state.in_forked_child
-        and st._generation == runtime.generation
-    ):
-        transport = runtime.transport
-        if out is None:
-            plan = st._plans.get(output_key("fetch", transport.stream_key()))
+    ranged = _PROFILER._is_profiler_enabled and telemetry.open_range("odc.fetch")
+    try:
+        runtime = state.current
+        if (
+            runtime is not None and type(st) is ShardedTensor and not state.in_forked_child
+            and st._generation == runtime.generation
+        ):
+            transport = runtime.transport
+            if out is None:
+                plan = st._plans.get(output_key("fetch", transport.stream_key()))
+                if plan is not None:
+                    out = torch.empty(st.shape, dtype=st.dtype, device=transport.device)
+            elif isinstance(out, torch.Tensor):
+                # a cached key says out is contiguous (only such keys are cached)
+                plan = st._plans.get(tensor_key("fetch", out, transport.stream_key()))
+            else:
+                plan = None
             if plan is not None:
-                out = torch.empty(st.shape, dtype=st.dtype, device=transport.device)
-        elif isinstance(out, torch.Tensor):
-            # a cached key says out is contiguous (only such keys are cached)
-            plan = st._plans.get(tensor_key("fetch", out, transport.stream_key()))
+                if async_op:
+                    result = Handle(plan.run(out, 1.0, async_op=True), out)  # type: ignore[arg-type]
+                else:
+                    plan.run(out, 1.0)  # type: ignore[arg-type]
+                    result = out
+                _COUNTS.fetches += 1
+                _COUNTS.fetch_bytes += st.nbytes
+                return result  # type: ignore[return-value]
+        runtime = _check_st(st, "fetch")
+        transport = runtime.transport
+        device = transport.device
+        if out is None:
+            key = output_key("fetch", transport.stream_key())
+            out = torch.empty(st.shape, dtype=st.dtype, device=device)
         else:
-            plan = None
-        if plan is not None:
-            if async_op:
-                return Handle(plan.run(out, 1.0, async_op=True), out)  # type: ignore[arg-type]
-            plan.run(out, 1.0)
-            return out  # type: ignore[return-value]
-    runtime = _check_st(st, "fetch")
-    transport = runtime.transport
-    device = transport.device
-    if out is None:
-        key = output_key("fetch", transport.stream_key())
-        out = torch.empty(st.shape, dtype=st.dtype, device=device)
-    else:
-        checks.check_tensor("fetch(out=...)", out, st, device, (st.dtype,))
-        if not out.is_contiguous():
-            raise OdcUsageError("odc_runtime.fetch(out=...): out must be contiguous")
-        if out.requires_grad:
-            raise OdcUsageError("odc_runtime.fetch(out=...): out must not require grad (pass a detached tensor)")
-        key = tensor_key("fetch", out, transport.stream_key())
-    plan = _make_plan(runtime, st, "fetch")
-    st._plans.put(key, plan)
-    return _issue(plan, out, 1.0, async_op, out)  # type: ignore[return-value]
+            checks.check_tensor("fetch(out=...)", out, st, device, (st.dtype,))
+            if not out.is_contiguous():
+                raise OdcUsageError("odc_runtime.fetch(out=...): out must be contiguous")
+            if out.requires_grad:
+                raise OdcUsageError("odc_runtime.fetch(out=...): out must not require grad (pass a detached tensor)")
+            key = tensor_key("fetch", out, transport.stream_key())
+        plan = _make_plan(runtime, st, "fetch")
+        st._plans.put(key, plan)
+        result = _issue(plan, out, 1.0, async_op, out)
+        _COUNTS.fetches += 1
+        _COUNTS.fetch_bytes += st.nbytes
+        return result  # type: ignore[return-value]
+    finally:
+        if ranged:
+            telemetry.close_range(ranged)
 
 
-@telemetry.counted_push
 def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op: bool = False) -> Handle | None:
     """Add ``grad.flatten()[range_r] * scale`` into every owner r's accumulator; the owners do nothing.
 
@@ -470,37 +487,54 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
     is visible in the owners' ``st.grad`` after the next ``sync``. With ``async_op=True`` do not modify
     ``grad`` until the returned handle's ``wait()`` returned.
     """
-    runtime = state.current
-    if (
-        runtime is not None and type(st) is ShardedTensor and not state.in_forked_child
-        and st._generation == runtime.generation and isinstance(grad, torch.Tensor)
-    ):  # fast path, see fetch
-        key = tensor_key("push", grad, runtime.transport.stream_key())
-        plan = st._plans.get(key)
-        if plan is not None:  # plans take contiguous tensors of any shape (see below)
-            src = grad if key[CONTIGUOUS] else grad.detach().contiguous()  # type: ignore[index]
-            # the scale can change from call to call: checked every time, before any remote effect
-            value = checks.scale_value(scale)
-            if async_op:
-                return Handle(plan.run(src, value, async_op=True), None)  # type: ignore[arg-type]
-            plan.run(src, value)
-            return None
-    runtime = _check_st(st, "push")
-    if st._grad is None:
-        raise OdcUsageError(
-            f"odc_runtime.push: {st.name!r} was sharded with requires_grad=False and has no gradient accumulator"
-        )
-    transport = runtime.transport
-    checks.check_tensor("push(grad)", grad, st, transport.device, PARAM_DTYPES)
-    value = checks.scale_value(scale)
-    key = tensor_key("push", grad, transport.stream_key())
-    plan = _make_plan(runtime, st, "push")
-    st._plans.put(key, plan)
-    # Not reshape(-1): it returns a *view* of a tensor whose strides collapse to one (big[::2], an expand, a 2-D
-    # view of a strided 1-D one), and a pointer-based plan (symm, nvshmem) reads numel consecutive elements from
-    # its address. contiguous() copies exactly the tensors is_contiguous() rejects, the check the plan key makes.
-    src = grad if grad.is_contiguous() else grad.detach().contiguous()
-    return _issue(plan, src, value, async_op, None)  # type: ignore[return-value]
+    ranged = _PROFILER._is_profiler_enabled and telemetry.open_range("odc.push")
+    try:
+        runtime = state.current
+        if (
+            runtime is not None and type(st) is ShardedTensor and not state.in_forked_child
+            and st._generation == runtime.generation and isinstance(grad, torch.Tensor)
+        ):  # fast path, see fetch
+            key = tensor_key("push", grad, runtime.transport.stream_key())
+            plan = st._plans.get(key)
+            if plan is not None:  # plans take contiguous tensors of any shape (see below)
+                src = grad if key[CONTIGUOUS] else grad.detach().contiguous()  # type: ignore[index]
+                # the scale can change from call to call: checked every time, before any remote effect (inline:
+                # checks.scale_value's common case, a float that fp32 represents as non-zero)
+                if type(scale) is float and (_TINY <= scale <= _MAX or -_MAX <= scale <= -_TINY):
+                    value = scale
+                else:
+                    value = checks.check_scale("push", scale)
+                if async_op:
+                    result = Handle(plan.run(src, value, async_op=True), None)  # type: ignore[arg-type]
+                else:
+                    plan.run(src, value)
+                    result = None
+                _COUNTS.pushes += 1
+                _COUNTS.push_bytes += grad.nbytes
+                return result
+        runtime = _check_st(st, "push")
+        if st._grad is None:
+            raise OdcUsageError(
+                f"odc_runtime.push: {st.name!r} was sharded with requires_grad=False and has no gradient accumulator"
+            )
+        transport = runtime.transport
+        checks.check_tensor("push(grad)", grad, st, transport.device, PARAM_DTYPES)
+        value = checks.scale_value(scale)
+        key = tensor_key("push", grad, transport.stream_key())
+        plan = _make_plan(runtime, st, "push")
+        st._plans.put(key, plan)
+        # Not reshape(-1): it returns a *view* of a tensor whose strides collapse to one (big[::2], an expand, a 2-D
+        # view of a strided 1-D one), and a pointer-based plan (symm, nvshmem) reads numel consecutive elements
+        # from its address. contiguous() copies exactly the tensors is_contiguous() rejects, the check the plan key
+        # makes.
+        src = grad if grad.is_contiguous() else grad.detach().contiguous()
+        result = _issue(plan, src, value, async_op, None)
+        _COUNTS.pushes += 1
+        _COUNTS.push_bytes += grad.nbytes
+        return result  # type: ignore[return-value]
+    finally:
+        if ranged:
+            telemetry.close_range(ranged)
 
 
 @telemetry.counted_sync

@@ -20,9 +20,9 @@ from odc_runtime.errors import OdcMismatchError, OdcUsageError
 if TYPE_CHECKING:
     from odc_runtime.sharded import ShardedTensor
 
-_FP32_MAX = torch.finfo(torch.float32).max
+FP32_MAX = torch.finfo(torch.float32).max
 _FP32 = struct.Struct("f")
-_FP32_TINY = 2.0**-149  # the smallest fp32 subnormal: any |scale| at least this is non-zero in fp32
+FP32_TINY = 2.0**-149  # the smallest fp32 subnormal: any |scale| at least this is non-zero in fp32
 
 
 def group_ranks(what: str, group: object, world: int, rank: int) -> tuple[int, ...] | None:
@@ -84,9 +84,9 @@ def check_scale(what: str, scale: object) -> float:
         raise OdcUsageError(f"odc_runtime.{what}: scale must be a finite real number, got {scale!r}") from None
     if not math.isfinite(value):
         raise OdcUsageError(f"odc_runtime.{what}: scale must be a finite real number, got {scale!r}")
-    if abs(value) > _FP32_MAX:
+    if abs(value) > FP32_MAX:
         raise OdcUsageError(
-            f"odc_runtime.{what}: scale {scale!r} overflows float32 (max {_FP32_MAX:.4g}); gradients accumulate in "
+            f"odc_runtime.{what}: scale {scale!r} overflows float32 (max {FP32_MAX:.4g}); gradients accumulate in "
             "float32, so every push would add inf"
         )
     if value != 0.0 and _FP32.unpack(_FP32.pack(value))[0] == 0.0:
@@ -117,8 +117,9 @@ def check_tensor(what: str, t: object, st: ShardedTensor, device: torch.device, 
 
 
 def scale_value(scale: object) -> float:
-    """``check_scale`` with a shortcut for the common case (a float that fp32 represents as non-zero)."""
-    if type(scale) is float and _FP32_TINY <= abs(scale) <= _FP32_MAX:
+    """``check_scale`` with a shortcut for the common case (a float that fp32 represents as non-zero; the push
+    fast path of ``odc_runtime.api`` writes the same test out inline)."""
+    if type(scale) is float and (FP32_TINY <= scale <= FP32_MAX or -FP32_MAX <= scale <= -FP32_TINY):
         return scale
     return check_scale("push", scale)
 

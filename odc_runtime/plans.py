@@ -1,7 +1,7 @@
 """The per-call fast path of ``fetch`` / ``push``: plan keys and the per-tensor plan cache.
 
 The first fetch/push of a ShardedTensor with a given ``PlanKey`` (tensor type, shape, dtype, device, layout,
-contiguity, requires_grad, transport stream key) runs every check and builds a
+contiguity, requires_grad (fetch only: a push accepts either), transport stream key) runs every check and builds a
 ``TransferPlan`` (which peer gets which slice, plus whatever the transport
 precomputes: peer pointers, kernel arguments). Later calls with the same key skip straight to ``plan.run()``. A
 key that was rejected is never cached, so every rejected call takes the checked path and raises there. A plan is
@@ -21,7 +21,9 @@ PLAN_CACHE_SIZE = 8  # plans per ShardedTensor (keys differ only by dtype and st
 
 
 class PlanKey(NamedTuple):
-    """What a cached plan was validated for. ``tensor_type`` is ``None`` for a fetch that allocates its output.
+    """What a cached plan was validated for. ``tensor_type`` is ``None`` for a fetch that allocates its output;
+    ``requires_grad`` is ``False`` in every push key (the checked path accepts a gradient either way, and a push's
+    plan does not depend on it: one plan serves both).
 
     The fast path builds keys as plain tuples in this field order (``tensor_key``, ``output_key``): they
     hash and compare equal to the named tuple, and skip its constructor, a third of the per-call cost."""
@@ -59,6 +61,8 @@ def tensor_key(op: str, t: torch.Tensor, stream: object) -> tuple | None:
     """``PlanKey.for_tensor`` as a plain tuple (``key[CONTIGUOUS]`` is the contiguity)."""
     if t.layout is not _STRIDED or t.is_nested:
         return None  # the checked path refuses these; some have no shape or is_contiguous()
+    if op == "push":  # a push takes a gradient whether it requires grad or not, through the same plan
+        return (op, type(t), t.shape, t.dtype, t.device, t.is_contiguous(), False, stream)
     return (op, type(t), t.shape, t.dtype, t.device, t.is_contiguous(), t.requires_grad, stream)
 
 

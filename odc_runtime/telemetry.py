@@ -2,8 +2,9 @@
 
 * **Counters** (``stats``, also ``odc_runtime.stats``): calls of ``fetch``, ``push`` and ``sync`` that
   returned, the bytes they moved, the host seconds spent in ``sync`` and the minibatches ended, since ``init`` (or the
-  last ``stats(reset=True)``). Counted on the calling thread by the wrappers below, with no collective and no lock:
-  two attribute adds per call (``bench/hostcost.py`` measures what they cost). Unlocked, so two threads calling at
+  last ``stats(reset=True)``). Counted on the calling thread by the core API (``fetch``, ``push``: inline, see
+  ``counts``; ``sync``: its wrapper below), with no collective and no lock: two attribute adds per call
+  (``bench/hostcost.py`` measures what they cost). Unlocked, so two threads calling at
   the same instant could lose a count; ODC's own callers (FSDP's hooks included: autograd's device thread runs
   while the trainer's thread waits in ``backward``) call from one thread at a time.
 * **Profiler ranges.** While a ``torch.profiler`` records, every ``fetch``, ``push`` and ``sync`` runs inside a
@@ -68,7 +69,10 @@ class _Counters:
         return {name: getattr(self, name) for name in FIELDS}
 
 
-_counts = _Counters()
+#: This rank's counters. ``fetch`` and ``push`` update them in place on their way out (two slot adds, written out in
+#: ``odc_runtime.api``: a wrapper's extra call cost more than the counting itself). Cleared in place, never
+#: replaced, so a reference taken at import stays the live one.
+counts = _Counters()
 _open: list[Minibatch] = []  # this rank's open minibatches (normally 0 or 1): each sync adds its interval to them
 _trace: TraceWriter | None = None
 _run = ""  # this rank's run id in the trace (init time and process)
@@ -87,64 +91,42 @@ def stats(reset: bool = False) -> dict[str, int | float]:
     """
     if not isinstance(reset, bool):
         raise OdcUsageError(f"odc_runtime.stats(): reset must be a bool, got {reset!r}")
-    figures = _counts.snapshot()
+    figures = counts.snapshot()
     if reset:
-        _counts.clear()
+        counts.clear()
         for window in _open:  # an open minibatch keeps measuring from the new zero
-            window._base = _counts.snapshot()
+            window._base = counts.snapshot()
     return figures
 
 
-# -- the wrappers of the core API (odc_runtime.api applies them; the counting happens after the call returned) --
+# -- the core API's telemetry (odc_runtime.api; the counting happens after the call returned) ---------------------
 def _profiler() -> tuple[Any, Callable[[str], AbstractContextManager]]:
     from torch.autograd import profiler  # api imports torch anyway; this module stays importable without it
 
     return profiler, profiler.record_function
 
 
-def counted_fetch(fn: Callable) -> Callable:
-    """Wrap ``api.fetch``: the ``odc.fetch`` range while a profiler records; count it once it returned."""
-    profiler, record_function = _profiler()
-    counts = _counts
-
-    @functools.wraps(fn)
-    def fetch(st, out=None, *, async_op=False):  # noqa: ANN001, ANN202  (api.fetch's signature, checked by a test)
-        if profiler._is_profiler_enabled:
-            with record_function("odc.fetch"):
-                result = fn(st, out, async_op=async_op)
-        else:
-            result = fn(st, out, async_op=async_op)
-        counts.fetches += 1
-        counts.fetch_bytes += st.nbytes
-        return result
-
-    return fetch
+def profiling() -> Any:
+    """The ``torch.autograd.profiler`` module: ``profiling()._is_profiler_enabled`` says whether a profiler records
+    (the one flag the core API reads per call)."""
+    return _profiler()[0]
 
 
-def counted_push(fn: Callable) -> Callable:
-    """Wrap ``api.push``: the ``odc.push`` range while a profiler records; count it once it returned."""
-    profiler, record_function = _profiler()
-    counts = _counts
+def open_range(name: str) -> AbstractContextManager:
+    """The ``record_function`` range ``name``, entered: for a function that holds it over its whole body
+    (``try: ... finally: close_range(r)``) instead of a ``with`` around a call of another function."""
+    return _profiler()[1](name).__enter__()
 
-    @functools.wraps(fn)
-    def push(st, grad, *, scale=1.0, async_op=False):  # noqa: ANN001, ANN202  (api.push's signature)
-        if profiler._is_profiler_enabled:
-            with record_function("odc.push"):
-                result = fn(st, grad, scale=scale, async_op=async_op)
-        else:
-            result = fn(st, grad, scale=scale, async_op=async_op)
-        counts.pushes += 1
-        counts.push_bytes += grad.nbytes
-        return result
 
-    return push
+def close_range(opened: AbstractContextManager) -> None:
+    """Close a range of ``open_range``."""
+    opened.__exit__(None, None, None)
 
 
 def counted_sync(fn: Callable) -> Callable:
     """Wrap ``api.sync``: the ``odc.sync`` range while a profiler records; its host time counted as waiting (in
     the counters and in every open minibatch) once it returned."""
     profiler, record_function = _profiler()
-    counts = _counts
 
     @functools.wraps(fn)
     def sync(*args: Any, **kwargs: Any) -> None:
@@ -188,7 +170,7 @@ def start(rank: int, trace_dir: str | None) -> None:
     """A runtime started on this rank: zero the counters, forget open minibatches, open the trace if asked."""
     global _trace, _run, _next_index
     stop()
-    _counts.clear()
+    counts.clear()
     _open.clear()
     _next_index = 0
     _run = f"{time.time():.6f}-{os.getpid()}"
@@ -213,7 +195,7 @@ class Minibatch:
         self.label = label
         self.start = time.time()
         self.waits: list[tuple[float, float, str]] = []
-        self._base = _counts.snapshot()
+        self._base = counts.snapshot()
 
 
 def begin_minibatch(label: str | None = None) -> Minibatch:
@@ -242,8 +224,8 @@ def end_minibatch(window: Minibatch, micro_batches: int) -> dict[str, Any]:
         raise OdcUsageError(f"odc_runtime.telemetry.end_minibatch(): micro_batches must be an int >= 0, "
                             f"got {micro_batches!r}")
     _open.remove(window)
-    _counts.minibatches += 1
-    now = _counts.snapshot()
+    counts.minibatches += 1
+    now = counts.snapshot()
     delta = {k: now[k] - window._base[k] for k in ("fetches", "pushes", "syncs", "fetch_bytes", "push_bytes",
                                                     "sync_wait_s")}
     record = make_record(

@@ -56,6 +56,12 @@ with testing.stubbed_triton_launches() as launched:
     push((1, 1), table, desc, 1.0, 1.0, 0.25, **constexprs)
     bound_push(0.25)
     out["bound_push"] = [list(push.launches), launched[-1] == launched[-2], launched[-1][13]]
+    # a repeated value reuses the launch's arguments; a new one (the sign of a zero included) replaces them
+    values = []
+    for scale in (0.25, 0.5, 0.5, -0.0, 0.0, 0.0, -0.0, 0.25):
+        bound_push(scale)
+        values.append(repr(launched[-1][13]))
+    out["bound_values"] = values
     try:
         push.bind((1, 1), (table, desc, 1.0, 1.0), (1,), **constexprs)
     except TypeError:
@@ -103,9 +109,10 @@ def test_cached_runner_after_the_first_launch_of_each_signature() -> None:
     assert out["bound"] == [[3, 5], True]  # the runner twice (cached call, bound launch), with the same arguments
     assert out["unbound"]
     assert out["bound_push"] == [[1, 2], True, 0.25] and out["late_int"] == "TypeError"
+    assert out["bound_values"] == ["0.25", "0.5", "0.5", "-0.0", "0.0", "0.0", "-0.0", "0.25"]
     binder, runner = out["barrier"]
     assert binder + runner == 40 and binder <= 4, out["barrier"]  # epoch 1 / multiples of 16 / others, i32
-    assert out["hooked"] == [[5, 5], [2, 2], True]  # every launch through Triton's path, where hooks run
+    assert out["hooked"] == [[5, 5], [2, 10], True]  # every launch through Triton's path, where hooks run
     assert out["unhooked"] == [5, 6]
 
 
@@ -162,6 +169,18 @@ with testing.stubbed_triton_launches() as launched:
     out["aligned"] = aligned
     plan = next(p for p in st._plans.plans() if p.kind == "push")
     out["kept"] = [sorted(plan._launches) == sorted(plan._descs), len(plan._launches)]
+    # a failed transport: the bound launches are not used (the generic path raises the failure), nothing launched
+    fetch_plan = next(p for p in st._plans.plans() if p.kind == "fetch")
+    transport.fail(odc.OdcBackendError("failed on purpose"))
+    count = len(launched), launched[-1]
+    refused = []
+    for run in (lambda: fetch_plan.run(dsts[-1]), lambda: plan.run(grads[-1], 0.5)):
+        try:
+            run()
+            refused.append("ran")
+        except odc.OdcError as e:
+            refused.append(type(e).__name__)
+    out["refused"] = [*refused, (len(launched), launched[-1]) == count]
     testing.uninstall()
     transport.finalize()
 dist.destroy_process_group()
@@ -183,3 +202,4 @@ def test_plans_bind_their_launch_per_caller_tensor() -> None:
     assert [n for _, n in out["fetch"]][1:] == [1] * 17 and [n for _, n, _ in out["push"]][1:] == [1] * 17
     assert out["kept"] == [True, 4]
     assert out["aligned"] == [False, False, True]  # a caller tensor 4 bytes off: the scalar variant
+    assert out["refused"] == ["OdcBackendError", "OdcBackendError", True]

@@ -43,9 +43,10 @@ def _rank_plan_cache(rank: int, world: int) -> None:
     assert built == ["fetch", "fetch"], built  # out=None and out=<fp32 2x5> are two keys
     odc.push(st, torch.ones(2, 5))
     odc.push(st, torch.ones(2, 5), scale=2.0)
+    odc.push(st, torch.ones(2, 5, requires_grad=True))  # a push takes either: same key, same plan
     assert built.count("push") == 1, built
     odc.sync()
-    assert torch.equal(st.grad, torch.full_like(st.grad, 3.0 * world))
+    assert torch.equal(st.grad, torch.full_like(st.grad, 4.0 * world)) and not st.grad.requires_grad
     odc.sync()  # every rank has checked before anyone pushes again
 
     # Invalidated on dtype and shape changes: a new key is validated (and rejected where invalid).
@@ -69,7 +70,7 @@ def _rank_plan_cache(rank: int, world: int) -> None:
             odc.push(st, torch.ones(2, 5), scale=bad)  # type: ignore[arg-type]
     odc.push(st, torch.ones(2, 5), scale=1)  # an int is a valid scale (converted once)
     odc.sync()
-    assert torch.equal(st.grad, torch.full_like(st.grad, 5.0 * world)), st.grad
+    assert torch.equal(st.grad, torch.full_like(st.grad, 6.0 * world)), st.grad
     odc.sync()
 
     # A new stream key (on GPU: another current stream) builds a new plan; the old one stays valid for its key.

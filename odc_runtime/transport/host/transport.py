@@ -203,7 +203,7 @@ class HostTransport(Transport):
 
     def fast_path_ok(self) -> bool:
         """Whether a plan may run on its resolved views: not failed, not finalized, not in a forked child (else
-        it takes the generic path, which raises the right error)."""
+        it takes the generic path, which raises the right error). ``SymmPlan.run``'s steady state inlines it."""
         return self.failure is None and not self._closed and not self.segments.forked
 
     def region(self, buf: SymmetricBuffer, peer: int, offset: int, numel: int) -> torch.Tensor:
