@@ -19,6 +19,8 @@ of the call's runs (its run-to-run noise).
 * ``sync per call``: ``odc.sync()`` on the host transport at world size 1 with ``ODC_DEBUG`` off and on: what the
   debug mode's fingerprint (the caller's frame walk) and its extra exchange round cost the host per collective call,
   without a peer to wait for (with peers the extra round also waits for the slowest one, as the sync itself does).
+  Its symm row: ``odc.sync()`` on the symm row's transport, the barrier launched through its cached runner (the
+  driver's launch stubbed) and handed to the watchdog: what a stream-ordered GPU sync costs the host.
 
 Results are verified before timing (the fetch returns the shard, the push accumulates, the fake plan is called
 with the caller's buffer). Each figure is the median over ``--runs`` runs of ``--calls`` calls, the three
@@ -346,6 +348,14 @@ def _symm_stubbed(runs_: int, calls: int) -> dict[str, float] | None:
                 ]:
                     raise RuntimeError(f"the {kind} launch did not carry its plan's descriptor: {args[:12]}")
             result = _measure(_ops(odc, st, out, grad, src), runs_, calls)
+            # odc.sync(): the world barrier through its cached runner (and, from the second run on, the watchdog
+            # armed per call: symm/watch.py), as a stream-ordered GPU sync pays before the GPU sees the launch
+            barriers = peer.launches()["barrier_kernel"][1]
+            odc.sync()
+            if peer.launches()["barrier_kernel"][1] != barriers + 1:
+                raise RuntimeError(f"the symm sync did not launch its barrier through the cached runner: "
+                                   f"{peer.launches()['barrier_kernel']}")
+            result["sync"] = statistics.median(_per_call_us(odc.sync, calls) for _ in range(runs_))
             # Where the time goes (same runs discipline): the plan (the transport's share) and its bound launch
             # (kernels/launch.py: the compiled runner, which calls the stubbed launcher).
             fetch_launch = plans["fetch"]._launches[out.data_ptr()]  # type: ignore[attr-defined]
@@ -433,11 +443,16 @@ def main() -> None:
         },
         title=f"host cost per call ({args.runs} runs x {args.calls} calls, medians, {args.clock} clock)",
     )
+    nan = float("nan")
+    sync_rows = [["host (world 1)", sync["off"], sync["on"], sync["on"] - sync["off"]]]
+    if "sync" in results.get("symm (triton path, launch stubbed)", {}):
+        sync_rows.append(["symm (triton path, launch stubbed)", results["symm (triton path, launch stubbed)"]["sync"],
+                          nan, nan])
     _common.print_table(
-        ["transport", "sync us", "ODC_DEBUG=1 us", "debug extra us"],
-        [["host (world 1)", sync["off"], sync["on"], sync["on"] - sync["off"]]],
+        ["transport", "sync us", "ODC_DEBUG=1 us", "debug extra us"], sync_rows,
         {
-            "transport": "host: shared memory, world 1 (no peer to wait for)",
+            "transport": "host: shared memory, world 1 (no peer to wait for); symm: world 1, its barrier launched "
+                         "through the cached runner with the driver's launch stubbed (ODC_DEBUG not measured: -)",
             "sync us": "host microseconds per odc.sync() with ODC_DEBUG=0 (median of runs)",
             "ODC_DEBUG=1 us": "the same with ODC_DEBUG=1: the call's fingerprint and its exchange round first",
             "debug extra us": "what ODC_DEBUG=1 adds per sync (and per shard, free, finalize)",
