@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import Callable, Iterator
 
@@ -82,6 +83,7 @@ def init(
     node_size: int | None = None,
     node_slots: int | None = None,
     deterministic: bool | None = None,
+    trace_dir: str | os.PathLike[str] | None = None,
 ) -> None:
     """Start the runtime (collective; call after ``torch.distributed.init_process_group``).
 
@@ -110,6 +112,9 @@ def init(
             a push beyond its tensor's bound makes the next ``sync`` raise OdcOverflowError on every rank
             (``odc_runtime.deterministic``). Host, symm, symm-cpu and nvshmem transports, with or without
             ``node_size`` (int64 staging rows and inboxes); the same on every rank.
+        trace_dir: a directory (created if missing) where this rank appends one JSON line per minibatch to
+            ``rank<r>.jsonl`` (``odc_runtime.telemetry``; read it with ``python -m odc_runtime.report DIR``);
+            default ``ODC_TRACE_DIR``, else no trace. Checked on every rank together.
 
     Raises (on every rank together): OdcUsageError for a bad argument or setting on this rank, OdcMismatchError
     when another rank rejected its arguments or ranks chose different backends, OdcTimeoutError /
@@ -126,10 +131,12 @@ def init(
     except OdcUsageError:
         exchange_timeout = config.DEFAULT_TIMEOUT_S
 
+    traces: list[str | None] = []
+
     def local_checks() -> tuple[str, float, int | None, int | None, bool, bool]:
         if heap_size is not None:
             config.parse_size(heap_size, what="heap_size")
-        telemetry.check_trace_dir()  # ODC_TRACE_DIR: agreed here, so a bad one fails every rank together
+        traces.append(telemetry.check_trace_dir(trace_dir))  # checked here, so a bad one fails every rank together
         nodes = config.node_size(node_size, dist.get_world_size())
         return (_backend_facts(backend), config.resolve_timeout(timeout), nodes, config.node_slots(node_slots),
                 config.deterministic(deterministic), config.debug())
@@ -147,11 +154,11 @@ def init(
     _, resolved_timeout, requested_nodes, slots, exact, checked = results[dist.get_rank()]
     with _blaming_odc_backend(backend):
         _start(name, backend_timeout=resolved_timeout, heap_size=heap_size, requested_nodes=requested_nodes,
-               slots=slots, exact=exact, checked=checked)
+               slots=slots, exact=exact, checked=checked, trace=traces[0])
 
 
 def _start(name: str, *, backend_timeout: float, heap_size: int | str | None, requested_nodes: int | None,
-           slots: int | None, exact: bool, checked: bool) -> None:
+           slots: int | None, exact: bool, checked: bool, trace: str | None) -> None:
     """Create the agreed transport ``name`` and start the runtime on it (the second half of ``init``)."""
     transport = registry.get(name).create(timeout=backend_timeout, heap_size=heap_size)
     try:
@@ -173,7 +180,7 @@ def _start(name: str, *, backend_timeout: float, heap_size: int | str | None, re
         raise
     fixed = FixedPointAccumulators(transport, hierarchy) if exact else None
     state.start(transport, hierarchy=hierarchy, fixed=fixed, debug=checked)
-    telemetry.start(transport.rank, config.trace_dir())
+    telemetry.start(transport.rank, trace)
     log.info(
         "odc_runtime initialised: backend=%s rank=%d world=%d node_size=%d deterministic=%s debug=%s", name,
         transport.rank, transport.world_size, nodes, exact, checked,

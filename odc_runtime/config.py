@@ -146,17 +146,21 @@ def host_heap_bytes(arg: str | int | None) -> int:
     )
 
 
-def trace_dir() -> str | None:
-    """``ODC_TRACE_DIR``: the directory of the per-minibatch trace (``odc_runtime.telemetry``), as an absolute path;
-    ``None`` when unset (no trace). Raises OdcUsageError when it names something that exists and is not a
-    directory."""
-    directory = env("ODC_TRACE_DIR")
+def trace_dir(arg: str | os.PathLike[str] | None = None) -> str | None:
+    """The directory of the per-minibatch trace (``odc_runtime.telemetry``): ``init(trace_dir=...)``, else
+    ``ODC_TRACE_DIR``, as an absolute path; ``None`` when neither is set (no trace). Raises OdcUsageError when it
+    names something that exists and is not a directory."""
+    if arg is not None and not isinstance(arg, (str, os.PathLike)):
+        raise OdcUsageError(f"odc_runtime.init(trace_dir=...): expected a path, got {type(arg).__name__}")
+    directory = os.fspath(arg) if arg is not None else env("ODC_TRACE_DIR")
     if directory is None:
         return None
+    if not directory:
+        raise OdcUsageError("odc_runtime.init(trace_dir=...): an empty path; pass a directory or None (no trace)")
     directory = os.path.abspath(os.path.expanduser(directory))
     if os.path.exists(directory) and not os.path.isdir(directory):
-        raise OdcUsageError(f"ODC_TRACE_DIR={directory!r} is not a directory; point it at a directory (created if "
-                            "missing) to get one trace file per rank")
+        raise OdcUsageError(f"trace directory {directory!r} (init(trace_dir=...) / ODC_TRACE_DIR) is not a "
+                            "directory; point it at a directory (created if missing) to get one trace file per rank")
     return directory
 
 

@@ -150,19 +150,19 @@ def span(name: str) -> AbstractContextManager:
 
 
 # -- lifecycle (called by api.init / api.finalize) ----------------------------------------------------------------
-def check_trace_dir() -> str | None:
-    """``ODC_TRACE_DIR`` (``odc_runtime.config.trace_dir``), created if missing; part of ``init``'s checks, so
-    a bad value fails every rank together."""
-    directory = config.trace_dir()
+def check_trace_dir(arg: str | os.PathLike[str] | None = None) -> str | None:
+    """The trace directory (``init(trace_dir=...)``, else ``ODC_TRACE_DIR``: ``odc_runtime.config.trace_dir``),
+    created if missing; part of ``init``'s checks, so a bad value fails every rank together."""
+    directory = config.trace_dir(arg)
     if directory is None:
         return None
+    where = f"trace directory {directory!r} (init(trace_dir=...) / ODC_TRACE_DIR)"
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
-        raise OdcUsageError(f"ODC_TRACE_DIR={directory!r} cannot be created ({e}); point it at a writable directory") \
-            from None
+        raise OdcUsageError(f"{where} cannot be created ({e}); point it at a writable directory") from None
     if not os.access(directory, os.W_OK | os.X_OK):
-        raise OdcUsageError(f"ODC_TRACE_DIR={directory!r} is not writable; point it at a writable directory")
+        raise OdcUsageError(f"{where} is not writable; point it at a writable directory")
     return directory
 
 

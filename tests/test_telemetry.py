@@ -18,6 +18,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _dist import run_ranks
@@ -308,6 +309,41 @@ def test_a_bad_trace_dir_fails_init_on_every_rank(tmp_path):
     first, second = run_ranks(_bad_trace_dir_rank, 2, str(a_file), timeout=60)
     assert second.startswith("OdcUsageError") and "ODC_TRACE_DIR" in second, second
     assert first.startswith("OdcMismatchError") and "ODC_TRACE_DIR" in first, first
+
+
+def _trace_arg_rank(rank: int, world: int, arg: str, env_dir: str) -> list[dict]:
+    os.environ["ODC_TRACE_DIR"] = env_dir  # the argument wins over the variable
+    odc.init("host", trace_dir=arg)
+    st = odc.shard(torch.zeros(4), name="traced")
+    window = telemetry.begin_minibatch("step")
+    odc.push(st, torch.ones(4))
+    odc.sync()
+    telemetry.end_minibatch(window, rank + 1)
+    odc.finalize()
+    with open(os.path.join(arg, f"rank{rank}.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_init_trace_dir_argument_writes_the_trace_there(tmp_path):
+    target, ignored = tmp_path / "arg" / "traces", tmp_path / "env"
+    lines = run_ranks(_trace_arg_rank, 2, str(target), str(ignored), timeout=60)
+    assert [[line["micro_batches"] for line in rank] for rank in lines] == [[1], [2]]
+    assert all(line["push_bytes"] == 16 for rank in lines for line in rank)
+    assert not ignored.exists()
+
+
+def _bad_trace_arg_rank(rank: int, world: int) -> str:
+    try:
+        odc.init("host", trace_dir=3 if rank == 1 else None)  # type: ignore[arg-type]
+    except odc.OdcError as e:
+        return type(e).__name__ + ": " + str(e)
+    return "initialised"
+
+
+def test_a_bad_trace_dir_argument_fails_init_on_every_rank():
+    first, second = run_ranks(_bad_trace_arg_rank, 2, timeout=60)
+    assert second.startswith("OdcUsageError") and "trace_dir" in second and "expected a path" in second, second
+    assert first.startswith("OdcMismatchError") and "rank 1" in first, first
 
 
 def _minibatch_misuse_rank(rank: int, world: int) -> list[str]:
