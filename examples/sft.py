@@ -29,8 +29,9 @@ loss normalisation do not change: the plan spans all ``R * S`` ranks (LB-Mini ov
 CPU ranks use gloo and ODC's ``host`` backend; with CUDA the same command uses nccl, one GPU per rank, and ODC's
 default GPU backend (``nvshmem``). ``--pes-per-gpu K`` lets K consecutive ranks share each GPU (rank r on GPU
 r // K; spawned: ``--nproc`` defaults to GPUs x K): NCCL refuses two ranks on one GPU, so torch.distributed then
-uses gloo (on the CUDA tensors) and ODC mode the ``nvshmem`` transport, which needs CUDA MPS for several PEs on one
-GPU (start it first: ``nvidia-cuda-mps-control -d``; without it ``odc.init`` refuses, saying so):
+uses gloo (on the CUDA tensors) and ODC mode the ``nvshmem`` transport (or ``--odc-backend symm``, its heap then
+from CUDA IPC), which needs CUDA MPS for several ranks on one GPU (start it first: ``nvidia-cuda-mps-control -d``;
+without it ``odc.init`` refuses, saying so):
 
     python examples/sft.py --comm odc --pes-per-gpu 4       # 4 ranks on one GPU (MPS running)
 
@@ -228,7 +229,7 @@ def placement(*, cuda_devices: int, local_rank: int, local_world: int, pes_per_g
         raise ValueError(str(e)) from None
     if kind != "cuda":
         raise ValueError(f"--pes-per-gpu {pes_per_gpu}: ODC's {name!r} transport works on {kind} tensors; ranks "
-                         "sharing a GPU need a GPU transport (--odc-backend nvshmem)")
+                         "sharing a GPU need a GPU transport (--odc-backend nvshmem or symm, under CUDA MPS)")
     return Placement(device, "gloo", name)
 
 
