@@ -211,7 +211,8 @@ def test_crossed_group_and_world_sync_is_a_mismatch_not_a_hang() -> None:
 def _rank_put_many_blocks(rank: int, world: int, numel: int) -> None:
     """Rank 0 puts rows of several kernel blocks into rank 1; rank 1 reads the data as soon as the signal counts
     it. The interpreter runs a launch's blocks one after another, so a signal issued before the last block stored
-    its data is seen with data missing."""
+    its data is seen with data missing. The same put again (same row tensor, same signal word) makes no tensor: its
+    scratch is reused, its counters zeroed (else the second round's last block would not signal)."""
     import torch
 
     import odc_runtime as odc
@@ -222,10 +223,28 @@ def _rank_put_many_blocks(rank: int, world: int, numel: int) -> None:
     t = testing.transport()
     buf = t.alloc(numel, torch.float32, tag="rows")
     signal = t.alloc(1, torch.int64, tag="signal")
+    row = torch.empty(numel, dtype=torch.float32)
+    made: list[str] = []
+    real = {name: getattr(torch, name) for name in ("tensor", "zeros", "empty")}
+
+    def counting(name: str):
+        def make(*args, **kwargs):
+            made.append(name)
+            return real[name](*args, **kwargs)
+        return make
+
     for rnd in (1, 2, 3):
-        row = torch.arange(numel, dtype=torch.float32) + 1000 * rnd
+        row.copy_(torch.arange(numel, dtype=torch.float32) + 1000 * rnd)
         if rank == 0:
-            t.put_signal(buf, [PutRequest(1, row, 0, 0)], signal)
+            if rnd > 1:
+                for name in real:
+                    setattr(torch, name, counting(name))
+            try:
+                t.put_signal(buf, [PutRequest(1, row, 0, 0)], signal)
+            finally:
+                for name, fn in real.items():
+                    setattr(torch, name, fn)
+            assert made == [], f"round {rnd}: a repeated put made tensors: {made}"
         else:
             t.wait_signal(signal, 0, rnd, "rows", [0])
             assert torch.equal(buf.local, row), f"round {rnd}: data missing after its signal"

@@ -88,6 +88,9 @@ class SymmTransport(HostTransport):
         # read by kernels queued on a stream, so it is never rewritten, only dropped (the caching allocator keeps
         # its memory until those kernels ran).
         self._descs: dict[tuple, torch.Tensor] = {}
+        # A signalled put's signal-word offsets and its per-row counters, by (words, stream): kept like the
+        # descriptors, the counters zeroed on the stream before each reuse (a kernel counts its blocks in them).
+        self._signal_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._watchdog: Watchdog | None = None
 
     # -- setup ----------------------------------------------------------------------------------------
@@ -219,12 +222,26 @@ class SymmTransport(HostTransport):
         if not work:
             return
         desc, longest, _ = self._rows(buf, work)  # put_signal has no vector variant
-        offsets = torch.tensor(words, dtype=torch.int64, device=self.device)
-        counters = torch.zeros(len(words), dtype=torch.int64, device=self.device)
+        offsets, counters = self._signal_words(tuple(words))
         self.fail_stop(
             "put_signal", "some of its puts were delivered",
             lambda: self.kernels.put_signal(self._table, desc, longest, buf.dtype, offsets, counters),
         )
+
+    def _signal_words(self, words: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The signal-word offsets of a put's rows and zeroed counters for them: made once per pattern and stream
+        (one host-to-device copy), then reused with the counters zeroed in stream order (no allocation, no copy)."""
+        key = (words, self.stream_key())
+        entry = self._signal_scratch.get(key)
+        if entry is not None:
+            entry[1].zero_()  # after the previous put of this pattern on this stream, before the next
+            return entry
+        entry = (torch.tensor(words, dtype=torch.int64, device=self.device),
+                 torch.zeros(len(words), dtype=torch.int64, device=self.device))
+        if len(self._signal_scratch) >= _KEEP_DESCS:
+            del self._signal_scratch[next(iter(self._signal_scratch))]
+        self._signal_scratch[key] = entry
+        return entry
 
     def wait_signal(self, signal: SymmetricBuffer, index: int, value: int, op: str, peers: Sequence[int]) -> None:
         self.check_usable(shorten(op))
