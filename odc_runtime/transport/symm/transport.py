@@ -109,6 +109,7 @@ class SymmTransport(HostTransport):
         self._heaps_aligned = all(base % self.kernels.ALIGN == 0 for base in self._table.tolist())
         self._members = torch.arange(self.world_size, dtype=torch.int32, device=self.heap.device)
         self._group_members: dict[int, torch.Tensor] = {}  # group index -> its members, on the device
+        self._row_words: dict[int, torch.Tensor] = {}  # barrier row -> its member words in this rank's heap
         self._abort = self._int64(self._words, 1)
         # What every waiting kernel writes (status word, last value or member words): one block, reused, since one
         # wait at a time is outstanding (each settles the previous first); read only on an abort.
@@ -325,7 +326,9 @@ class SymmTransport(HostTransport):
                         watch: Callable[[int], None], what: str = "", *, after: Callable[[], None] | None = None,
                         ordered: bool = False) -> None:
         offset = self._row_offset(row)
-        words = self._int64(offset, self.world_size)
+        words = self._row_words.get(row)
+        if words is None:  # a view of the heap, which lives as long as the transport: made once per row
+            words = self._row_words[row] = self._int64(offset, self.world_size)
         self._watched(
             op, peers, lambda p: int(words[p]) >= epoch, watch, what,
             lambda: self.kernels.barrier(self._table, members, self.rank, offset, epoch, self._abort, self._status),
@@ -417,6 +420,7 @@ class SymmTransport(HostTransport):
                 self.settle()
         finally:
             self._pending = None
+            self._row_words.clear()
             if self._watchdog is not None:
                 self._watchdog.stop()
             try:
