@@ -105,25 +105,32 @@ class CachedKernel:
         run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
             active.get_current_stream(device), function, metadata, None, None, None, *raw, *tail)
 
-    def bind(self, grid: tuple[int, ...], args: tuple, late: tuple[float, ...] = (), stream: int | None = None,
-             **constexprs: object) -> Launch | None:
-        """``self(grid, *args, *late, **constexprs)`` made ready to repeat: ``launch(*late)`` calls the compiled
-        runner with ``args``' raw pointers, fixed now, and the ``late`` float given at each call (at most one: the
-        last runtime parameter; a float's value is never specialised, so any float is the same signature).
-        ``stream``: the raw stream to launch on (``None``: the driver's current stream now, for a caller without
-        streams of its own: a CPU transport under a stubbed driver).
+    def bind(self, grid: tuple[int, ...], args: tuple, late: tuple[float | int, ...] = (), stream: int | None = None,
+             after: tuple = (), **constexprs: object) -> Launch | None:
+        """``self(grid, *args, *late, *after, **constexprs)`` made ready to repeat: ``launch(*late)`` calls the
+        compiled runner with ``args``' and ``after``'s raw pointers, fixed now, and the ``late`` value given at each
+        call (at most one). ``late`` holds a float (a float's value is never specialised, so any float is the same
+        signature) or an int for a parameter the kernel declares ``do_not_specialize`` (only its width is: a value
+        of another width than the bound one launches through ``__call__``). ``stream``: the raw stream to launch on
+        (``None``: the driver's current stream now, for a caller without streams of its own: a CPU transport under
+        a stubbed driver).
 
         ``None`` where the fast path does not apply: under the interpreter, on a Triton line with another runner,
         or before the signature was launched once through ``__call__`` (which compiles it). The caller keeps
         ``args``' tensors alive while it keeps the launch (the launch holds them too, for its fallback). While a
         launch hook is set, the launch goes through Triton's path, as ``__call__`` does."""
-        if len(late) > 1 or not all(type(x) is float for x in late):
-            raise TypeError("CachedKernel.bind: at most one late argument, a float (its value is not specialised)")
+        if len(late) > 1 or not all(type(x) is float or (type(x) is int and self._unspecialised(len(args)))
+                                    for x in late):
+            raise TypeError("CachedKernel.bind: at most one late argument, a float or an int of a do_not_specialize "
+                            "parameter (its value is not specialised)")
         if not self._fast:
             return None
         active = _driver.active
         device = active.get_current_device()
-        hit = self._cache.get((device, *map(_kind, args), *map(_kind, late), *constexprs.items()))
+        if late and type(late[0]) is int and not _I32[0] <= late[0] < _I32[1]:
+            return None  # only an i32 late int is bound (the values of its width: one range check per launch)
+        hit = self._cache.get((device, *map(_kind, args), *map(_kind, late), *map(_kind, after),
+                               *constexprs.items()))
         k = _KNOBS
         enter, leave = k.launch_enter_hook, k.launch_exit_hook
         if hit is None or not all(h is None or isinstance(getattr(h, "calls", None), list) for h in (enter, leave)):
@@ -137,37 +144,47 @@ class CachedKernel:
         # add/remove mutate in place) have no call: their lists are kept to test that with no lookup per launch.
         enter_calls = () if enter is None else enter.calls
         leave_calls = () if leave is None else leave.calls
+        back = (*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in after), *tail)
         # The runner's whole argument tuple, made once: ``run(*argv)`` passes it as it is (a partial with more
         # arguments, or a tuple built per call, costs about 0.1 µs more per launch).
-        argv = (*front, *late, *tail)
+        argv = (*front, *late, *back)
 
         if late:
             slot = len(front)  # the late argument's place in argv
+            check_int = type(late[0]) is int  # then every i32 value shares the compiled kernel, no other one
+            lo, hi = _I32
 
-            def launch(last: float) -> None:
+            def launch(last: float | int) -> None:
                 nonlocal argv
-                if enter_calls or leave_calls or k.launch_enter_hook is not enter or k.launch_exit_hook is not leave:
-                    self(grid, *args, last, **constexprs)  # a hook: Triton's path, where it runs
-                    return
+                if enter_calls or leave_calls or k.launch_enter_hook is not enter or k.launch_exit_hook is not leave \
+                        or (check_int and not (type(last) is int and lo <= last < hi)):
+                    self(grid, *args, last, *after, **constexprs)  # a hook (Triton's path, where it runs), or
+                    return  # an int of another width (another compiled kernel)
                 counts[1] += 1
                 # A repeated value (a push's constant scale) reuses the tuple: equal non-zero floats have the same
                 # bits, while 0.0 == -0.0 (and NaN != NaN) make a new one. One read of argv, so a launch from another
                 # thread that replaces it cannot pair this value with another's tuple.
                 ready = argv
                 if last != ready[slot] or last == 0.0:
-                    ready = argv = (*front, last, *tail)
+                    ready = argv = (*front, last, *back)
                 run(*ready)
 
             return launch
 
         def launch_fixed() -> None:
             if enter_calls or leave_calls or k.launch_enter_hook is not enter or k.launch_exit_hook is not leave:
-                self(grid, *args, **constexprs)
+                self(grid, *args, *after, **constexprs)
                 return
             counts[1] += 1
             run(*argv)
 
         return launch_fixed
+
+    def _unspecialised(self, index: int) -> bool:
+        """Whether the kernel's parameter ``index`` is declared ``do_not_specialize`` (Triton's ``KernelParam``, the
+        same attribute in triton 3.5-3.9)."""
+        params = getattr(self.kernel, "params", ())
+        return index < len(params) and bool(getattr(params[index], "do_not_specialize", False))
 
     def _remember(self, key: tuple, compiled: Any, nargs: int, constexprs: dict[str, object]) -> None:
         """Keep ``compiled``'s runner for ``key`` if it has the runner convention; else launch through Triton's

@@ -380,6 +380,16 @@ def barrier(table: torch.Tensor, members: torch.Tensor, rank: int, row_offset: i
             status)
 
 
+def bind_barrier(table: torch.Tensor, members: torch.Tensor, rank: int, row_offset: int, epoch: int,
+                 abort: torch.Tensor, status: torch.Tensor, stream: int | None) -> Callable[[int], None] | None:
+    """``barrier`` on one row made ready to repeat (``launch(epoch)``; an epoch out of the i32 range goes through
+    ``barrier``'s path), as ``bind_fetch``: ``None`` before ``barrier`` compiled this signature."""
+    if _LAUNCH is not None:
+        return None
+    return _CACHED[barrier_kernel].bind((1,), (table, members, members.numel(), int(rank), int(row_offset)),
+                                        (int(epoch),), stream, after=(abort, status))
+
+
 def launch_examples() -> list[tuple[str, str, object]]:
     """The calls the launch check (``odc_runtime.kernels.launch_check``) compiles, per ORDERING case: the launchers
     with CPU tensors standing for the transport's (peer table, descriptor rows, heap words), for the values Triton

@@ -72,6 +72,24 @@ with testing.stubbed_triton_launches() as launched:
     for epoch in range(1, 41):
         barrier((1,), table, members, 2, 0, 64, epoch, status, status)
     out["barrier"] = list(barrier.launches)
+    # ... or with an int given at each launch where the kernel does not specialise it (the barrier's epoch), in the
+    # middle of the parameters: the same runner call as the cached path's for every i32 value; another width
+    # (another compiled kernel) through the cached path
+    bound_barrier = barrier.bind((1,), (table, members, 2, 0, 64), (41,), after=(status, status))
+    same = []
+    for epoch in (42, 1, 48, 2**31 - 1):
+        barrier((1,), table, members, 2, 0, 64, epoch, status, status)
+        cached = launched[-1]
+        bound_barrier(epoch)
+        same.append(launched[-1] == cached and launched[-1][14] == epoch)
+    before = list(barrier.launches)
+    bound_barrier(2**31)
+    out["bound_barrier"] = [same, before, list(barrier.launches), launched[-1][14]]
+    out["late_int_specialised"] = "bound"
+    try:
+        barrier.bind((1,), (table,), (5,), after=(2, 0, 64, 41, status, status))  # members is specialised
+    except TypeError:
+        out["late_int_specialised"] = "TypeError"
     # a launch hook (a profiler) sends every launch through Triton's path, where the hook runs
     hook = lambda metadata: None
     triton.knobs.runtime.launch_enter_hook.add(hook)
@@ -112,6 +130,10 @@ def test_cached_runner_after_the_first_launch_of_each_signature() -> None:
     assert out["bound_values"] == ["0.25", "0.5", "0.5", "-0.0", "0.0", "0.0", "-0.0", "0.25"]
     binder, runner = out["barrier"]
     assert binder + runner == 40 and binder <= 4, out["barrier"]  # epoch 1 / multiples of 16 / others, i32
+    same, before, after, epoch = out["bound_barrier"]
+    assert same == [True] * 4 and epoch == 2**31, out["bound_barrier"]
+    assert after[0] == before[0] + 1 and after[1] == before[1], out["bound_barrier"]  # i64: compiled through Triton
+    assert out["late_int_specialised"] == "TypeError"
     assert out["hooked"] == [[5, 5], [2, 10], True]  # every launch through Triton's path, where hooks run
     assert out["unhooked"] == [5, 6]
 

@@ -110,6 +110,8 @@ class SymmTransport(HostTransport):
         self._members = torch.arange(self.world_size, dtype=torch.int32, device=self.heap.device)
         self._group_members: dict[int, torch.Tensor] = {}  # group index -> its members, on the device
         self._row_words: dict[int, torch.Tensor] = {}  # barrier row -> its member words in this rank's heap
+        # (barrier row, stream) -> (its members tensor, the bound launch of its barrier: launch(epoch))
+        self._barriers: dict[tuple[int, object], tuple[torch.Tensor, Callable[[int], None]]] = {}
         self._abort = self._int64(self._words, 1)
         # What every waiting kernel writes (status word, last value or member words): one block, reused, since one
         # wait at a time is outstanding (each settles the previous first); read only on an abort.
@@ -329,11 +331,24 @@ class SymmTransport(HostTransport):
         words = self._row_words.get(row)
         if words is None:  # a view of the heap, which lives as long as the transport: made once per row
             words = self._row_words[row] = self._int64(offset, self.world_size)
-        self._watched(
-            op, peers, lambda p: int(words[p]) >= epoch, watch, what,
-            lambda: self.kernels.barrier(self._table, members, self.rank, offset, epoch, self._abort, self._status),
-            after=after, ordered=ordered,
-        )
+        self._watched(op, peers, lambda p: int(words[p]) >= epoch, watch, what,
+                      lambda: self._launch_barrier(row, members, offset, epoch), after=after, ordered=ordered)
+
+    def _launch_barrier(self, row: int, members: torch.Tensor, offset: int, epoch: int) -> None:
+        """The barrier kernel on ``row``: through its bound launch once one exists for this row, members and stream
+        (``kernels.bind_barrier``: only the epoch changes from call to call), else through the cached path, binding
+        it for the next call."""
+        key = (row, self.stream_key())
+        bound = self._barriers.get(key)
+        if bound is not None and bound[0] is members:
+            bound[1](epoch)
+            return
+        self.kernels.barrier(self._table, members, self.rank, offset, epoch, self._abort, self._status)
+        stream = key[1] if isinstance(key[1], int) else None
+        launch = self.kernels.bind_barrier(self._table, members, self.rank, offset, epoch, self._abort, self._status,
+                                           stream)
+        if launch is not None:
+            self._barriers[key] = (members, launch)
 
     # -- the watchdog and settling ----------------------------------------------------------------------
     def _watched(self, op: str, peers: list[int], arrived: Callable[[int], bool], watch: Callable[[int], None],
@@ -421,6 +436,7 @@ class SymmTransport(HostTransport):
         finally:
             self._pending = None
             self._row_words.clear()
+            self._barriers.clear()
             if self._watchdog is not None:
                 self._watchdog.stop()
             try:
