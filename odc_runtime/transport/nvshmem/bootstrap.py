@@ -21,6 +21,7 @@ import torch
 from odc_runtime import config
 from odc_runtime.agree import gather_checked, require_same
 from odc_runtime.errors import OdcBackendError, OdcMismatchError, OdcNotInitializedError
+from odc_runtime.transport import gpu_sharing
 from odc_runtime.transport.nvshmem import extension, memory, settings
 from odc_runtime.transport.nvshmem.transport import NvshmemTransport
 
@@ -69,9 +70,7 @@ def create(*, timeout: float, heap_size: int | str | None = None) -> NvshmemTran
         for info in gather_checked("init (nvshmem)", local_checks, timeout=timeout)
     ]
     agreed, capacity, scratch_slots = settings.agree_settings([info[:3] for info in infos])
-    sharing: dict[tuple[str, str], list[int]] = {}
-    for r, info in enumerate(infos):
-        sharing.setdefault((info[3], info[4]), []).append(r)
+    sharing = gpu_sharing.ranks_by_gpu([(info[3], info[4]) for info in infos])
     settings.check_gpu_sharing(sharing, {r: info[5] for r, info in enumerate(infos)})
     ext = ext_box[0]
     device = torch.device("cuda", torch.cuda.current_device())

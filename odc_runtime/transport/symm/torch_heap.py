@@ -50,13 +50,10 @@ from odc_runtime.errors import (
 from odc_runtime.transport import gpu_sharing
 from odc_runtime.transport.symm import _torch_ipc, _torch_symm
 
-__all__ = ["PROVIDERS", "CudaPeerHeap", "Facts", "check_topology", "choose_provider", "is_available", "open_heap",
+__all__ = ["CudaPeerHeap", "Facts", "check_topology", "choose_provider", "is_available", "open_heap",
            "unavailable_reason"]
 
 log = logging.getLogger(__name__)
-
-
-PROVIDERS = ("symmetric-memory", "ipc")
 
 
 def is_available() -> bool:
@@ -194,14 +191,6 @@ def check_topology(facts: Sequence[Sequence[Any]], rank: int, visible: dict[str,
             )
 
 
-def sharing(facts: Sequence[Facts]) -> dict[tuple[str, str], list[int]]:
-    """(host, GPU uuid) -> the ranks on that GPU."""
-    out: dict[tuple[str, str], list[int]] = {}
-    for r, f in enumerate(facts):
-        out.setdefault((f.host, f.gpu), []).append(r)
-    return out
-
-
 def choose_provider(facts: Sequence[Facts]) -> str:
     """The heap's provider, from every rank's facts (every rank decides alike): ``ODC_SYMM_HEAP`` where set, else
     ``symmetric-memory`` where every rank has a GPU of its own and SymmetricMemory, else ``ipc``. Raises
@@ -210,14 +199,16 @@ def choose_provider(facts: Sequence[Facts]) -> str:
     modes = [f.mode for f in facts]
     if len(set(modes)) > 1:
         raise OdcMismatchError(f"symm heap: ranks set ODC_SYMM_HEAP differently: {modes} (rank order)")
-    shared = {k: rs for k, rs in sharing(facts).items() if len(rs) > 1}
-    symm_missing = [(r, f.symm_reason) for r, f in enumerate(facts) if f.symm_reason is not None]
-    ipc_missing = [(r, f.ipc_reason) for r, f in enumerate(facts) if f.ipc_reason is not None]
-    symm_why = (f"ranks {[rs for rs in shared.values()]} share a GPU, and SymmetricMemory maps one rank per GPU"
-                if shared else None)
-    if symm_missing:
-        symm_why = f"rank {symm_missing[0][0]}: {symm_missing[0][1]}"
-    ipc_why = f"rank {ipc_missing[0][0]}: {ipc_missing[0][1]}" if ipc_missing else None
+    shared = [rs for rs in gpu_sharing.ranks_by_gpu([(f.host, f.gpu) for f in facts]).values() if len(rs) > 1]
+    symm_missing = next(((r, f.symm_reason) for r, f in enumerate(facts) if f.symm_reason is not None), None)
+    ipc_missing = next(((r, f.ipc_reason) for r, f in enumerate(facts) if f.ipc_reason is not None), None)
+    if symm_missing is not None:
+        symm_why: str | None = f"rank {symm_missing[0]}: {symm_missing[1]}"
+    elif shared:
+        symm_why = f"ranks {shared} share a GPU, and SymmetricMemory maps one rank per GPU"
+    else:
+        symm_why = None
+    ipc_why = None if ipc_missing is None else f"rank {ipc_missing[0]}: {ipc_missing[1]}"
     mode = modes[0]
     if mode == "symmetric-memory" and symm_why is not None:
         raise OdcBackendError(f"symm heap: ODC_SYMM_HEAP=symmetric-memory, but {symm_why}; unset it (auto) or set "
@@ -278,7 +269,8 @@ def _open(rank: int, world: int, nbytes: int, timeout: float) -> CudaPeerHeap:
 
     def agree_on_the_layout() -> None:
         check_topology(facts, rank, _visible_gpus())
-        gpu_sharing.check_gpu_sharing("symm", sharing(facts), {r: f.mps for r, f in enumerate(facts)})
+        gpu_sharing.check_gpu_sharing("symm", gpu_sharing.ranks_by_gpu([(f.host, f.gpu) for f in facts]),
+                                      {r: f.mps for r, f in enumerate(facts)})
         provider.append(choose_provider(facts))
 
     gather_checked("symm heap (topology)", agree_on_the_layout, timeout=timeout)
