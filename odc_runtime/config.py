@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -331,3 +331,33 @@ def nvshmem_settings(environ: Mapping[str, str] | None = None) -> NvshmemSetting
         scratch_slots=slots,
         vector_atomics=env_flag("ODC_NVSHMEM_VECTOR_ATOMICS", True, environ),
     )
+
+
+# -- the settings' registry -----------------------------------------------------------------------------------
+# Every ODC_* variable the installed package or its build reads, with the call that parses and checks it alone
+# (None: read where it has context: ODC_NODE_SIZE is checked against the world size at init, the build settings
+# by setup.py). `python -m odc_runtime.doctor` checks every one that is set; tests/test_config.py checks that this
+# holds every name the package and setup.py read.
+SETTINGS: dict[str, Callable[[], object] | None] = {
+    "ODC_BACKEND": lambda: backend_name(None),
+    "ODC_TIMEOUT": lambda: resolve_timeout(None),
+    "ODC_HEAP_SIZE": lambda: host_heap_bytes(None),
+    "ODC_HOST_CHUNK_BYTES": host_chunk_bytes,
+    "ODC_SHM_DIR": shm_dir,
+    "ODC_TRACE_DIR": trace_dir,
+    "ODC_NODE_SIZE": lambda: _positive_int(None, "node_size", "ODC_NODE_SIZE"),
+    "ODC_NODE_SLOTS": lambda: node_slots(None),
+    "ODC_DETERMINISTIC": lambda: deterministic(None),
+    "ODC_DEBUG": debug,
+    "ODC_SYMM_HEAP": symm_heap,
+    "ODC_NVSHMEM_PUSH": nvshmem_settings,
+    "ODC_NVSHMEM_FETCH": nvshmem_settings,
+    "ODC_NVSHMEM_CELL_BYTES": nvshmem_settings,
+    "ODC_NVSHMEM_SCRATCH_SLOTS": nvshmem_settings,
+    "ODC_NVSHMEM_VECTOR_ATOMICS": nvshmem_settings,
+    "ODC_REQUIRE_EXTENSION": require_extension,
+    "ODC_REQUIRE_VERL": require_verl,
+    "ODC_BUILD_EXT": None,
+    "ODC_CUDA_ARCHS": None,
+    "ODC_BUILD_JOBS": None,
+}

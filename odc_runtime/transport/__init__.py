@@ -1,7 +1,8 @@
 """Transports: symmetric memory with one-sided fetch / push (see ``odc_runtime.transport.base``), and the
 registry that ``odc.init``, the FSDP integration and the benchmarks pick them from.
 
-A new transport is one module with ``create(*, timeout, heap_size) -> Transport`` and ``is_available() -> bool``,
+A new transport is one module with ``create(*, timeout, heap_size) -> Transport`` and ``is_available() -> bool``
+(and, optionally, ``unavailable_reason() -> str | None``: why not, which ``python -m odc_runtime.doctor`` shows),
 plus one ``register`` line below. Modules are imported only when a transport is created or asked whether it is
 available, so importing the package never loads CUDA or the compiled extension.
 
@@ -86,13 +87,25 @@ class TransportSpec:
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
 
-    def is_available(self) -> bool:
-        """Whether this transport can run here (never raises; a module that fails to import is unavailable)."""
+    def unavailable_reason(self) -> str | None:
+        """Why this transport cannot run here, ``None`` where it can. Never raises: a module that fails to import
+        is unavailable, with its error as the reason; a module without ``unavailable_reason`` gives a generic one
+        when its ``is_available()`` is false."""
         try:
-            return bool(self.load().is_available())
-        except Exception as e:  # an optional dependency missing or broken: not available, say why in the log
-            log.debug("odc transport %s unavailable: %s", self.name, e)
-            return False
+            module = self.load()
+            explain = getattr(module, "unavailable_reason", None)
+            if explain is not None:
+                return explain()
+            return None if module.is_available() else f"{self.module}.is_available() is false"
+        except Exception as e:  # an optional dependency missing or broken
+            return f"{self.module} does not load: {type(e).__name__}: {e}"
+
+    def is_available(self) -> bool:
+        """Whether this transport can run here (never raises; the reason why not is logged at DEBUG)."""
+        reason = self.unavailable_reason()
+        if reason is not None:
+            log.debug("odc transport %s unavailable: %s", self.name, reason)
+        return reason is None
 
     def create(self, *, timeout: float, heap_size: int | str | None) -> Transport:
         """Collective: build the transport over the default ``torch.distributed`` group."""

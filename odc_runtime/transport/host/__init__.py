@@ -29,9 +29,17 @@ from odc_runtime.transport.host.bootstrap import create
 from odc_runtime.transport.host.segments import CONTROL_BYTES, remove_stale_segments
 from odc_runtime.transport.host.transport import HostTransport
 
-__all__ = ["CONTROL_BYTES", "HostTransport", "create", "is_available", "remove_stale_segments"]
+__all__ = ["CONTROL_BYTES", "HostTransport", "create", "is_available", "remove_stale_segments", "unavailable_reason"]
+
+
+def unavailable_reason() -> str | None:
+    """Why the host transport cannot run here (``None``: it can): it needs POSIX shared memory and ``fcntl``
+    byte-range locks (Linux, macOS). Never raises."""
+    if not hasattr(os, "register_at_fork") or not hasattr(fcntl, "lockf"):
+        return "this platform lacks os.register_at_fork or fcntl.lockf (the host transport needs Linux or macOS)"
+    return None
 
 
 def is_available() -> bool:
     """The host transport runs wherever POSIX shared memory and ``fcntl`` locks do (Linux, macOS)."""
-    return hasattr(os, "register_at_fork") and hasattr(fcntl, "lockf")
+    return unavailable_reason() is None

@@ -13,7 +13,13 @@ are in ``csrc/`` (``csrc/kernels.h`` lists them) and ``docs/design.md``.
 """
 
 from odc_runtime.transport.nvshmem.bootstrap import create
-from odc_runtime.transport.nvshmem.extension import _nvshmem_lib_dirs, check_version, is_available, load_extension
+from odc_runtime.transport.nvshmem.extension import (
+    _nvshmem_lib_dirs,
+    check_version,
+    is_available,
+    load_extension,
+    unavailable_reason,
+)
 from odc_runtime.transport.nvshmem.settings import (
     agree_settings,
     check_atomics_path,
@@ -38,5 +44,6 @@ __all__ = [
     "missing_peers",
     "node_layout",
     "timeout_message",
+    "unavailable_reason",
     "wait_timeout_message",
 ]

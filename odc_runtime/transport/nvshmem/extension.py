@@ -100,17 +100,23 @@ def check_version(C: ModuleType) -> tuple[int, int, int]:
     return running  # type: ignore[return-value]
 
 
+def unavailable_reason() -> str | None:
+    """Why the nvshmem transport cannot run here (``None``: it can): it needs a CUDA device and an
+    ``odc_runtime._C`` that imports and runs the NVSHMEM release it was built for. Never raises."""
+    try:
+        if not torch.cuda.is_available():
+            return "no CUDA device is available"
+        check_version(load_extension())
+        return None
+    except Exception as e:
+        return str(e) or type(e).__name__
+
+
 def is_available() -> bool:
     """CUDA is present, ``odc_runtime._C`` imports and runs the NVSHMEM release it was built for (what
     ``odc.init(backend="nvshmem")`` would refuse is not available: the automatic choice falls back to ``symm``).
     Never raises."""
-    try:
-        if not torch.cuda.is_available():
-            return False
-        check_version(load_extension())
-        return True
-    except Exception:
-        return False
+    return unavailable_reason() is None
 
 
 def backend_call(op: str, fn: Callable, *args: object) -> object:

@@ -12,6 +12,17 @@ Protocols, ordering and deadlines: docs/design.md, "One-node Triton transport (s
 
 from __future__ import annotations
 
+import importlib.util
+
+from odc_runtime.transport import host
 from odc_runtime.transport.symm.heap import PeerHeap, SegmentHeap
 
-__all__ = ["PeerHeap", "SegmentHeap"]
+__all__ = ["PeerHeap", "SegmentHeap", "common_reason"]
+
+
+def common_reason() -> str | None:
+    """Why neither symm transport can run here, whatever the device (``None``: nothing common is missing): Triton
+    and the host transport's control plane. Never raises."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install 'odc_runtime[triton]'; CUDA builds of torch bring it)"
+    return host.unavailable_reason()

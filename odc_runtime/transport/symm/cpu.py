@@ -7,20 +7,26 @@ imported compiled (a process that used the kernels on a GPU first), it raises an
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
 from odc_runtime.errors import OdcBackendError
 from odc_runtime.transport import host
 from odc_runtime.transport.host import HostTransport
+from odc_runtime.transport.symm import common_reason
 
 _KERNELS = "odc_runtime.kernels.peer"
 
 
+def unavailable_reason() -> str | None:
+    """Why ``symm-cpu`` cannot run here (``None``: it can): it needs Triton and the host transport's shared
+    memory. Never raises."""
+    return common_reason()
+
+
 def is_available() -> bool:
     """Triton is installed and the host transport's shared memory works here."""
-    return importlib.util.find_spec("triton") is not None and host.is_available()
+    return unavailable_reason() is None
 
 
 def use_interpreter() -> None:

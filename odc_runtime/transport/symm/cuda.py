@@ -16,7 +16,6 @@ fail-stop that ``symm-cpu`` executes in CI). What differs on a GPU, and only tha
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Sequence
 
 import torch
@@ -25,13 +24,19 @@ from odc_runtime.errors import OdcBackendError
 from odc_runtime.transport import host
 from odc_runtime.transport.base import FetchRequest, PushRequest, SymmetricBuffer, Work, raw_stream
 from odc_runtime.transport.host.transport import HostTransport
-from odc_runtime.transport.symm import torch_heap
+from odc_runtime.transport.symm import common_reason, torch_heap
 from odc_runtime.transport.symm.transport import SymmTransport
+
+
+def unavailable_reason() -> str | None:
+    """Why ``symm`` cannot run here (``None``: it can): it needs Triton, the host control plane, a CUDA device and
+    a way to map peers' memory (PyTorch's SymmetricMemory or CUDA IPC). Never raises."""
+    return common_reason() or torch_heap.unavailable_reason()
 
 
 def is_available() -> bool:
     """A CUDA device, a way to map peers' memory (PyTorch's SymmetricMemory or CUDA IPC) and Triton are here."""
-    return importlib.util.find_spec("triton") is not None and host.is_available() and torch_heap.is_available()
+    return unavailable_reason() is None
 
 
 def create(*, timeout: float, heap_size: int | str | None = None) -> HostTransport:

@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 
 def is_available() -> bool:
     """Whether this process could create a ``CudaPeerHeap`` (a CUDA device, and SymmetricMemory or CUDA IPC)."""
-    return _torch_symm.unavailable_reason() is None or _torch_ipc.unavailable_reason() is None
+    return unavailable_reason() is None
 
 
 def unavailable_reason() -> str | None:

@@ -1,0 +1,196 @@
+"""What odc_runtime finds on this machine, and why a transport cannot run here.
+
+    python -m odc_runtime.doctor [--json PATH|-]
+
+It shows:
+
+* the versions that matter: Python, torch and its CUDA, Triton, the NVSHMEM wheels;
+* the CUDA devices, with CUDA MPS's state (several ranks on one GPU need it);
+* every registered transport: whether it can run here and, where it cannot, why (``TransportSpec.
+  unavailable_reason``, the fact the automatic choice uses);
+* the transport ``odc.init()`` would take for ranks on this host alone;
+* every ``ODC_*`` variable set in the environment, parsed by the reader ``init`` uses (``config.SETTINGS``): a
+  bad value shows the error ``init`` would raise, and a name odc_runtime does not read is flagged, with the
+  setting it is closest to (a typo is otherwise silently ignored).
+
+It needs no GPU and no ``torch.distributed``, and it starts no job: on a GPU machine it queries the devices only.
+Exit status 1 when a set variable is invalid or unknown, or no transport fits; else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from odc_runtime import __version__, _nvshmem_locate, config
+from odc_runtime import transport as registry
+from odc_runtime.errors import OdcError
+from odc_runtime.transport import gpu_sharing
+
+__all__ = ["collect", "main", "render"]
+
+_MPS = {1: "on", 0: "off", -1: "unknown"}
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _gpus() -> list[dict[str, Any]]:
+    if not torch.cuda.is_available():
+        return []
+    gpus = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        gpus.append({
+            "index": index, "name": props.name, "capability": f"{props.major}.{props.minor}",
+            "memory_gib": round(props.total_memory / 2**30, 1), "mps": _MPS[gpu_sharing.mps_state(index)],
+        })
+    return gpus
+
+
+def _transports() -> list[dict[str, Any]]:
+    rows = []
+    for name in registry.names():
+        spec = registry.get(name)
+        reason = spec.unavailable_reason()
+        rows.append({
+            "name": name, "device_type": spec.device_type, "automatic": spec.auto, "multi_node": spec.multi_node,
+            "available": reason is None, "reason": reason,
+        })
+    return rows
+
+
+def _init_choice(transports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What ``odc.init()`` would take on this host alone: ``{"backend", "how"}``, or ``{"error"}``."""
+    try:
+        requested = config.backend_name(None)
+        name = registry.choose([requested], [registry.auto_candidates()], [socket.gethostname()])
+    except OdcError as e:
+        return {"error": str(e)}
+    if requested is None:
+        return {"backend": name, "how": "the automatic rule of odc_runtime.transport.choose, for ranks on this host"}
+    reason = next(t["reason"] for t in transports if t["name"] == name)
+    if reason is not None:
+        return {"error": f"ODC_BACKEND={requested}, which cannot run here: {reason}"}
+    return {"backend": name, "how": f"ODC_BACKEND={requested}"}
+
+
+def _settings() -> list[dict[str, Any]]:
+    """Every ``ODC_*`` variable set here, with what its reader says."""
+    rows = []
+    for name in sorted(k for k in os.environ if k.startswith("ODC_")):
+        row: dict[str, Any] = {"name": name, "value": os.environ[name], "ok": True, "note": ""}
+        if name not in config.SETTINGS:
+            close = difflib.get_close_matches(name, config.SETTINGS, n=1, cutoff=0.75)
+            row["ok"] = False
+            row["note"] = "odc_runtime does not read it" + (f": did you mean {close[0]}?" if close else "")
+        elif config.SETTINGS[name] is None:
+            row["note"] = "read with its context (init's world size, or the build): not checked here"
+        else:
+            try:
+                config.SETTINGS[name]()  # type: ignore[misc]
+            except OdcError as e:
+                row["ok"], row["note"] = False, str(e)
+        rows.append(row)
+    return rows
+
+
+def _nvshmem_wheels() -> list[tuple[str, str]]:
+    try:
+        return _nvshmem_locate.installed_wheels()
+    except OSError:
+        return []
+
+
+def collect() -> dict[str, Any]:
+    """Everything the doctor reports, as a JSON-serialisable dict (see the module docstring)."""
+    transports = _transports()
+    return {
+        "odc_runtime": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        "nvshmem_wheels": [f"nvidia-nvshmem-{f}=={v}" for f, v in _nvshmem_wheels()],
+        "gpus": _gpus(),
+        "transports": transports,
+        "init": _init_choice(transports),
+        "settings": _settings(),
+    }
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]]
+
+
+def render(report: dict[str, Any]) -> str:
+    """``collect()``'s report as text."""
+    lines = [
+        f"odc_runtime {report['odc_runtime']} · Python {report['python']} · torch {report['torch']} (CUDA "
+        f"{report['torch_cuda'] or 'none'}) · triton {report['triton'] or 'not installed'} · NVSHMEM wheels: "
+        f"{', '.join(report['nvshmem_wheels']) or 'none'}",
+        f"platform: {report['platform']}",
+        "",
+    ]
+    if report["gpus"]:
+        lines += _table(["GPU", "name", "capability", "memory", "CUDA MPS"], [
+            [str(g["index"]), g["name"], g["capability"], f"{g['memory_gib']} GiB", g["mps"]] for g in report["gpus"]
+        ])
+    else:
+        lines.append("GPUs: none (torch.cuda.is_available() is false)")
+    lines.append("")
+    lines += _table(["transport", "device", "automatic", "available", "why not"], [
+        [t["name"], t["device_type"], "yes" if t["automatic"] else "no", "yes" if t["available"] else "no",
+         t["reason"] or ""] for t in report["transports"]
+    ])
+    choice = report["init"]
+    lines += ["", f"odc.init() here: {choice['backend']} ({choice['how']})" if "backend" in choice
+              else f"odc.init() here: fails: {choice['error']}", ""]
+    if report["settings"]:
+        lines += _table(["setting", "value", "check"], [
+            [s["name"], s["value"], ("ok" if s["ok"] else "ERROR") + (f": {s['note']}" if s["note"] else "")]
+            for s in report["settings"]
+        ])
+    else:
+        lines.append("settings: no ODC_* variable is set (every default applies; docs/configuration.md)")
+    return "\n".join(lines)
+
+
+def healthy(report: dict[str, Any]) -> bool:
+    """No invalid or unknown setting, and ``odc.init()`` finds a transport."""
+    return "backend" in report["init"] and all(s["ok"] for s in report["settings"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m odc_runtime.doctor", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH ('-': stdout only)")
+    args = parser.parse_args(argv)
+    report = collect()
+    if args.json == "-":
+        print(json.dumps(report, indent=2))
+    else:
+        print(render(report))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+    return 0 if healthy(report) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
