@@ -602,4 +602,7 @@ def sync(group: dist.ProcessGroup | None = None, *, gradients: bool = True, para
             f"odc_runtime.sync(group=...): no tensor was sharded over the group of ranks {list(ranks)}; pass a group "
             "given to odc_runtime.shard(group=...) (the group your tensors' pushes went to), or None for all ranks"
         )
-    transport.group_barrier(f"sync(group={list(ranks)})", Group(index, ranks))
+    op = f"sync(group={list(ranks)})"
+    # The group fence compares its members' operations (a drifted one raises OdcRoundMismatchError on every member);
+    # in debug mode the operation carries the call site, at no extra round (odc_runtime.debug)
+    transport.group_barrier(f"{op} at {debug.call_site()}" if runtime.debug else op, Group(index, ranks))

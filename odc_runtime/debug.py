@@ -9,9 +9,14 @@ OdcRoundMismatchError`` at that round, naming every rank's operation and call si
 so they raise together and none hangs (the round is part of the collective sequence of every rank: the setting is
 agreed at ``init``).
 
+``sync(group=...)`` is a fence of its group only, not a world round: its fingerprint travels in the fence itself
+(``odc_runtime.transport.host.fences``: the members compare their operations' digests once the fence completed,
+and with ``ODC_DEBUG=1`` the operation carries the call site), so a drifted group sync raises
+``OdcRoundMismatchError`` on every member of the group, naming the call sites, at no extra round.
+
 What it cannot see: the same line called a different number of times (the same fingerprint every time; the
-mismatch shows at the next differing call, or at ``finalize``), and ``sync(group=...)`` (a fence of its group only,
-not a world round). Cost: one exchange round per collective call (``bench/hostcost.py``, "sync per call").
+mismatch shows at the next differing call, or at ``finalize``). Cost: one exchange round per world collective call
+(``bench/hostcost.py``, "sync per call").
 """
 
 from __future__ import annotations

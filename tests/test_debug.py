@@ -89,6 +89,46 @@ def test_drifted_sync_raises_on_every_rank_naming_both_call_sites(backend: str) 
     assert len({r["message"] for r in results}) == 1  # the same report everywhere
 
 
+def _rank_group_drift(rank: int, world: int) -> dict:
+    """Ranks 0 and 1 share a group, rank 2 has its own; rank 0 makes one extra ``sync(group=...)``. Returns the error
+    each rank saw at its group sync, then checks that the runtime stays usable: a world sync and a group sync from
+    the same places, with the sums of the pushes made before the drift exact."""
+    import torch.distributed as dist
+
+    odc.init("host")
+    pair, alone = dist.new_group([0, 1]), dist.new_group([2])  # every rank creates every group
+    group = pair if rank < 2 else alone
+    st = odc.shard(torch.zeros(6), group=group, name="w")
+    odc.push(st, torch.ones(6))
+    error = None
+    try:
+        if rank == 0:
+            odc.sync(group=group)  # extra group sync
+        odc.sync(group=group)  # group sync
+    except odc.OdcError as e:
+        error = {"error": type(e).__name__, "message": str(e)}
+    odc.sync()
+    odc.sync(group=group)
+    start, stop = st.shard_range
+    assert torch.equal(st.grad, torch.full((stop - start,), 2.0 if rank < 2 else 1.0)), st.grad
+    odc.finalize()
+    return error
+
+
+@pytest.mark.parametrize("backend", ["host", "symm-cpu"])
+def test_drifted_group_sync_raises_on_every_member_naming_both_call_sites(backend: str) -> None:
+    results = _on(backend, _rank_group_drift, 3, env=DEBUG)
+    extra, group_sync = _line("extra group sync"), _line("group sync")
+    for rank in (0, 1):
+        assert results[rank] is not None and results[rank]["error"] == "OdcRoundMismatchError", (rank, results)
+        message = results[rank]["message"]
+        assert "group fence #1 of ranks [0, 1]" in message, message
+        assert f"test_debug.py:{extra} in _rank_group_drift" in message, message
+        assert f"test_debug.py:{group_sync} in _rank_group_drift" in message, message
+    assert results[0]["message"] == results[1]["message"]  # the same report on both members
+    assert results[2] is None  # its own group, alone: nothing drifted
+
+
 def _rank_crossed(rank: int, world: int) -> list[str]:
     """Rank 0 shards while rank 1 syncs: both raise at once; nothing changed (rank 0's shard sequence number
     included), so the ranks then shard and sync together and the runtime works."""

@@ -1,9 +1,14 @@
 """Group fences (``sync(group=...)``) on the second control page, and crossed-collective detection.
 
-The page holds one int64 per group index (this rank's last fence number in that group) and a *marker* (the group
-this rank waits in, that fence's number, a bitmap of its ranks). A fence: quiet, bump and publish the group's
-number with the marker set (one locked store), poll the members' numbers for that group until each reached ours,
-clear the marker. The world epoch is untouched, so groups fence at their own pace. Two ranks waiting for each
+The page holds a slot per group index (this rank's last fence number in that group, and the digests of the
+operations it fenced with at that number and the one before), a *marker* (the group this rank waits in, that
+fence's number, a bitmap of its ranks) and the name of the last fence it entered (for messages). A fence: quiet,
+bump and publish the group's number and digest with the marker set (one locked store), poll the members' numbers for
+that group until each reached ours, clear the marker, then compare the members' digests at that number
+(``check_same``): members that fenced from different operations (with ``ODC_DEBUG=1``, from different call sites)
+all raise ``OdcRoundMismatchError`` there, since every member completed the fence and reads the same digests (a
+member is at most one fence ahead in the group, so its digest at our number is its current or its previous one).
+The world epoch is untouched, so groups fence at their own pace. Two ranks waiting for each
 other in different collectives (one in a group fence, the other in a world round or another group's fence, each
 needing the other first) see it from the peer's world epoch or marker and raise
 ``OdcMismatchError`` instead of timing out; longer cycles (rank 0 in a fence waiting for
@@ -17,19 +22,25 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
-from odc_runtime.agree import shorten
-from odc_runtime.errors import OdcCrossedCollectivesError
+from odc_runtime.agree import op_digest, shorten
+from odc_runtime.errors import OdcCrossedCollectivesError, OdcRoundMismatchError
 from odc_runtime.transport.base import Group
 from odc_runtime.transport.host.locks import ByteRangeLocks
 from odc_runtime.transport.host.segments import CONTROL_BYTES, PAGE, Segments
 
 # A marker (index + 1 of the group this rank waits in, 0 if none; that fence's number; a bitmap of the group's
-# ranks, for ranks below MARKER_RANKS), then one int64 per group: its last fence number.
+# ranks, for ranks below MARKER_RANKS); the last fence this rank entered (index + 1, number, the operation's name,
+# its end kept: with ODC_DEBUG=1 that is the call site); then one slot per group: its last fence number and the
+# 8-byte digests of the operations of that fence and of the one before.
 _MARKER = struct.Struct("<qq64s")
 MARKER_RANKS = 64 * 8
-_GROUP_SLOTS_OFFSET = PAGE + 128
-MAX_GROUPS = (CONTROL_BYTES - _GROUP_SLOTS_OFFSET) // 8
+_LAST = struct.Struct("<qq64s")
+_LAST_OFFSET = PAGE + _MARKER.size
+_SLOT = struct.Struct("<q8s8s")
+_GROUP_SLOTS_OFFSET = _LAST_OFFSET + _LAST.size
+MAX_GROUPS = (CONTROL_BYTES - _GROUP_SLOTS_OFFSET) // _SLOT.size
 _EPOCH = struct.Struct("<q")
+_NO_DIGEST = b"\0" * 8
 
 
 class GroupFences:
@@ -40,6 +51,7 @@ class GroupFences:
         self._locks = locks
         self._rank = rank
         self.epochs: dict[int, int] = {}  # group index -> number of this rank's last fence in it
+        self._digests: dict[int, tuple[bytes, bytes]] = {}  # group index -> digests at its last fence, the one before
 
     def marker(self, peer: int) -> tuple[int, int, bytes]:
         """``(group index or -1, fence number, member bitmap)`` of the group fence ``peer`` waits in."""
@@ -52,28 +64,76 @@ class GroupFences:
         """Whether ``peer``'s last fence in group ``index`` is at least ``epoch``."""
         return self.epoch(peer, index) >= epoch
 
-    def enter(self, group: Group) -> int:
-        """Bump and publish this rank's fence number in ``group`` with the marker set; return the number."""
+    def enter(self, group: Group, op: str) -> int:
+        """Bump and publish this rank's fence number in ``group``, with ``op``'s digest and name and the marker
+        set; return the number."""
         epoch = self.epochs.get(group.index, 0) + 1
         self.epochs[group.index] = epoch
-        self._publish(group, epoch, waiting=True)
+        digest = op_digest(op)[: len(_NO_DIGEST)]
+        self._digests[group.index] = (digest, self._digests.get(group.index, (_NO_DIGEST,))[0])
+        self._publish(group, epoch, waiting=True, name=op.encode()[-64:])
         return epoch
 
     def leave(self, group: Group, epoch: int) -> None:
         """Clear the marker after fence ``epoch`` of ``group`` completed."""
         self._publish(group, epoch, waiting=False)
 
-    def _publish(self, group: Group, epoch: int, waiting: bool) -> None:
-        """One exclusive lock over the number and the marker: a peer sees both change together."""
+    def _publish(self, group: Group, epoch: int, waiting: bool, name: bytes | None = None) -> None:
+        """One exclusive lock over the slot, the marker and the name: a peer sees them change together."""
         seg = self._segments.get(self._rank)
         bitmap = bytearray(64)
         for r in group.ranks:
             if r < MARKER_RANKS:
                 bitmap[r // 8] |= 1 << (r % 8)
-        at = _GROUP_SLOTS_OFFSET + 8 * group.index
+        at = _GROUP_SLOTS_OFFSET + _SLOT.size * group.index
         with self._locks.held(self._rank, PAGE, CONTROL_BYTES - PAGE, exclusive=True, op="group barrier"):
-            _EPOCH.pack_into(seg.map, at, epoch)
+            _SLOT.pack_into(seg.map, at, epoch, *self._digests[group.index])
             _MARKER.pack_into(seg.map, PAGE, group.index + 1 if waiting else 0, epoch, bytes(bitmap))
+            if name is not None:
+                _LAST.pack_into(seg.map, _LAST_OFFSET, group.index + 1, epoch, name)
+
+    def check_same(self, group: Group, epoch: int) -> None:
+        """After fence ``epoch`` of ``group`` completed on every member: raise ``OdcRoundMismatchError`` (on every
+        member alike: they read the same digests) if members fenced with different operations."""
+        mine = self._digests[group.index][0]
+        theirs = {self._rank: mine}
+        for peer in group.ranks:
+            if peer != self._rank:
+                theirs[peer] = self._digest_at(peer, group.index, epoch)
+        if all(d == mine for d in theirs.values()):
+            return
+        by_digest: dict[bytes, list[int]] = {}
+        for peer in sorted(theirs):
+            by_digest.setdefault(theirs[peer], []).append(peer)
+        sides = "; ".join(
+            f"rank{'s' if len(ranks) > 1 else ''} {ranks if len(ranks) > 1 else ranks[0]} called "
+            f"{self._name_at(ranks[0], group.index, epoch)}"
+            for ranks in by_digest.values()
+        )
+        raise OdcRoundMismatchError(
+            f"odc collective mismatch at group fence #{epoch} of ranks {list(group.ranks)}: {sides}. Every member of a "
+            "group must call sync(group=...) the same number of times, in the same order (with ODC_DEBUG=1: from the "
+            "same places); the fence completed, so the runtime stays usable"
+        )
+
+    def _digest_at(self, peer: int, index: int, epoch: int) -> bytes:
+        """``peer``'s digest at its fence ``epoch`` of group ``index`` (it reached it, and is at most one ahead)."""
+        seg = self._segments.get(peer)
+        at = _GROUP_SLOTS_OFFSET + _SLOT.size * index
+        with self._locks.held(peer, at, _SLOT.size, exclusive=False, op="group barrier"):
+            last, current, previous = _SLOT.unpack_from(seg.map, at)
+        return current if last == epoch else previous
+
+    def _name_at(self, peer: int, index: int, epoch: int) -> str:
+        """The name of ``peer``'s operation at fence ``epoch`` of group ``index``, while its last fence is that
+        one (a peer that went on to another fence since has overwritten it)."""
+        seg = self._segments.get(peer)
+        with self._locks.held(peer, _LAST_OFFSET, _LAST.size, exclusive=False, op="group barrier"):
+            plus1, last, name = _LAST.unpack_from(seg.map, _LAST_OFFSET)
+        if (plus1 - 1, last) != (index, epoch):
+            return "(its call site is no longer recorded: it went on to another fence)"
+        text = name.rstrip(b"\0").decode(errors="replace")
+        return text if len(name.rstrip(b"\0")) < len(name) else "..." + text
 
     def check_not_waiting_for_us(self, op: str, peer: int) -> None:
         """Raise (crossed collectives) if ``peer``, which we wait for, waits in a group fence for *us*.
@@ -124,7 +184,7 @@ class GroupFences:
     def epoch(self, peer: int, index: int) -> int:
         """``peer``'s last fence number in group ``index``."""
         seg = self._segments.get(peer)
-        at = _GROUP_SLOTS_OFFSET + 8 * index
+        at = _GROUP_SLOTS_OFFSET + _SLOT.size * index
         with self._locks.held(peer, at, 8, exclusive=False, op="group barrier"):
             return _EPOCH.unpack_from(seg.map, at)[0]
 

@@ -426,10 +426,11 @@ class HostTransport(Transport):
         if self.rank not in group.ranks:
             raise OdcUsageError(f"odc {shorten(op)}: rank {self.rank} is not in the group {list(group.ranks)}")
         entered = "this rank entered the fence"
-        self._quiet_then_meet(lambda: self.fail_stop(shorten(op), entered, lambda: self._fence(op, group)))
+        self._quiet_then_meet(lambda: self.fail_stop(shorten(op), entered, lambda: self._fence(op, group),
+                                                     aligned=(OdcRoundMismatchError,)))
 
     def _fence(self, op: str, group: Group) -> None:
-        epoch = self.fences.enter(group)
+        epoch = self.fences.enter(group, op)
         # On a timeout or a crossed collective the marker stays set: a peer that waits for us in another
         # collective still sees why (it raises the same mismatch instead of timing out).
         self._wait_for_peers(
@@ -440,6 +441,7 @@ class HostTransport(Transport):
             what=f" (group fence #{epoch} of ranks {list(group.ranks)})",
         )
         self.fences.leave(group, epoch)
+        self.fences.check_same(group, epoch)  # every member completed the fence: a mismatch raises on all alike
 
     def _check_not_crossed(self, op: str, peer: int) -> None:
         """Raise if ``peer``, whom we wait for, waits itself in a collective that needs us first."""

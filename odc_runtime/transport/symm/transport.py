@@ -314,7 +314,7 @@ class SymmTransport(HostTransport):
     def _fence(self, op: str, group: Group) -> None:
         """One group fence (the host transport's ``group_barrier`` validates and wraps it): the kernel barrier on
         the group's row, its fence number published on the control page for crossed-collective detection."""
-        epoch = self.fences.enter(group)
+        epoch = self.fences.enter(group, op)
         members = self._group_members.get(group.index)
         if members is None or members.numel() != len(group.ranks):
             members = torch.tensor(group.ranks, dtype=torch.int32, device=self.device)
@@ -322,7 +322,13 @@ class SymmTransport(HostTransport):
         peers = [p for p in group.ranks if p != self.rank]
         self._kernel_barrier(op, 1 + group.index, members, peers, epoch, lambda p: self._check_not_crossed(op, p),
                              what=f" (group fence #{epoch} of ranks {list(group.ranks)})",
-                             after=lambda: self.fences.leave(group, epoch))
+                             after=lambda: self._fence_done(group, epoch))
+
+    def _fence_done(self, group: Group, epoch: int) -> None:
+        """The group's kernel barrier completed on every member: clear the marker, compare the members' operations
+        (``GroupFences.check_same``)."""
+        self.fences.leave(group, epoch)
+        self.fences.check_same(group, epoch)
 
     def _kernel_barrier(self, op: str, row: int, members: torch.Tensor, peers: list[int], epoch: int,
                         watch: Callable[[int], None], what: str = "", *, after: Callable[[], None] | None = None,
