@@ -6,6 +6,8 @@ It shows:
 
 * the versions that matter: Python, torch and its CUDA, Triton, the NVSHMEM wheels;
 * the CUDA devices, with CUDA MPS's state (several ranks on one GPU need it);
+* the host transport's shared-memory directory and its free space (a container's small ``/dev/shm`` is the usual
+  cause of an ``OdcMemoryError`` on CPU ranks);
 * every registered transport: whether it can run here and, where it cannot, why (``TransportSpec.
   unavailable_reason``, the fact the automatic choice uses);
 * the transport ``odc.init()`` would take for ranks on this host alone;
@@ -60,6 +62,16 @@ def _gpus() -> list[dict[str, Any]]:
             "memory_gib": round(props.total_memory / 2**30, 1), "mps": _MPS[gpu_sharing.mps_state(index)],
         })
     return gpus
+
+
+def _shared_memory() -> dict[str, Any]:
+    """The host transport's segment directory (``ODC_SHM_DIR``) and its free bytes, or why it cannot be used."""
+    try:
+        directory = config.shm_dir()
+        stats = os.statvfs(directory)
+    except (OdcError, OSError) as e:
+        return {"dir": os.environ.get("ODC_SHM_DIR", config.DEFAULT_SHM_DIR), "free_bytes": None, "error": str(e)}
+    return {"dir": directory, "free_bytes": stats.f_bavail * stats.f_frsize, "error": None}
 
 
 def _transports() -> list[dict[str, Any]]:
@@ -128,6 +140,7 @@ def collect() -> dict[str, Any]:
         "triton": _version("triton"),
         "nvshmem_wheels": [f"nvidia-nvshmem-{f}=={v}" for f, v in _nvshmem_wheels()],
         "gpus": _gpus(),
+        "shared_memory": _shared_memory(),
         "transports": transports,
         "init": _init_choice(transports),
         "settings": _settings(),
@@ -154,6 +167,11 @@ def render(report: dict[str, Any]) -> str:
         ])
     else:
         lines.append("GPUs: none (torch.cuda.is_available() is false)")
+    shm = report["shared_memory"]
+    lines.append(f"host transport's shared memory: {shm['dir']}: " + (
+        f"{shm['free_bytes'] / 2**30:.1f} GiB free (each rank's shards are reserved there as they are allocated, up "
+        "to ODC_HEAP_SIZE per rank; in a container: docker run --shm-size=...)" if shm["error"] is None
+        else f"unusable: {shm['error']}"))
     lines.append("")
     lines += _table(["transport", "device", "automatic", "available", "why not"], [
         [t["name"], t["device_type"], "yes" if t["automatic"] else "no", "yes" if t["available"] else "no",

@@ -123,3 +123,15 @@ def test_why_a_transport_is_unavailable(monkeypatch) -> None:
     assert "triton is not installed" in symm.common_reason()
     assert cpu.unavailable_reason() == cuda.unavailable_reason() == symm.common_reason()
     assert not cpu.is_available() and not registry.get("symm-cpu").is_available()
+
+
+def test_the_shared_memory_directory_and_its_free_space(clean_env, tmp_path) -> None:
+    clean_env.setenv("ODC_SHM_DIR", str(tmp_path))
+    shm = doctor.collect()["shared_memory"]
+    stats = os.statvfs(tmp_path)
+    assert shm["dir"] == str(tmp_path) and shm["error"] is None
+    assert abs(shm["free_bytes"] - stats.f_bavail * stats.f_frsize) < 64 << 20  # the same filesystem, moments apart
+    clean_env.setenv("ODC_SHM_DIR", str(tmp_path / "missing"))
+    report = doctor.collect()
+    assert report["shared_memory"]["free_bytes"] is None and "missing" in report["shared_memory"]["error"]
+    assert "unusable" in doctor.render(report)
