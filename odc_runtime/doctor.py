@@ -106,7 +106,9 @@ def _settings() -> list[dict[str, Any]]:
     rows = []
     for name in sorted(k for k in os.environ if k.startswith("ODC_")):
         row: dict[str, Any] = {"name": name, "value": os.environ[name], "ok": True, "note": ""}
-        if name not in config.SETTINGS:
+        if name in config.TOOLING:
+            row["note"] = "read by odc_runtime's tests and CI scripts, not by the package"
+        elif name not in config.SETTINGS:
             close = difflib.get_close_matches(name, config.SETTINGS, n=1, cutoff=0.75)
             row["ok"] = False
             row["note"] = "odc_runtime does not read it" + (f": did you mean {close[0]}?" if close else "")
