@@ -22,7 +22,7 @@ import itertools
 import json
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Protocol, TypeVar
 
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from odc_runtime.errors import (
 from odc_runtime.transport.wait import Backoff, wait_for
 
 T = TypeVar("T")
+H = TypeVar("H", bound=Hashable)
 
 # -- processes ---------------------------------------------------------------------------------------------------
 def process_start_time(pid: int) -> int | None:
@@ -98,6 +99,23 @@ os.register_at_fork(after_in_child=_refresh_identity)
 def op_digest(op: str) -> bytes:
     """16-byte digest of an operation's full identity: two operations are the same collective iff equal."""
     return hashlib.blake2b(op.encode(), digest_size=16).digest()
+
+
+def ranks_by_value(values: Iterable[tuple[int, H]]) -> dict[H, list[int]]:
+    """``(rank, value)`` pairs -> the ranks that hold each value, values in order of first appearance."""
+    out: dict[H, list[int]] = {}
+    for rank, value in values:
+        out.setdefault(value, []).append(rank)
+    return out
+
+
+def describe_calls(by_value: dict[H, list[int]], name: Callable[[H, int], str]) -> str:
+    """``rank 0 called X; ranks [1, 2] called Y`` for a mismatch message: ``name(value, first rank)`` names what
+    the ranks holding ``value`` called."""
+    return "; ".join(
+        f"{f'ranks {ranks}' if len(ranks) > 1 else f'rank {ranks[0]}'} called {name(value, ranks[0])}"
+        for value, ranks in by_value.items()
+    )
 
 
 def shorten(text: str, limit: int = 160) -> str:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from odc_runtime.agree import describe_calls, ranks_by_value
 from odc_runtime.errors import OdcRoundMismatchError
 
 if TYPE_CHECKING:
@@ -58,14 +59,7 @@ def check(runtime: Runtime, op: str) -> None:
     fingerprints = runtime.transport.exchange(_OP, mine)
     if all(f == mine for f in fingerprints):
         return
-    by_print: dict[bytes, list[int]] = {}
-    for rank, f in enumerate(fingerprints):
-        by_print.setdefault(f, []).append(rank)
-    sides = "; ".join(
-        f"rank{'s' if len(ranks) > 1 else ''} {ranks if len(ranks) > 1 else ranks[0]} called "
-        f"{f.decode(errors='replace')}"
-        for f, ranks in by_print.items()
-    )
+    sides = describe_calls(ranks_by_value(enumerate(fingerprints)), lambda f, _: f.decode(errors="replace"))
     raise OdcRoundMismatchError(
         f"odc collective mismatch (ODC_DEBUG=1) at collective call #{runtime.debug_calls}: {sides}. Every rank must "
         "make the same collective calls (shard, free, sync, finalize) from the same places in the same order; a rank "

@@ -39,7 +39,7 @@ from odc_runtime import transport as registry
 from odc_runtime.errors import OdcError
 from odc_runtime.transport import gpu_sharing
 
-__all__ = ["collect", "main", "render"]
+__all__ = ["collect", "healthy", "main", "render"]
 
 _MPS = {1: "on", 0: "off", -1: "unknown"}
 

@@ -9,21 +9,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Sequence
 
 from odc_runtime.errors import OdcUsageError
 
 log = logging.getLogger("odc_runtime")
 
 _MPS_ENABLED_ATTRIBUTE = 133  # cudaDevAttrMpsEnabled, from CUDA 12.x runtimes on
-
-
-def ranks_by_gpu(places: Sequence[tuple[str, str]]) -> dict[tuple[str, str], list[int]]:
-    """Each rank's ``(host, GPU uuid)``, in rank order -> the ranks on each GPU."""
-    out: dict[tuple[str, str], list[int]] = {}
-    for rank, place in enumerate(places):
-        out.setdefault(place, []).append(rank)
-    return out
 
 
 def check_gpu_sharing(transport: str, sharing: dict[tuple[str, str], list[int]], mps: dict[int, int]) -> None:

@@ -5,7 +5,7 @@ operations it fenced with at that number and the one before), a *marker* (the gr
 fence's number, a bitmap of its ranks) and the name of the last fence it entered (for messages). A fence: quiet,
 bump and publish the group's number and digest with the marker set (one locked store), poll the members' numbers for
 that group until each reached ours, clear the marker, then compare the members' digests at that number
-(``check_same``): members that fenced from different operations (with ``ODC_DEBUG=1``, from different call sites)
+(``leave``): members that fenced from different operations (with ``ODC_DEBUG=1``, from different call sites)
 all raise ``OdcRoundMismatchError`` there, since every member completed the fence and reads the same digests (a
 member is at most one fence ahead in the group, so its digest at our number is its current or its previous one).
 The world epoch is untouched, so groups fence at their own pace. Two ranks waiting for each
@@ -22,7 +22,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
-from odc_runtime.agree import op_digest, shorten
+from odc_runtime.agree import describe_calls, op_digest, ranks_by_value, shorten
 from odc_runtime.errors import OdcCrossedCollectivesError, OdcRoundMismatchError
 from odc_runtime.transport.base import Group
 from odc_runtime.transport.host.locks import ByteRangeLocks
@@ -34,7 +34,8 @@ from odc_runtime.transport.host.segments import CONTROL_BYTES, PAGE, Segments
 # 8-byte digests of the operations of that fence and of the one before.
 _MARKER = struct.Struct("<qq64s")
 MARKER_RANKS = 64 * 8
-_LAST = struct.Struct("<qq64s")
+_NAME_BYTES = 64
+_LAST = struct.Struct(f"<qq{_NAME_BYTES}s")
 _LAST_OFFSET = PAGE + _MARKER.size
 _SLOT = struct.Struct("<q8s8s")
 _GROUP_SLOTS_OFFSET = _LAST_OFFSET + _LAST.size
@@ -71,12 +72,25 @@ class GroupFences:
         self.epochs[group.index] = epoch
         digest = op_digest(op)[: len(_NO_DIGEST)]
         self._digests[group.index] = (digest, self._digests.get(group.index, (_NO_DIGEST,))[0])
-        self._publish(group, epoch, waiting=True, name=op.encode()[-64:])
+        self._publish(group, epoch, waiting=True, name=op.encode()[-_NAME_BYTES:])
         return epoch
 
     def leave(self, group: Group, epoch: int) -> None:
-        """Clear the marker after fence ``epoch`` of ``group`` completed."""
+        """After fence ``epoch`` of ``group`` completed on every member: clear the marker, then raise
+        ``OdcRoundMismatchError`` if members fenced with different operations (on every member alike: they read the
+        same digests)."""
         self._publish(group, epoch, waiting=False)
+        mine = self._digests[group.index][0]
+        digests = {p: mine if p == self._rank else self._digest_at(p, group.index, epoch) for p in group.ranks}
+        if all(d == mine for d in digests.values()):
+            return
+        sides = describe_calls(ranks_by_value(digests.items()),
+                               lambda _, first: self._name_at(first, group.index, epoch))
+        raise OdcRoundMismatchError(
+            f"odc collective mismatch at group fence #{epoch} of ranks {list(group.ranks)}: {sides}. Every member of a "
+            "group must call sync(group=...) the same number of times, in the same order (with ODC_DEBUG=1: from the "
+            "same places); the fence completed, so the runtime stays usable"
+        )
 
     def _publish(self, group: Group, epoch: int, waiting: bool, name: bytes | None = None) -> None:
         """One exclusive lock over the slot, the marker and the name: a peer sees them change together."""
@@ -91,30 +105,6 @@ class GroupFences:
             _MARKER.pack_into(seg.map, PAGE, group.index + 1 if waiting else 0, epoch, bytes(bitmap))
             if name is not None:
                 _LAST.pack_into(seg.map, _LAST_OFFSET, group.index + 1, epoch, name)
-
-    def check_same(self, group: Group, epoch: int) -> None:
-        """After fence ``epoch`` of ``group`` completed on every member: raise ``OdcRoundMismatchError`` (on every
-        member alike: they read the same digests) if members fenced with different operations."""
-        mine = self._digests[group.index][0]
-        theirs = {self._rank: mine}
-        for peer in group.ranks:
-            if peer != self._rank:
-                theirs[peer] = self._digest_at(peer, group.index, epoch)
-        if all(d == mine for d in theirs.values()):
-            return
-        by_digest: dict[bytes, list[int]] = {}
-        for peer in sorted(theirs):
-            by_digest.setdefault(theirs[peer], []).append(peer)
-        sides = "; ".join(
-            f"rank{'s' if len(ranks) > 1 else ''} {ranks if len(ranks) > 1 else ranks[0]} called "
-            f"{self._name_at(ranks[0], group.index, epoch)}"
-            for ranks in by_digest.values()
-        )
-        raise OdcRoundMismatchError(
-            f"odc collective mismatch at group fence #{epoch} of ranks {list(group.ranks)}: {sides}. Every member of a "
-            "group must call sync(group=...) the same number of times, in the same order (with ODC_DEBUG=1: from the "
-            "same places); the fence completed, so the runtime stays usable"
-        )
 
     def _digest_at(self, peer: int, index: int, epoch: int) -> bytes:
         """``peer``'s digest at its fence ``epoch`` of group ``index`` (it reached it, and is at most one ahead)."""
@@ -132,8 +122,8 @@ class GroupFences:
             plus1, last, name = _LAST.unpack_from(seg.map, _LAST_OFFSET)
         if (plus1 - 1, last) != (index, epoch):
             return "(its call site is no longer recorded: it went on to another fence)"
-        text = name.rstrip(b"\0").decode(errors="replace")
-        return text if len(name.rstrip(b"\0")) < len(name) else "..." + text
+        text = name.rstrip(b"\0")
+        return ("" if len(text) < _NAME_BYTES else "...") + text.decode(errors="replace")  # full: maybe cut
 
     def check_not_waiting_for_us(self, op: str, peer: int) -> None:
         """Raise (crossed collectives) if ``peer``, which we wait for, waits in a group fence for *us*.

@@ -19,9 +19,8 @@ from types import ModuleType
 import torch
 
 from odc_runtime import config
-from odc_runtime.agree import gather_checked, require_same
+from odc_runtime.agree import gather_checked, ranks_by_value, require_same
 from odc_runtime.errors import OdcBackendError, OdcMismatchError, OdcNotInitializedError
-from odc_runtime.transport import gpu_sharing
 from odc_runtime.transport.nvshmem import extension, memory, settings
 from odc_runtime.transport.nvshmem.transport import NvshmemTransport
 
@@ -70,7 +69,7 @@ def create(*, timeout: float, heap_size: int | str | None = None) -> NvshmemTran
         for info in gather_checked("init (nvshmem)", local_checks, timeout=timeout)
     ]
     agreed, capacity, scratch_slots = settings.agree_settings([info[:3] for info in infos])
-    sharing = gpu_sharing.ranks_by_gpu([(info[3], info[4]) for info in infos])
+    sharing = ranks_by_value((r, (info[3], info[4])) for r, info in enumerate(infos))  # (host, GPU) -> its ranks
     settings.check_gpu_sharing(sharing, {r: info[5] for r, info in enumerate(infos)})
     ext = ext_box[0]
     device = torch.device("cuda", torch.cuda.current_device())

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from odc_runtime import config
-from odc_runtime.agree import gather_checked
+from odc_runtime.agree import gather_checked, ranks_by_value
 from odc_runtime.errors import (
     OdcBackendError,
     OdcMismatchError,
@@ -191,6 +191,10 @@ def check_topology(facts: Sequence[Sequence[Any]], rank: int, visible: dict[str,
             )
 
 
+def _ranks_by_gpu(facts: Sequence[Facts]) -> dict[tuple[str, str], list[int]]:
+    return ranks_by_value((r, (f.host, f.gpu)) for r, f in enumerate(facts))
+
+
 def choose_provider(facts: Sequence[Facts]) -> str:
     """The heap's provider, from every rank's facts (every rank decides alike): ``ODC_SYMM_HEAP`` where set, else
     ``symmetric-memory`` where every rank has a GPU of its own and SymmetricMemory, else ``ipc``. Raises
@@ -199,7 +203,7 @@ def choose_provider(facts: Sequence[Facts]) -> str:
     modes = [f.mode for f in facts]
     if len(set(modes)) > 1:
         raise OdcMismatchError(f"symm heap: ranks set ODC_SYMM_HEAP differently: {modes} (rank order)")
-    shared = [rs for rs in gpu_sharing.ranks_by_gpu([(f.host, f.gpu) for f in facts]).values() if len(rs) > 1]
+    shared = [rs for rs in _ranks_by_gpu(facts).values() if len(rs) > 1]
     symm_missing = next(((r, f.symm_reason) for r, f in enumerate(facts) if f.symm_reason is not None), None)
     ipc_missing = next(((r, f.ipc_reason) for r, f in enumerate(facts) if f.ipc_reason is not None), None)
     if symm_missing is not None:
@@ -269,8 +273,7 @@ def _open(rank: int, world: int, nbytes: int, timeout: float) -> CudaPeerHeap:
 
     def agree_on_the_layout() -> None:
         check_topology(facts, rank, _visible_gpus())
-        gpu_sharing.check_gpu_sharing("symm", gpu_sharing.ranks_by_gpu([(f.host, f.gpu) for f in facts]),
-                                      {r: f.mps for r, f in enumerate(facts)})
+        gpu_sharing.check_gpu_sharing("symm", _ranks_by_gpu(facts), {r: f.mps for r, f in enumerate(facts)})
         provider.append(choose_provider(facts))
 
     gather_checked("symm heap (topology)", agree_on_the_layout, timeout=timeout)

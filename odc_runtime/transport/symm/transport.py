@@ -322,13 +322,7 @@ class SymmTransport(HostTransport):
         peers = [p for p in group.ranks if p != self.rank]
         self._kernel_barrier(op, 1 + group.index, members, peers, epoch, lambda p: self._check_not_crossed(op, p),
                              what=f" (group fence #{epoch} of ranks {list(group.ranks)})",
-                             after=lambda: self._fence_done(group, epoch))
-
-    def _fence_done(self, group: Group, epoch: int) -> None:
-        """The group's kernel barrier completed on every member: clear the marker, compare the members' operations
-        (``GroupFences.check_same``)."""
-        self.fences.leave(group, epoch)
-        self.fences.check_same(group, epoch)
+                             after=lambda: self.fences.leave(group, epoch))
 
     def _kernel_barrier(self, op: str, row: int, members: torch.Tensor, peers: list[int], epoch: int,
                         watch: Callable[[int], None], what: str = "", *, after: Callable[[], None] | None = None,
