@@ -54,8 +54,8 @@ ORDERING: dict[str, list[tuple[str, str, str]]] = {
     # plain loads: the barrier before the fetch orders them
     "fetch_kernel": [],
     "fetch_kernel:aligned": [],
-    # data stores, then each block counts itself in (acq_rel); the last block's release add on the peer's signal
-    # word makes every block's data visible to an acquire of that word
+    # data stores, a CTA barrier, then each block counts itself in (acq_rel); the last block's release add on the
+    # peer's signal word makes every block's data visible to an acquire of that word
     "put_signal_kernel": [("atom.add", "acq_rel", "sys"), ("red.add", "release", "sys")],
     # a spin on volatile loads, then one acquire read of the word that ended it
     "wait_kernel": [("ld", "acquire", "sys")],
@@ -200,7 +200,10 @@ def put_signal_kernel(table_ptr, desc_ptr, sig_ptr, count_ptr, DT: tl.constexpr,
 
     No block waits for another: each counts itself in ``count_ptr[r]`` (zeroed by the caller) with an acq_rel
     add after its stores; the block that counts last signals with a release add, so an acquire of the signal word
-    sees all of the row's data (release sequence + causality through the counter)."""
+    sees all of the row's data (release sequence + causality through the counter). Each block's count is one
+    thread's atomic (Triton issues a scalar atomic from one thread), and a release covers only the writes its own
+    thread made or observed: the CTA barrier before it orders every thread's stores of the block before the count
+    (the PTX check requires it: ``odc_runtime.kernels.ptx``, "unbarriered release")."""
     b = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1).to(tl.int64)
     row = desc_ptr + r * 4
@@ -209,6 +212,7 @@ def put_signal_kernel(table_ptr, desc_ptr, sig_ptr, count_ptr, DT: tl.constexpr,
     if b * BLOCK < n:
         dst, src, offs, mask = _span(table_ptr, row, n, b, DT, DT, BLOCK)
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+    tl.debug_barrier()  # every thread's stores before this block's count (Triton <= 3.8 emits no barrier here)
     done = tl.atomic_add(count_ptr + r, 1, sem="acq_rel", scope="sys")
     if done == tl.num_programs(0) - 1:
         word = _peer_ptr(table_ptr, peer, tl.load(sig_ptr + r), tl.int64, False)

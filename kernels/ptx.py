@@ -39,6 +39,16 @@ What counts as an ordered operation, and how it is named (PTX ISA, "Memory Consi
   ``sem="acquire"`` into ``ld.acquire``.
 * ``fence.<sem>.<scope>`` and ``membar.<level>`` (``membar.gl`` = ``fence.sc.gpu``): ``("fence", sem, scope)``.
 
+Unbarriered releases (every kernel, no declaration): a release at system scope (``atom``/``red``/``st`` with
+``.release`` or ``.acq_rel``, or a ``fence``) publishes to another GPU or process the writes *its own thread* made
+or observed. Triton issues a scalar atomic (a block's count, a signal) from one thread of the CTA, so the other
+threads' data stores reach it only through a CTA barrier (``bar.sync``/``barrier.sync``: ``tl.debug_barrier()``)
+between them. The check reads the PTX in program order and fails a system-scope release that follows a data write
+(a weak ``st`` or a relaxed ``atom``/``red`` to global memory) of other threads with no CTA barrier between the two,
+naming both lines: a write is another thread's unless it ran under the release's own predicate (then each writing
+thread releases its own writes), so a one-thread release after every thread's stores fails. Triton 3.9 happens to
+emit a barrier before such an atomic; 3.5-3.8 do not, so the kernel must ask for it.
+
 Vector widths (optional): ``ORDERING`` names operations without their vector width. A module may also declare
 ``VECTOR``, per case and architecture, the vector accesses the case's PTX must contain, as ``(op, bytes)``::
 
@@ -92,6 +102,7 @@ __all__ = [
     "main",
     "mutation_survivors",
     "supported_archs",
+    "unbarriered_releases",
     "vector_accesses",
 ]
 
@@ -207,6 +218,43 @@ def vector_accesses(ptx: str) -> dict[Vector, str]:
     return found
 
 
+_CTA_BARRIER = re.compile(r"^\s*(?:@!?%\w+\s+)?(?:bar|barrier)(?:\.cta)?\.(?:sync|red)\b")
+_PREDICATE = re.compile(r"^\s*(@!?%\w+)\s")
+_RELEASES = {"release", "acq_rel", "sc"}
+
+
+def unbarriered_releases(ptx: str) -> list[str]:
+    """System-scope releases that may not cover other threads' data writes (module docstring), each as
+    ``"<release line> after <write line>"``; empty when every one is barriered.
+
+    Between two CTA barriers, a release is accepted after writes made under its own predicate (or when it runs
+    unpredicated, in every thread): each thread that wrote then releases its own writes. A write under another
+    predicate, or unpredicated, before a predicated release (Triton's one-thread scalar atomic) is reported."""
+    problems: list[str] = []
+    pending: list[tuple[str | None, str]] = []  # (predicate, line) of the data writes since the last CTA barrier
+    for line in ptx.splitlines():
+        if _CTA_BARRIER.match(line):
+            pending.clear()
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        opcode = m.group(1)
+        base, *quals = opcode.split(".")
+        pred_match = _PREDICATE.match(line)
+        pred = pred_match.group(1) if pred_match else None
+        acc = _classify(opcode)
+        if acc is not None and acc.scope == "sys" and acc.sem in _RELEASES and base in ("atom", "red", "st", "fence"):
+            other = next((w for p, w in pending if pred is not None and p != pred), None)
+            if other is not None:
+                problems.append(f"{line.strip().rstrip(';')} after {other}")
+            continue
+        if base in ("atom", "red", "st") and not set(quals) & _UNORDERED_SPACES and (
+                acc is None or acc.sem in ("relaxed", "volatile")):
+            pending.append((pred, line.strip().rstrip(";")))
+    return problems
+
+
 @dataclass(frozen=True)
 class Case:
     """One kernel compiled one way, and the ordered operations (and vector accesses) its PTX must have."""
@@ -295,6 +343,8 @@ def check_case(case: Case, arch: int, fn: Any = None) -> list[str]:
 def _compare(what: str, requires: frozenset[Access], ptx: str, vectors: frozenset[Vector] = frozenset()) -> list[str]:
     found = accesses(ptx)
     problems = [f"{what}: missing {a}" for a in sorted(requires - found.keys())]
+    problems += [f"{what}: unbarriered release: {p}; other threads' stores are not covered by it: put a CTA barrier "
+                 "(tl.debug_barrier()) between the stores and the release" for p in unbarriered_releases(ptx)]
     extra = sorted(a for a in found.keys() - requires if a.sem != "volatile")
     problems += [f"{what}: unexpected {a}: {found[a]}" for a in extra]
     if vectors:
