@@ -1,10 +1,13 @@
 """The symm heap from CUDA IPC (several ranks on one GPU), on CPU: the provider choice, torch's storage-sharing shape,
-the MPS rule, and the collective set-up on 3 ranks with POSIX shared memory standing in for CUDA IPC.
+the MPS rule, native peer atomics, and the collective set-up on 2-3 ranks with POSIX shared memory standing in for
+the GPU's memory.
 
-The real ``cudaIpcOpenMemHandle`` needs a GPU (``tests/gpu/test_symm_shared_gpu.py``, in ``.ci/gpu``'s plan); here
-every rank's block is a real shared-memory segment that its peers map by the name it exported, so the exchange,
-the order of its rounds (no rank reads a peer before that peer zeroed its block) and failing together are the code
-that runs on the GPU, executed.
+The real ``cudaIpcOpenMemHandle`` needs a GPU (``tests/gpu/test_symm_shared_gpu.py``, in ``.ci/gpu``'s plan). Here
+only torch's own CUDA calls (``torch.empty`` on a CUDA device, ``UntypedStorage._share_cuda_`` /
+``_new_shared_cuda``, ``torch.cuda``'s device queries) and the CUDA runtime's attribute queries are replaced: every
+rank's block is a real shared-memory segment that its peers map by the handle it exported, and every function of
+``odc_runtime`` on the way (``_torch_ipc.export`` / ``open_export``, the agreement rounds, the facts, the topology)
+is the code that runs on the GPU, executed.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from odc_runtime.errors import OdcBackendError, OdcMismatchError, OdcUsageError
 from odc_runtime.transport import gpu_sharing
 from odc_runtime.transport.symm import _torch_ipc
 from odc_runtime.transport.symm.torch_heap import Facts, choose_provider
+from tests._cuda_fake import fake_cuda
 from tests._dist import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
@@ -137,53 +141,19 @@ def test_an_export_record_travels_as_json_and_opens_on_the_consumers_device(monk
         _torch_ipc.export(torch.zeros(4096, dtype=torch.uint8)[1:])
 
 
-# -- the collective set-up on 3 ranks, shared memory standing in for CUDA IPC ---------------------------------------
+# -- the collective set-up on 2-3 ranks: only torch's CUDA calls and the CUDA runtime's queries are faked -----------
 NBYTES = 4096
 
 
-def _shm_ipc(rank: int, calls: list[tuple], fail_open: bool) -> None:
-    """Replace torch's CUDA IPC with POSIX shared memory: a block is a segment, its export the segment's name."""
-    from multiprocessing import resource_tracker, shared_memory
-
-    keep: list[shared_memory.SharedMemory] = []
-
-    def allocate(nbytes: int, device: torch.device) -> torch.Tensor:
-        seg = shared_memory.SharedMemory(create=True, size=nbytes)
-        keep.append(seg)
-        calls.append(("allocate", nbytes))
-        block = torch.frombuffer(seg.buf, dtype=torch.uint8)
-        block.fill_(7)  # what an uninitialised block may hold: the set-up zeroes it
-        return block
-
-    def export(local: torch.Tensor) -> list[object]:
-        calls.append(("export",))
-        return [keep[0].name]
-
-    def open_export(record: list[object], device: torch.device, nbytes: int) -> torch.Tensor:
-        calls.append(("open", record[0]))
-        if fail_open:
-            raise OdcBackendError("symm heap (CUDA IPC): cannot map a peer's heap (test)")
-        seg = shared_memory.SharedMemory(name=record[0])
-        resource_tracker.unregister(seg._name, "shared_memory")  # the owner unlinks it, not this process
-        keep.append(seg)
-        return torch.frombuffer(seg.buf, dtype=torch.uint8)
-
-    _torch_ipc.allocate, _torch_ipc.export, _torch_ipc.open_export = allocate, export, open_export
-
-
-def _open(rank: int, world: int, gpus: list[str], mps: int, fail_open_rank: int) -> dict:
+def _open(rank: int, world: int, gpus: list[str], mps: int, fail_open_rank: int, atomics: int = 1) -> dict:
     import torch.distributed as dist
 
     import odc_runtime.transport.symm.torch_heap as hc
 
     calls: list[tuple] = []
-    _shm_ipc(rank, calls, fail_open=rank == fail_open_rank)
-    hc._local_facts = lambda nbytes: hc.Facts("h", gpus[rank], 0, nbytes, "auto", None, None, mps)
-    hc._visible_gpus = lambda: {"g0": 0}
-    torch.cuda.current_device = lambda: 0
-    torch.cuda.synchronize = lambda device=None: None
+    fake_cuda(rank, gpus, calls, mps=mps, atomics=atomics, fail_open=rank == fail_open_rank)
     try:
-        heap = hc.open_heap(rank, world, NBYTES, torch.device("cuda", 0), timeout=20)
+        heap = hc.open_heap(rank, world, NBYTES, torch.device("cuda", torch.cuda.current_device()), timeout=20)
     except Exception as e:
         return {"error": type(e).__name__, "msg": str(e), "calls": calls}
     zeroed = heap.local.tolist() == [0] * NBYTES
@@ -202,18 +172,21 @@ def test_three_ranks_on_one_gpu_map_each_others_blocks() -> None:
     world = 3
     results = run_ranks(_open, world, ["g0"] * world, 1, -1, timeout=60)
     for rank, r in enumerate(results):
+        assert "error" not in r, r
         assert r["provider"] == "ipc" and r["zeroed"] and r["bases_are_views"], r
         for p in range(world):  # rank p's block holds p + 1 in its own 8 bytes, zeros elsewhere
             assert r["seen"][p] == [p + 1 if i // 8 == p else 0 for i in range(8 * world)], (rank, p)
-        names = [c for c in r["calls"] if c[0] == "open"]
         assert [c[0] for c in r["calls"]] == ["allocate", "export", "export", "open", "open"]
-        assert len({n for _, n in names}) == 2  # one mapping of each peer, by the name that peer exported
+        opened = [c for c in r["calls"] if c[0] == "open"]
+        assert len({name for _, name, _ in opened}) == 2  # one mapping of each peer, by the handle it exported
+        assert {device for *_, device in opened} == {0}  # opened on this rank's own GPU
 
 
 @pytest.mark.slow
 def test_a_rank_that_cannot_map_fails_every_rank_together() -> None:
     results = run_ranks(_open, 2, ["g0", "g0"], 1, 1, timeout=60)
-    assert results[1]["error"] == "OdcBackendError" and "cannot map" in results[1]["msg"]
+    assert results[1]["error"] == "OdcBackendError" and "cannot map a peer's heap" in results[1]["msg"]
+    assert "invalid resource handle" in results[1]["msg"]
     assert results[0]["error"] == "OdcMismatchError" and "rank 1" in results[0]["msg"]
 
 
@@ -222,3 +195,14 @@ def test_ranks_sharing_a_gpu_without_mps_fail_before_any_allocation() -> None:
     results = run_ranks(_open, 2, ["g0", "g0"], 0, -1, timeout=60)
     for r in results:
         assert r["error"] == "OdcUsageError" and "without CUDA MPS" in r["msg"] and r["calls"] == [], r
+
+
+@pytest.mark.slow
+def test_gpus_without_native_peer_atomics_are_refused_before_any_allocation() -> None:
+    """Two GPUs reachable by P2P over a link without native atomics (PCIe): push's system-scope adds on the
+    peer's memory would be undefined, so every rank refuses at init, naming the pair and the way out."""
+    results = run_ranks(_open, 2, ["g0", "g1"], 0, -1, 0, timeout=60)
+    for r in results:
+        assert r["error"] in ("OdcBackendError", "OdcMismatchError") and r["calls"] == [], r
+        assert "native peer atomics" in r["msg"] and "NVLink" in r["msg"] and "MPS" in r["msg"], r
+    assert "rank 0's GPU g0 reaches rank 1's GPU g1" in results[0]["msg"]

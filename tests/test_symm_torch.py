@@ -17,6 +17,7 @@ import torch
 
 from odc_runtime.errors import OdcBackendError, OdcMemoryError, OdcUsageError
 from odc_runtime.transport.symm import _torch_symm, torch_heap
+from tests._cuda_fake import fake_cuda
 from tests._dist import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
@@ -267,15 +268,13 @@ def test_topology_refuses_several_hosts_and_unreachable_peers(monkeypatch: pytes
 
 # -- the collective create, on 2 CPU ranks with a fake torch module -----------------------------------------------
 def _fake_ranks(rank: int, calls: list[tuple], *, host: str, oom: bool) -> None:
-    import odc_runtime.transport.symm._torch_symm as ts
-    import odc_runtime.transport.symm.torch_heap as hc
+    """Rank ``rank`` of distinct GPUs on ``host``: torch's CUDA calls faked (``tests._cuda_fake``) and torch's
+    SymmetricMemory module replaced by a fake of the current shape; ODC's own functions run as they are."""
+    import sys
 
-    hc._local_facts = lambda nbytes: hc.Facts(host, f"gpu{rank}", rank, nbytes, "auto", None, None, 0)
-    hc._visible_gpus = dict
     error = torch.OutOfMemoryError("CUDA out of memory") if oom else None
-    ts.api = lambda: ts.detect(fake_module("current", calls, empty_error=error))
-    torch.cuda.current_device = lambda: 0
-    torch.cuda.synchronize = lambda device=None: None
+    fake_cuda(rank, ["gpu0", "gpu1"], [], mps=0, host=host)
+    sys.modules[_torch_symm.MODULE] = fake_module("current", calls, empty_error=error)
 
 
 def _create(rank: int, world: int, hosts: list[str], oom_rank: int) -> dict:
@@ -286,7 +285,7 @@ def _create(rank: int, world: int, hosts: list[str], oom_rank: int) -> dict:
     calls: list[tuple] = []
     _fake_ranks(rank, calls, host=hosts[rank], oom=rank == oom_rank)
     try:
-        heap = hc.open_heap(rank, world, 256, torch.device("cuda", 0), timeout=20)
+        heap = hc.open_heap(rank, world, 256, torch.device("cuda", rank), timeout=20)
     except Exception as e:
         return {"error": type(e).__name__, "msg": str(e), "calls": calls}
     out = {"bases": heap.peer_bases.tolist(), "local": heap.local.tolist(), "ptr": heap.local.data_ptr(),

@@ -15,6 +15,7 @@ from odc_runtime.errors import OdcUsageError
 log = logging.getLogger("odc_runtime")
 
 _MPS_ENABLED_ATTRIBUTE = 133  # cudaDevAttrMpsEnabled, from CUDA 12.x runtimes on
+_P2P_NATIVE_ATOMICS = 3  # cudaDevP2PAttrNativeAtomicSupported (cudaDeviceP2PAttr), every CUDA runtime since 8.0
 
 
 def check_gpu_sharing(transport: str, sharing: dict[tuple[str, str], list[int]], mps: dict[int, int]) -> None:
@@ -68,5 +69,23 @@ def mps_state(device: int) -> int:
         return -1
     if err != 0:
         cudart.cudaGetLastError()  # clear the runtime's last error, so torch does not report it later
+        return -1
+    return 1 if value.value else 0
+
+
+def peer_native_atomics(device: int, peer: int) -> int:
+    """1 if atomics from GPU ``device`` on GPU ``peer``'s memory are native over their link (NVLink; PCIe only
+    where the platform supports them), 0 if not (a peer atomic is then undefined), -1 if this process cannot tell.
+    Device indices as this process sees them. Never raises."""
+    cudart = _loaded_cudart()
+    if cudart is None:
+        return -1
+    value = ctypes.c_int(0)
+    try:
+        err = cudart.cudaDeviceGetP2PAttribute(ctypes.byref(value), _P2P_NATIVE_ATOMICS, device, peer)
+    except AttributeError:
+        return -1
+    if err != 0:
+        cudart.cudaGetLastError()
         return -1
     return 1 if value.value else 0

@@ -18,6 +18,8 @@ torch passes). A missing method or another tuple is an ``OdcBackendError`` namin
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from odc_runtime.errors import OdcBackendError, OdcMemoryError
@@ -93,10 +95,11 @@ def export(local: torch.Tensor) -> list[object]:
     return [_encode(v) for v in fields]
 
 
-def open_export(record: list[object], device: torch.device, nbytes: int) -> torch.Tensor:
+def open_export(record: Sequence[object], device: torch.device, nbytes: int) -> torch.Tensor:
     """Map a peer's ``export`` record in this process, on ``device`` (this rank's GPU, with its index): a
-    ``uint8[nbytes]`` tensor over the peer's memory."""
-    if not isinstance(record, list) or len(record) != len(FIELDS):
+    ``uint8[nbytes]`` tensor over the peer's memory. The record arrives as a list or, through
+    ``agree.gather_checked`` (which gives JSON arrays back as tuples), a tuple."""
+    if not isinstance(record, (list, tuple)) or len(record) != len(FIELDS):
         raise OdcBackendError(f"symm heap (CUDA IPC): a malformed export record ({type(record).__name__})")
     fields = [_decode(v) for v in record]
     fields[0] = device.index  # opened on this rank's GPU (see the module docstring)

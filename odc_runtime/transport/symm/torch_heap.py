@@ -21,7 +21,8 @@ within ``timeout``) before the next, so no rank enters a rendezvous or maps a pe
 1. local checks: a CUDA device, what each provider lacks here, ``ODC_SYMM_HEAP``, the host name, GPU and MPS state
    of each rank;
 2. topology: every rank on one host (else OdcBackendError: this transport is one node; use ``nvshmem``), every
-   pair of distinct GPUs that this process can see reaches each other by P2P (``cudaDeviceCanAccessPeer``), ranks
+   pair of distinct GPUs that this process can see reaches each other by P2P (``cudaDeviceCanAccessPeer``) with
+   native peer atomics (``cudaDevP2PAttrNativeAtomicSupported``: push's system-scope adds), ranks
    sharing a GPU under MPS, and the provider chosen from these facts (every rank decides alike);
 3. allocation (``ipc``: and export, the handles gathered);
 4. mapping: torch's rendezvous (``symmetric-memory``, its own collective) or opening every peer's handle (``ipc``,
@@ -165,7 +166,8 @@ def _visible_gpus() -> dict[str, int]:
 
 
 def check_topology(facts: Sequence[Sequence[Any]], rank: int, visible: dict[str, int]) -> None:
-    """Raise OdcBackendError unless every rank is on one host and this rank's GPU reaches every visible peer GPU.
+    """Raise OdcBackendError unless every rank is on one host and this rank's GPU reaches every visible peer GPU
+    by P2P with native peer atomics (unknown: a warning).
 
     ``facts[r]`` starts with rank ``r``'s ``(host, gpu uuid, ...)`` (``Facts``); ``visible`` maps the uuids this
     process sees to device indices.
@@ -189,6 +191,18 @@ def check_topology(facts: Sequence[Sequence[Any]], rank: int, visible: dict[str,
                 f"symm transport: rank {rank}'s GPU {mine} cannot access rank {peer}'s GPU {uuid} by P2P "
                 "(`nvidia-smi topo -p2p r` shows the pairs); use backend='nvshmem' or GPUs linked by NVLink"
             )
+        # push accumulates with system-scope atomics on the peer's memory: undefined without native peer atomics
+        atomics = gpu_sharing.peer_native_atomics(visible[mine], visible[uuid])
+        if atomics == 0:
+            raise OdcBackendError(
+                f"symm transport: rank {rank}'s GPU {mine} reaches rank {peer}'s GPU {uuid} by P2P, but without "
+                "native peer atomics (a PCIe link; `nvidia-smi topo -p2p a` shows the pairs), and push adds into a "
+                "peer's memory atomically: use GPUs linked by NVLink, or put the ranks on one GPU under CUDA MPS "
+                "(atomics within a GPU are native)"
+            )
+        if atomics < 0:
+            log.warning("odc symm: cannot tell whether GPUs %s and %s have native peer atomics (no CUDA runtime "
+                        "answered); a push between them is undefined without them", mine, uuid)
 
 
 def _ranks_by_gpu(facts: Sequence[Facts]) -> dict[tuple[str, str], list[int]]:
