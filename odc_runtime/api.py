@@ -198,7 +198,10 @@ def finalize() -> None:
     Every ``ShardedTensor`` becomes unusable. If a peer is dead the wait ends as soon as that is seen (at the
     latest after ``ODC_TIMEOUT``), the local resources are still released, and the error is raised. If an earlier
     collective already reported a lost or stuck peer, ``finalize`` does not wait again: it releases the local
-    resources and returns. Raises OdcUsageError in a forked child of a rank.
+    resources and returns. A failure that was recorded but never raised to the caller (a stream-ordered ``sync``
+    on a GPU returns before its peers arrived; its watchdog may find a dead or stuck peer after the user's last
+    call) is raised here, after the release, with its own type: the work since that ``sync`` is not trustworthy.
+    Raises OdcUsageError in a forked child of a rank.
     """
     if state.current is None:
         return
@@ -206,18 +209,28 @@ def finalize() -> None:
     transport = runtime.transport
     state.take()
     telemetry.stop()
+    unseen: OdcError | None = None
     try:
-        # A transport that saw a peer die or a collective time out records it (``failure``): the error was
-        # raised once already, and waiting for the peers again would only add another ODC_TIMEOUT.
+        # A transport that saw a peer die or a collective time out records it (``failure``): waiting for the
+        # peers again would only add another ODC_TIMEOUT.
         failure = transport.failure  # every transport declares it (None while healthy)
         if failure is None:
             if runtime.debug:
                 debug.check(runtime, "finalize()")
             transport.barrier("finalize")
+        elif transport.failure_unseen:
+            unseen = failure  # found by a watchdog after the user's last call: nobody has seen it yet
         else:
             log.warning("odc_runtime.finalize(): not waiting for peers after an earlier failure: %s", failure)
     finally:
         transport.finalize()
+    if unseen is not None:
+        transport.failure_raised()
+        raise type(unseen)(
+            f"odc finalize: an earlier operation failed after it returned and no call raised it until now "
+            f"({unseen}); the results since the last sync that completed (gradients, updated shards) are not "
+            "trustworthy: do not save them, restart from the last checkpoint"
+        ) from unseen
 
 
 def backend() -> str:

@@ -40,7 +40,7 @@ def fake_cuda(rank: int, gpus: list[str], calls: list[tuple], *, mps: int = 1, a
     import types as _types
     from multiprocessing import resource_tracker, shared_memory
 
-    from odc_runtime.transport import gpu_sharing as gs
+    from odc_runtime.transport import cudart
 
     uuids = sorted(set(gpus))
     segments: dict[int, shared_memory.SharedMemory] = {}  # a block's address -> its segment
@@ -83,6 +83,6 @@ def fake_cuda(rank: int, gpus: list[str], calls: list[tuple], *, mps: int = 1, a
     torch.cuda.can_device_access_peer = lambda d, p: True
     torch.cuda.synchronize = lambda device=None: None
     runtime = FakeRuntime(mps, atomics)
-    gs._loaded_cudart = lambda: runtime  # the loaded libcudart (ctypes), the lowest boundary
+    cudart.loaded = lambda: runtime  # the loaded libcudart (ctypes), the lowest boundary
     if host is not None:
         socket.gethostname = lambda: host

@@ -435,6 +435,153 @@ def test_a_mismatched_free_frees_nothing_with_stream_ordered_barriers() -> None:
     assert run_on_symm(_rank_deferred_free, 2, timeout=110) == ["ok", "ok"]
 
 
+def _rank_unseen_failure_at_finalize(rank: int, world: int) -> str:
+    """With the GPU's stream-ordered barriers turned on, the last rank dies after a sync; the others' next sync
+    returns at once (its outcome is settled by the next call), and their watchdogs find the dead peer while the
+    user does an optimizer step. The next call is finalize: it must raise that failure, typed, on every survivor
+    (it only logged it: the job exited 0 with a wrong model)."""
+    import os
+    import time
+
+    import odc_runtime as odc
+    from odc_runtime import testing
+
+    odc.init()
+    t = testing.transport()
+    t.ordered_barriers = True  # type: ignore[attr-defined]
+    odc.sync()
+    t.settle()  # type: ignore[attr-defined]
+    if rank == world - 1:
+        os._exit(0)
+    odc.sync()  # returns after the launch: the peer that never arrives is found by the watchdog
+    deadline = time.monotonic() + 60
+    while t.failure is None and time.monotonic() < deadline:  # "the optimizer step"
+        time.sleep(0.05)
+    assert t.failure is not None and t.failure_unseen
+    with pytest.raises(odc.OdcPeerLostError, match=r"odc finalize: an earlier operation failed.*not trustworthy"):
+        odc.finalize()
+    assert not odc.is_initialized()
+    odc.finalize()  # idempotent: nothing left to raise
+    return "raised"
+
+
+def test_finalize_raises_a_failure_no_call_raised_on_every_rank() -> None:
+    results = run_on_symm(_rank_unseen_failure_at_finalize, 3, expect_exit={2}, timeout=120)
+    assert results[:2] == ["raised", "raised"]
+
+
+def _rank_seen_failure_at_finalize(rank: int, world: int) -> str:
+    """A failure the caller was given (the next sync settled it) is only logged by finalize, as before."""
+    import os
+    import time
+
+    import odc_runtime as odc
+    from odc_runtime import testing
+
+    odc.init()
+    t = testing.transport()
+    t.ordered_barriers = True  # type: ignore[attr-defined]
+    odc.sync()
+    t.settle()  # type: ignore[attr-defined]
+    if rank == world - 1:
+        os._exit(0)
+    odc.sync()
+    deadline = time.monotonic() + 60
+    while t.failure is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(odc.OdcPeerLostError):
+        odc.sync()
+    assert not t.failure_unseen
+    odc.finalize()
+    return "logged"
+
+
+def test_finalize_after_a_raised_failure_only_releases() -> None:
+    assert run_on_symm(_rank_seen_failure_at_finalize, 2, expect_exit={1}, timeout=120)[:1] == ["logged"]
+
+
+def _rank_abort_is_a_host_store(rank: int, world: int) -> str:
+    """The watchdog's abort on a GPU transport: a store to the host-mapped word, with no stream (a side stream from
+    torch's pool can be the very stream the barrier spins on) and no launch (the launch queue may be full). The
+    transport's device reads as a GPU's; any stream or launch fails the test."""
+    import torch
+
+    import odc_runtime as odc
+    from odc_runtime import testing
+
+    odc.init()
+    t = testing.transport()
+
+    def no_stream(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the abort used a CUDA stream")
+
+    torch.cuda.Stream, torch.cuda.stream = no_stream, no_stream  # type: ignore[assignment, misc]
+    device, t.device = t.device, torch.device("cuda", 0)
+    launches = sum(n for counts in t.kernels.launches().values() for n in counts)  # type: ignore[attr-defined]
+    t._raise_abort()  # type: ignore[attr-defined]
+    assert int(t._abort[0]) == 1 and t._abort.device.type == "cpu"  # type: ignore[attr-defined]
+    assert sum(n for counts in t.kernels.launches().values() for n in counts) == launches  # type: ignore[attr-defined]
+    t.device = device
+    t.fail(odc.OdcBackendError("test: aborted"))
+    odc.finalize()
+    return "ok"
+
+
+def test_the_abort_is_a_host_store_without_a_stream_or_launch() -> None:
+    assert run_on_symm(_rank_abort_is_a_host_store, 1, timeout=90) == ["ok"]
+
+
+def _rank_watchdog_in_thread_local_capture_mode(rank: int, world: int) -> dict:
+    """A user captures a CUDA graph in global mode on their thread while a stream-ordered sync is pending: the
+    watchdog's event query must not be an unsafe call in that capture. The CUDA runtime is faked at its lowest
+    boundary: a thread that has not taken thread-local capture mode gets the capture error from the event query
+    (and would invalidate the capture), as CUDA does."""
+    import threading
+
+    import torch
+
+    import odc_runtime as odc
+    from odc_runtime import testing
+    from odc_runtime.transport import cudart
+    from odc_runtime.transport.symm.watch import Entry
+
+    local: set[int] = set()
+
+    class Runtime:
+        def cudaThreadExchangeStreamCaptureMode(self, ref) -> int:
+            local.add(threading.get_ident())
+            return 0
+
+        def cudaGetLastError(self) -> int:
+            return 0
+
+    class CapturedEvent:  # torch.cuda.Event while another thread captures in global mode
+        def query(self) -> bool:
+            if threading.get_ident() not in local:
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+            return True
+
+    odc.init()
+    t = testing.transport()
+    cudart.loaded = lambda: Runtime()
+    torch.cuda.set_device = lambda device: None
+    device, t.device = t.device, torch.device("cuda", 0)
+    entry = Entry("sync", [0], None, lambda p: None, "")
+    entry.event = CapturedEvent()
+    t._watchdog.arm(entry)  # type: ignore[attr-defined]
+    t._watchdog.wait_finished(entry)  # type: ignore[attr-defined]  # the watchdog thread finishes it
+    out = {"error": repr(entry.error), "failure": repr(t.failure), "watchdog_thread_local":
+           t._watchdog.thread.ident in local}  # type: ignore[attr-defined]
+    t.device = device
+    odc.finalize()
+    return out
+
+
+def test_the_watchdog_queries_events_in_thread_local_capture_mode() -> None:
+    [r] = run_on_symm(_rank_watchdog_in_thread_local_capture_mode, 1, timeout=90)
+    assert r == {"error": "None", "failure": "None", "watchdog_thread_local": True}, r
+
+
 # -- copy-engine fetch (symm/heap.py COPY_MIN_BYTES): large pieces copied from the peer's heap view ----------------
 def _rank_copy_engine_fetch(rank: int, world: int, numel: int, threshold: int) -> dict[str, int]:
     """With the threshold between the two ranks' piece sizes (17 and 16 fp32 of 33), a fetch copies rank 0's piece

@@ -20,7 +20,7 @@ import torch
 
 from odc_runtime import config
 from odc_runtime.errors import OdcBackendError, OdcMismatchError, OdcUsageError
-from odc_runtime.transport import gpu_sharing
+from odc_runtime.transport import cudart, gpu_sharing
 from odc_runtime.transport.symm import _torch_ipc
 from odc_runtime.transport.symm.torch_heap import Facts, choose_provider
 from tests._cuda_fake import fake_cuda
@@ -90,6 +90,11 @@ class _FakeCudart:
         ctypes.cast(ref, ctypes.POINTER(ctypes.c_int))[0] = self.value
         return self.err
 
+    def cudaDeviceGetP2PAttribute(self, ref, attribute: int, device: int, peer: int) -> int:
+        assert attribute == 3 and (device, peer) == (0, 1)
+        ctypes.cast(ref, ctypes.POINTER(ctypes.c_int))[0] = self.value
+        return self.err
+
     def cudaGetLastError(self) -> int:
         self.cleared += 1
         return 0
@@ -97,13 +102,24 @@ class _FakeCudart:
 
 def test_mps_state_reads_the_runtime_attribute(monkeypatch: pytest.MonkeyPatch) -> None:
     for value, want in ((1, 1), (0, 0)):
-        monkeypatch.setattr(gpu_sharing, "_loaded_cudart", lambda v=value: _FakeCudart(v))
+        monkeypatch.setattr(cudart, "loaded", lambda v=value: _FakeCudart(v))
         assert gpu_sharing.mps_state(3) == want
     old = _FakeCudart(1, err=1)  # a runtime without the attribute: unknown, and its error cleared
-    monkeypatch.setattr(gpu_sharing, "_loaded_cudart", lambda: old)
+    monkeypatch.setattr(cudart, "loaded", lambda: old)
     assert gpu_sharing.mps_state(3) == -1 and old.cleared == 1
-    monkeypatch.setattr(gpu_sharing, "_loaded_cudart", lambda: None)
+    monkeypatch.setattr(cudart, "loaded", lambda: None)
     assert gpu_sharing.mps_state(3) == -1
+
+
+def test_native_peer_atomics_read_the_runtime_peer_attribute(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, want in ((1, 1), (0, 0)):
+        monkeypatch.setattr(cudart, "loaded", lambda v=value: _FakeCudart(v))
+        assert cudart.peer_native_atomics(0, 1) == want
+    failing = _FakeCudart(1, err=101)
+    monkeypatch.setattr(cudart, "loaded", lambda: failing)
+    assert cudart.peer_native_atomics(0, 1) == -1 and failing.cleared == 1
+    monkeypatch.setattr(cudart, "loaded", lambda: None)
+    assert cudart.peer_native_atomics(0, 1) == -1
 
 
 # -- torch's storage sharing --------------------------------------------------------------------------------------

@@ -250,12 +250,26 @@ class Transport(abc.ABC):
         self.timeout = timeout
         # None while healthy; the first fatal error once the runtime is unusable (see the module docstring).
         self.failure: OdcError | None = None
+        # Whether ``failure`` was found away from the caller (a watchdog thread, for a stream-ordered operation)
+        # and no call has raised it to the caller yet: ``finalize`` then raises it instead of only logging it.
+        self.failure_unseen = False
 
     def fail(self, error: OdcError) -> OdcError:
         """Record ``error`` as this transport's failure (the first one wins) and return the recorded failure."""
         if self.failure is None:
             self.failure = error
         return self.failure
+
+    def fail_unseen(self, error: OdcError) -> OdcError:
+        """``fail`` for a failure found away from the caller (a watchdog thread; the first recorded failure still
+        wins): the transport's failure is unseen until a call raises it (``failure_raised``)."""
+        failure = self.fail(error)
+        self.failure_unseen = True
+        return failure
+
+    def failure_raised(self) -> None:
+        """The recorded failure is being raised to the caller (it is no longer unseen)."""
+        self.failure_unseen = False
 
     def fail_stop(self, op: str, what: str, step: Callable[[], T], *, aligned: tuple[type, ...] = ()) -> T:
         """Run ``step``, a protocol step that changes shared state before it can fail (``what`` says which, for
@@ -274,6 +288,7 @@ class Transport(abc.ABC):
         """Raise (a fresh error of the recorded failure's type) if the transport has failed."""
         failure = self.failure
         if failure is not None:
+            self.failure_raised()
             raise type(failure)(
                 f"odc {op}: the runtime is unusable since an earlier operation failed ({failure}); call "
                 "odc_runtime.finalize() and restart the job"

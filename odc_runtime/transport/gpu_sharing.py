@@ -7,15 +7,14 @@ driver's time-slicing policy. Under MPS the ranks' kernels run side by side.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 
 from odc_runtime.errors import OdcUsageError
+from odc_runtime.transport import cudart
 
 log = logging.getLogger("odc_runtime")
 
 _MPS_ENABLED_ATTRIBUTE = 133  # cudaDevAttrMpsEnabled, from CUDA 12.x runtimes on
-_P2P_NATIVE_ATOMICS = 3  # cudaDevP2PAttrNativeAtomicSupported (cudaDeviceP2PAttr), every CUDA runtime since 8.0
 
 
 def check_gpu_sharing(transport: str, sharing: dict[tuple[str, str], list[int]], mps: dict[int, int]) -> None:
@@ -41,51 +40,8 @@ def check_gpu_sharing(transport: str, sharing: dict[tuple[str, str], list[int]],
             )
 
 
-def _loaded_cudart() -> ctypes.CDLL | None:
-    """The CUDA runtime library this process already loaded (torch's), or ``None``."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libcudart.so" in line}
-    except OSError:
-        return None
-    for path in sorted(paths):
-        try:
-            return ctypes.CDLL(path)
-        except OSError:
-            continue
-    return None
-
-
 def mps_state(device: int) -> int:
     """1 if CUDA MPS shares ``device``'s contexts, 0 if not, -1 if this process cannot tell (no CUDA runtime
     loaded, or one older than the attribute). Never raises."""
-    cudart = _loaded_cudart()
-    if cudart is None:
-        return -1
-    value = ctypes.c_int(0)
-    try:
-        err = cudart.cudaDeviceGetAttribute(ctypes.byref(value), _MPS_ENABLED_ATTRIBUTE, device)
-    except AttributeError:
-        return -1
-    if err != 0:
-        cudart.cudaGetLastError()  # clear the runtime's last error, so torch does not report it later
-        return -1
-    return 1 if value.value else 0
-
-
-def peer_native_atomics(device: int, peer: int) -> int:
-    """1 if atomics from GPU ``device`` on GPU ``peer``'s memory are native over their link (NVLink; PCIe only
-    where the platform supports them), 0 if not (a peer atomic is then undefined), -1 if this process cannot tell.
-    Device indices as this process sees them. Never raises."""
-    cudart = _loaded_cudart()
-    if cudart is None:
-        return -1
-    value = ctypes.c_int(0)
-    try:
-        err = cudart.cudaDeviceGetP2PAttribute(ctypes.byref(value), _P2P_NATIVE_ATOMICS, device, peer)
-    except AttributeError:
-        return -1
-    if err != 0:
-        cudart.cudaGetLastError()
-        return -1
-    return 1 if value.value else 0
+    value = cudart.device_attribute(_MPS_ENABLED_ATTRIBUTE, device)
+    return -1 if value is None else int(bool(value))

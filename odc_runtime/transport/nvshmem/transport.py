@@ -122,6 +122,7 @@ class NvshmemTransport(Transport):
 
     def _raise_failure(self, op: str = "call") -> None:
         if self.failure is not None:
+            self.failure_raised()
             raise type(self.failure)(str(self.failure))
         if self._finalized:
             raise OdcNotInitializedError(f"nvshmem transport: {op} after finalize")
@@ -132,6 +133,7 @@ class NvshmemTransport(Transport):
         if self._engine.aborted():  # type: ignore[attr-defined]
             self._watchdog.settle(self)
         if self.failure is not None:
+            self.failure_raised()
             raise type(self.failure)(str(self.failure)) from exc
         raise OdcBackendError(f"nvshmem {op}: {exc}") from exc
 

@@ -195,7 +195,7 @@ class Watchdog:
     def fail(self, transport: NvshmemTransport, error: OdcError) -> None:
         if transport.failure is None:
             log.error("%s", error)
-            transport.fail(error)
+            transport.fail_unseen(error)  # raised to the caller by transport._raise_failure (or at finalize)
 
     def abort(self, transport: NvshmemTransport, entry: Pending) -> None:
         """``entry`` is late (or the abort is up): raise the abort word, let the kernels leave, record the error."""

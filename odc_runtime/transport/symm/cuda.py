@@ -7,6 +7,8 @@ fail-stop that ``symm-cpu`` executes in CI). What differs on a GPU, and only tha
   has a GPU of its own, CUDA IPC where ranks share one (``torch_heap.choose_provider``);
   the host segments keep only the control pages (they are sparse: the heap part is never reserved);
 * buffers are views of that heap, zeroed on the device before the allocation's agreement round;
+* the abort word the waiting kernels poll is page-locked host memory mapped into the device (``abort_word``), so
+  the watchdog raises it with a host store, never a launch;
 * kernels launch on the caller's current CUDA stream; ``async_op=True`` launches there too and returns a
   ``StreamWork`` (an event: ``wait`` orders the caller's current stream after it, the host does not block);
 * a world ``barrier`` (``sync``) is stream-ordered (``ordered_barriers``): it returns after the launch and the
@@ -96,6 +98,15 @@ class CudaSymmTransport(SymmTransport):
         heap.local[self._words : self._words + self._words_bytes].zero_()
         torch.cuda.synchronize(self.device)
         return heap
+
+    def abort_word(self) -> torch.Tensor:
+        """A page-locked host int64, mapped into the GPU's address space (unified addressing: its host address is
+        its device address), which the kernels poll with volatile loads: the watchdog raises it with a host store,
+        no stream and no launch (``SymmTransport._raise_abort``), as nvshmem's host-mapped abort word."""
+        try:
+            return torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        except RuntimeError as e:
+            raise OdcBackendError(f"odc symm: cannot allocate the page-locked abort word: {e}") from e
 
     def place(self, offset: int, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
         """A view of the GPU heap, zeroed and synchronised before alloc's agreement round (no peer pushes into

@@ -48,7 +48,7 @@ from odc_runtime.errors import (
     OdcNotInitializedError,
     OdcUsageError,
 )
-from odc_runtime.transport import gpu_sharing
+from odc_runtime.transport import cudart, gpu_sharing
 from odc_runtime.transport.symm import _torch_ipc, _torch_symm
 
 __all__ = ["CudaPeerHeap", "Facts", "check_topology", "choose_provider", "is_available", "open_heap",
@@ -192,7 +192,7 @@ def check_topology(facts: Sequence[Sequence[Any]], rank: int, visible: dict[str,
                 "(`nvidia-smi topo -p2p r` shows the pairs); use backend='nvshmem' or GPUs linked by NVLink"
             )
         # push accumulates with system-scope atomics on the peer's memory: undefined without native peer atomics
-        atomics = gpu_sharing.peer_native_atomics(visible[mine], visible[uuid])
+        atomics = cudart.peer_native_atomics(visible[mine], visible[uuid])
         if atomics == 0:
             raise OdcBackendError(
                 f"symm transport: rank {rank}'s GPU {mine} reaches rank {peer}'s GPU {uuid} by P2P, but without "

@@ -112,7 +112,7 @@ class SymmTransport(HostTransport):
         self._row_words: dict[int, torch.Tensor] = {}  # barrier row -> its member words in this rank's heap
         # (barrier row, stream) -> (its members tensor, the bound launch of its barrier: launch(epoch))
         self._barriers: dict[tuple[int, object], tuple[torch.Tensor, Callable[[int], None]]] = {}
-        self._abort = self._int64(self._words, 1)
+        self._abort = self.abort_word()
         # What every waiting kernel writes (status word, last value or member words): one block, reused, since one
         # wait at a time is outstanding (each settles the previous first); read only on an abort.
         self._status = torch.zeros(2 + self.world_size, dtype=torch.int64, device=self.heap.device)
@@ -123,6 +123,12 @@ class SymmTransport(HostTransport):
         segments' heaps; a transport over another provider overrides this (and ``alloc``, which views and
         reserves segment memory)."""
         return SegmentHeap(self.segments, self.rank, self.world_size, self._allocator.capacity)
+
+    def abort_word(self) -> torch.Tensor:
+        """This rank's abort word (one int64 the waiting kernels poll), in host memory so that raising it is a plain
+        host store (``_raise_abort``): here the word at the heap's offset 0, which is host memory on CPU ranks; a
+        GPU transport overrides this with a page-locked word mapped into the device's address space."""
+        return self._int64(self._words, 1)
 
     def _int64(self, offset: int, numel: int) -> torch.Tensor:
         """``numel`` int64 words at byte ``offset`` of this rank's heap."""
@@ -399,6 +405,7 @@ class SymmTransport(HostTransport):
         else:
             self._watchdog.wait_finished(entry, entry.complete)
         if entry.error is not None:
+            self.failure_raised()
             raise entry.error
         if entry.event is None and int(self._status[0]) != _DONE:
             raise self.fail(OdcBackendError(f"odc {shorten(entry.op)}: the wait was aborted (the abort word is up)"))
@@ -414,16 +421,15 @@ class SymmTransport(HostTransport):
         super().group_barrier(op, group)
 
     def _raise_abort(self) -> None:
-        """Raise this rank's abort word: every waiting kernel of this rank leaves its spin. Never lowered. On a GPU
-        the store goes through a side stream (a pool stream does not wait for the stream of the spinning kernel)."""
+        """Raise this rank's abort word: every waiting kernel of this rank leaves its spin. Never lowered.
+
+        A host store, never a launch: the word is host memory (``abort_word``), so the abort cannot queue behind the
+        kernel it must stop (a store on a stream, even a side stream from torch's pool, can be ordered after the
+        spinning barrier or wait for a full launch queue) and needs no stream at all."""
         with self._abort_lock:
-            if self.device.type == "cpu":
-                self._abort.fill_(1)
-                return
-            side = torch.cuda.Stream(self.device)
-            with torch.cuda.stream(side):
-                self._abort.fill_(1)
-            side.synchronize()
+            if self._abort.device.type != "cpu":
+                raise OdcBackendError(f"odc symm: the abort word must be host memory, not {self._abort.device}")
+            self._abort.fill_(1)
 
     # -- teardown -------------------------------------------------------------------------------------
     def finalize(self) -> None:

@@ -15,6 +15,9 @@ The thread is lazy, because it shares the GIL with the training loop: it looks a
 was armed (most waiting kernels have completed by then and their caller finished them), and then polls at most
 every millisecond, backing off to ``POLL_CAP_S``. An arm wakes it only when it is idle; a finish never does. So
 a loop of syncs costs the thread about one wake per grace period, and no spin competes with the caller.
+
+On a GPU the thread's only CUDA calls are event queries, made in thread-local stream-capture mode (a user's graph
+capture on another thread is not disturbed); the abort is a host store (``SymmTransport._raise_abort``).
 """
 
 from __future__ import annotations
@@ -135,8 +138,15 @@ class Watchdog:
             if device is None and transport.device.type == "cuda":
                 import torch
 
+                from odc_runtime.transport import cudart
+
                 device = transport.device
-                torch.cuda.set_device(device)  # event queries and the abort's side stream on the transport's GPU
+                # This thread only queries events; in the default (global) capture mode a query made while the user
+                # captures a CUDA graph on another thread fails and invalidates that capture.
+                if not cudart.use_thread_local_capture_mode():
+                    log.warning("odc symm watchdog: the CUDA runtime did not take thread-local capture mode; a "
+                                "CUDA graph captured in global mode while a sync is pending may be invalidated")
+                torch.cuda.set_device(device)  # event queries on the transport's GPU
             self._watch(transport, entry)
             with self._work:
                 if self._queue and self._queue[0] is entry:  # an arm may have dropped it once finished
@@ -154,9 +164,10 @@ class Watchdog:
                                       backoff=Backoff(spins=0, step=POLL_STEP_S, cap=POLL_CAP_S))
         except BaseException as e:  # a typed OdcError, or anything unexpected: the kernel must not spin on
             if self.finish(entry, e):
-                if transport.failure is None:
-                    transport.fail(as_failure(entry.op, e, "the watchdog raised the abort word") if not
-                                   isinstance(e, OdcError) else e)
+                # recorded (the wait may have recorded it already) and unseen: the caller learns it when it
+                # settles the entry, or at finalize
+                transport.fail_unseen(as_failure(entry.op, e, "the watchdog raised the abort word") if not
+                                      isinstance(e, OdcError) else e)
                 log.debug("odc symm watchdog: %s: %s", entry.op, e)
                 transport._raise_abort()
             return
