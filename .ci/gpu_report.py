@@ -818,6 +818,13 @@ BENCH_OPS = ("copy", "add", "fetch", "push", "all_gather", "red_scatter", "sync"
              "mm+fetch", "mm+push")
 
 
+# The two time columns of a bench/comm.py row, named in every table of the report: they differ by up to 10x (a
+# stream-ordered sync returns to the host long before the GPU is done; a host-bound call is the other way round).
+BENCH_COLUMNS = ("GPU ms: the call's time on the GPU (`time_s`: CUDA events on its stream around the call, the start "
+                 "recorded before the Python call; max over ranks per repeat, median over repeats). host µs: the "
+                 "Python call's own time on the host (`host_us`: perf_counter, median over repeats, rank 0).")
+
+
 def _bench_tables(results: Sequence[dict]) -> list[str]:
     """The measured rows of each comm run whose JSON is still there (ms, host µs, GB/s and the ratios)."""
     lines: list[str] = []
@@ -825,8 +832,8 @@ def _bench_tables(results: Sequence[dict]) -> list[str]:
         data = _json_or_none(Path(r["outputs"][0])) if r["name"].startswith("comm ") and r.get("outputs") else None
         if not data or "results" not in data:
             continue
-        lines += [f"### {r['name']}", "", "| size | op | ms | host µs | algbw GB/s | busbw GB/s | /local | /collective"
-                  " | host/copy |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"### {r['name']}", "", BENCH_COLUMNS, "", "| size | op | GPU ms | host µs | algbw GB/s | busbw GB/s"
+                  " | /local | /collective | host/copy |", "|---|---|---|---|---|---|---|---|---|"]
         for row in data["results"]:
             if row["op"] not in BENCH_OPS:
                 continue

@@ -556,6 +556,9 @@ def test_report_shows_the_benchmark_rows(tmp_path):
     res = gr.Result("bench", "comm 1pe", "pass", 20.0, outputs=[str(path)])
     md = gr.render_markdown(gr.merge_report(None, _meta(), [res], ["bench"]))
     assert "### comm 1pe" in md
+    # both time columns are named: the GPU's (CUDA events) and the host's (the Python call)
+    assert "| size | op | GPU ms | host µs |" in md and gr.BENCH_COLUMNS in md
+    assert "CUDA events" in gr.BENCH_COLUMNS and "perf_counter" in gr.BENCH_COLUMNS
     assert "| 64M | copy | 1 | 10 | 1500 | - | - | - | - |" in md
     assert "| 64M | fetch | 1 | 10 | 1 | - | 0.97 | - | 1.1 |" in md
     assert "| 64M | mm |" not in md
