@@ -818,7 +818,7 @@ BENCH_OPS = ("copy", "add", "fetch", "push", "all_gather", "red_scatter", "sync"
              "mm+fetch", "mm+push")
 
 
-# The two time columns of a bench/comm.py row, named in every table of the report: they differ by up to 10x (a
+# The two time columns of a bench/comm.py row, named in every table of the report: they can differ widely (a
 # stream-ordered sync returns to the host long before the GPU is done; a host-bound call is the other way round).
 BENCH_COLUMNS = ("GPU ms: the call's time on the GPU (`time_s`: CUDA events on its stream around the call, the start "
                  "recorded before the Python call; max over ranks per repeat, median over repeats). host µs: the "
