@@ -15,13 +15,15 @@ Phases (each step runs as a child process with its own timeout; a failing step i
   runs before any other phase (a no-op when ``_C`` is up to date); ``--no-build`` leaves it out.
 - ``tests``: each ``tests/gpu/test_*.py`` under pytest with ``ODC_REQUIRE_EXTENSION=1``. A skipped test is a
   failure, except one that needs more GPUs than are visible ("needs >= N GPUs"), reported as ``n/a``.
-- ``bench``: ``bench/comm.py --backend nvshmem`` (which verifies its results exactly before timing) at 1, 64 and
-  256 MiB with 1 PE, with the locked push protocol (1 PE, and 4 PEs contending), with 2 and 4 PEs on one GPU (CUDA
-  MPS, started and stopped here), as 2 virtual nodes of 2, and with every GPU (up to 8) against NCCL when there
-  are several; then the issue's targets (1 PE, 64 MiB) checked against its JSON (``TARGETS``).
-- ``e2e``: ``examples/sft.py --comm collective`` and ``--comm odc`` on 4 PEs (same losses, rel 1e-4), and the main
-  job ``bench/imbalance.py --quick --backend nvshmem`` on 4 PEs (exact gradients, else it fails). With fewer than 4
-  GPUs the PEs share the first one (``--pes-per-gpu 4``: gloo instead of NCCL, under CUDA MPS).
+- ``bench``: ``bench/comm.py`` (which verifies its results exactly before timing) at 1, 64 and 256 MiB with 1 PE
+  (nvshmem and symm), with nvshmem's locked push protocol (1 PE, and 4 PEs contending), with 4 PEs on one GPU
+  (nvshmem and symm; CUDA MPS, started and stopped here), as 2 virtual nodes of 2, and with every GPU (up to 8)
+  against NCCL when there are several; then the targets (1 PE, 64 MiB) checked against its JSON (``TARGETS``).
+  The report's benchmark tables name both time columns (``BENCH_COLUMNS``: GPU and host).
+- ``e2e``: ``examples/sft.py --comm collective`` and ``--comm odc`` (on nvshmem and on symm) on 4 PEs (same losses,
+  rel 1e-4), and the main job ``bench/imbalance.py --quick --backend nvshmem`` on 4 PEs, one GPU per PE (exact
+  gradients, else it fails). With fewer than 4 GPUs the sft runs' PEs share the first one (``--pes-per-gpu 4``: gloo
+  instead of NCCL, under CUDA MPS).
 
 Output (``--out``, else ``ODC_GPU_REPORT_DIR``, else ``gpu-report/``): ``report.md`` (a table per phase:
 check, result, time, numbers; the targets; the benchmark rows; the log tail of every failure), ``report.json``
