@@ -78,7 +78,9 @@ IF_TIME = (r"tests/gpu/test_hierarchy_gpu\.py::.*",
            r"tests/gpu/test_dead_peer_gpu\.py::(test_dead_peer_raises_within_timeout|test_mismatched_settings_raise_on_"
            r"every_rank|test_a_barrier_queued_behind_an_abort_does_not_release_the_peer)\[.*",
            r"tests/gpu/test_capture_gpu\.py::test_watchers_leave_another_threads_graph_capture_alone\[nvshmem\]",
-           r"tests/gpu/test_gang_gpu\.py::test_gang_on_gpu\[.*-nvshmem\]", r"tests/gpu/test_nvshmem_gpu\.py::.*",
+           r"tests/gpu/test_gang_gpu\.py::test_gang_on_gpu\[(2-exact,checkpoint|2-syncs|3-exact,flash)-nvshmem\]",
+           r"tests/gpu/test_nvshmem_gpu\.py::(test_single_gpu|test_locked_push|test_four_pes_on_one_gpu|"
+           r"test_locked_push_four_pes_on_one_gpu)\[.*",
            r"bench: comm (4pe-1gpu-2nodes|1pe-locked|4pe-1gpu|4pe-1gpu-locked)", r"e2e: sft --comm odc, 4 PEs")
 # The raw report of the last full proof: each unit that ran there under the same name takes its duration as estimate.
 MEASURED_RUN = gr.REPO / "gpu-runs" / "2026-11-27-proof" / "report.json"
@@ -215,7 +217,9 @@ def test_units(cases: list[dict], ngpu: int, logs: Path) -> list[Unit]:
             per_chunk = max(1, int((room - setup) // per_case)) if setup + per_case <= room else 1
             part = ""
             if (file, function) in split:
-                part = " [" + ", ".join(c["nodeid"].split("[", 1)[1].rstrip("]") for c in group) + "]"
+                ids = (c["nodeid"].split("[", 1)[1].rstrip("]") if "[" in c["nodeid"] else c["function"]
+                       for c in group)
+                part = " [" + ", ".join(ids) + "]"
             for i in range(0, len(group), per_chunk):
                 chunk = group[i : i + per_chunk]
                 n = len(group)

@@ -688,7 +688,8 @@ def test_the_plan_covers_every_gpu_test_and_step_and_every_call_fits_a_lent_gpu(
         if u.tier == gp.TIER_IF_TIME:
             assert "symm" not in u.name, u.name
             then = gp.RENAMED.get(u.name, u.name)
-            assert then in passed or "test_gang_on_gpu [" in u.name, u.name  # the gang's nvshmem cases: regrouped
+            # the gang's nvshmem cases passed then as 5 torchruns of one scenario each, regrouped since
+            assert then in passed or u.name.startswith("tests: tests/gpu/test_gang_gpu.py::test_gang_on_gpu ["), u.name
     # an estimate is a measured duration, or says it is an estimate and the measured unit it was taken from
     for u in units:
         then = gp.RENAMED.get(u.name, u.name)
@@ -697,6 +698,18 @@ def test_the_plan_covers_every_gpu_test_and_step_and_every_call_fits_a_lent_gpu(
         else:
             assert u.basis.startswith("estimate, never measured: like "), (u.name, u.basis)
             assert gp.like(u.name)[0] in seen, (u.name, gp.like(u.name))
+
+
+def test_only_units_that_passed_go_to_the_if_time_tier():
+    # nvshmem's multi-GPU test never ran on a GPU: first, wherever several GPUs make it run; likewise a new test
+    assert gp.tier_of("tests/gpu/test_nvshmem_gpu.py::test_multi_gpu[fetch]") == gp.TIER_NEVER_RUN
+    assert gp.tier_of("tests/gpu/test_nvshmem_gpu.py::test_single_gpu[fetch]") == gp.TIER_IF_TIME
+    assert gp.tier_of("tests/gpu/test_gang_gpu.py::test_gang_on_gpu[4-exact-nvshmem]") == gp.TIER_NEVER_RUN
+    assert gp.tier_of("tests/gpu/test_dead_peer_gpu.py::test_dead_peer_on_symm_raises_within_timeout[sync-2]") == \
+        gp.TIER_NEVER_RUN
+    assert gp.tier_of("bench: comm 8gpu-vs-nccl") == gp.TIER_NEVER_RUN
+    assert gp.tier_of("bench: comm 1pe-symm") == gp.TIER_SYMM_AGAIN
+    assert gp.tier_of("build: build _C for 90-real") == gp.TIER_BUILD
 
 
 def test_the_budget_check_fails_a_plan_over_the_lease(tmp_path):
