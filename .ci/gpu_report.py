@@ -543,14 +543,15 @@ TARGETS = (
     Target("push >= 0.87 x add_ (1 PE, 64 MiB)", "1pe", "push", "vs_local", ">=", 0.87),
     Target("fetch host us/call <= 1.3 x copy_ (1 PE, 64 MiB)", "1pe", "fetch", "host_vs_copy", "<=", 1.3),
     Target("push host us/call <= 1.3 x copy_ (1 PE, 64 MiB)", "1pe", "push", "host_vs_copy", "<=", 1.3),
-    Target("sync on a busy stream <= 60 us (1 PE)", "1pe", "sync_busy", "time_us", "<=", 60.0, " us"),
+    # sync_busy: a sync behind queued GPU work; its GPU time (CUDA events) is bounded here, its host time is not
+    Target("sync_busy GPU time <= 60 us (1 PE)", "1pe", "sync_busy", "time_us", "<=", 60.0, " us"),
     Target("locked push >= 150 GB/s (1 PE, 64 MiB)", "1pe-locked", "push", "algbw_GBps", ">=", 150.0, " GB/s"),
     # symm's, the same bounds (push: 0.9 x add_), not yet met (docs/gpu-report.md)
     Target("symm fetch >= 0.95 x copy_ (1 PE, 64 MiB)", "1pe-symm", "fetch", "vs_local", ">=", 0.95),
     Target("symm push >= 0.9 x add_ (1 PE, 64 MiB)", "1pe-symm", "push", "vs_local", ">=", 0.9),
     Target("symm fetch host us/call <= 1.3 x copy_ (1 PE, 64 MiB)", "1pe-symm", "fetch", "host_vs_copy", "<=", 1.3),
     Target("symm push host us/call <= 1.3 x copy_ (1 PE, 64 MiB)", "1pe-symm", "push", "host_vs_copy", "<=", 1.3),
-    Target("symm sync on a busy stream <= 60 us (1 PE)", "1pe-symm", "sync_busy", "time_us", "<=", 60.0, " us"),
+    Target("symm sync_busy GPU time <= 60 us (1 PE)", "1pe-symm", "sync_busy", "time_us", "<=", 60.0, " us"),
 )
 
 

@@ -260,7 +260,7 @@ def test_targets_pass_and_fail_against_the_issue_bounds(tmp_path):
     status = {name.split(" (")[0].removeprefix("target: "): r.status for name, r in got.items()}
     assert status == {"fetch >= 0.95 x copy_": "pass", "push >= 0.87 x add_": "fail",
                       "fetch host us/call <= 1.3 x copy_": "fail", "push host us/call <= 1.3 x copy_": "pass",
-                      "sync on a busy stream <= 60 us": "pass", "locked push >= 150 GB/s": "fail"}
+                      "sync_busy GPU time <= 60 us": "pass", "locked push >= 150 GB/s": "fail"}
     sync = next(r for n, r in got.items() if "busy" in n)
     assert sync.numbers == {"measured": 45.0, "bound": 60.0}
     locked = next(r for n, r in got.items() if "locked" in n)
@@ -276,7 +276,7 @@ def test_targets_pass_and_fail_against_the_issue_bounds(tmp_path):
             for r in gr.check_targets(tmp_path, {"1pe-symm"})}
     assert symm == {"symm fetch >= 0.95 x copy_": "fail", "symm push >= 0.9 x add_": "fail",
                     "symm fetch host us/call <= 1.3 x copy_": "pass", "symm push host us/call <= 1.3 x copy_": "fail",
-                    "symm sync on a busy stream <= 60 us": "fail"}
+                    "symm sync_busy GPU time <= 60 us": "fail"}
 
 
 def test_a_real_comm_json_feeds_the_evaluation_targets_and_report(tmp_path, monkeypatch):
@@ -294,7 +294,7 @@ def test_a_real_comm_json_feeds_the_evaluation_targets_and_report(tmp_path, monk
     for name in ("fetch >= 0.95 x copy_", "push >= 0.87 x add_", "fetch host us/call <= 1.3 x copy_",
                  "push host us/call <= 1.3 x copy_"):
         assert targets[name].status in ("pass", "fail") and targets[name].numbers["measured"] > 0, name
-    busy = targets["sync on a busy stream <= 60 us"]  # a GPU-only row
+    busy = targets["sync_busy GPU time <= 60 us"]  # a GPU-only row
     assert busy.status == "fail" and busy.detail == "not measured (no sync_busy row at 64M in comm-1pe.json)"
     md = gr.render_markdown(gr.merge_report(None, _meta(), [gr.Result("bench", "comm 1pe", "pass", 1.0,
                                                                       outputs=[str(path)])], ["bench"]))
