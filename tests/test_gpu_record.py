@@ -87,6 +87,7 @@ def check_bench_row(row: list[str]) -> list[str]:
 
 def check_check_row(row: list[str]) -> list[str]:
     raw, name, status, seconds, numbers = row
+    name = name.strip("`")
     path = _raw(raw)
     if not path.is_file():
         return [f"{raw}: no such raw file in gpu-runs/"]
