@@ -4,11 +4,14 @@ another thread captures CUDA graphs in the *global* capture mode, torch.cuda.gra
 in the thread-local mode, so no capture may be invalidated and no sync may fail.
 
     RANK=0 WORLD_SIZE=1 MASTER_ADDR=... MASTER_PORT=... python _capture_worker.py RESULT.json
+
+The backend is ``ODC_GPU_TEST_BACKEND`` (default ``nvshmem``; ``symm``: its watchdog thread watches each sync).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -25,7 +28,7 @@ def main() -> None:
     out = sys.argv[1]
     torch.cuda.set_device(0)
     dist.init_process_group("gloo")
-    odc.init("nvshmem", heap_size="64M")
+    odc.init(os.environ.get("ODC_GPU_TEST_BACKEND", "nvshmem"), heap_size="64M")
     st = odc.shard(torch.zeros(1 << 16, device="cuda"), name="w")
     grad = torch.ones(1 << 16, device="cuda")  # allocated before the captures start (no cudaMalloc during them)
     x = torch.ones(1 << 12, device="cuda")

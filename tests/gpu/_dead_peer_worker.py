@@ -18,6 +18,9 @@ records whether a barrier kernel recorded itself (it must not: the late operatio
 
 Scenario ``mismatch``: rank 0 sets ODC_NVSHMEM_PUSH=locked, the others keep the default; every rank must raise
 OdcMismatchError from init, naming the setting (nobody enters NVSHMEM).
+
+The backend is ``ODC_GPU_TEST_BACKEND`` (default ``nvshmem``); ``symm`` runs the dead-peer scenarios on the one-node
+Triton transport (its heap from CUDA IPC: the ranks share the GPU).
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def main() -> None:
 def _init(rank: int, out_dir: str, result: dict) -> bool:
     """odc.init; False (the refusal written as this rank's result) where several PEs share a GPU without MPS."""
     try:
-        odc.init("nvshmem", heap_size="256M")
+        odc.init(os.environ.get("ODC_GPU_TEST_BACKEND", "nvshmem"), heap_size="256M")
         return True
     except odc.OdcUsageError as e:  # several PEs on one GPU without MPS: refused on every rank
         result["error"] = f"{type(e).__name__}: {e}"

@@ -8,7 +8,8 @@ deadline thread must raise the abort without Python. Runs with CUDA MPS (started
 ``nvidia-cuda-mps-control`` exists) and without: several PEs on one
 GPU without MPS must then be refused at init with OdcUsageError on every rank (unless a system-wide MPS daemon is
 already running, in which case the dead-peer checks apply). Ranks are plain processes (not torchrun, whose agent
-would kill the survivors as soon as one rank dies).
+would kill the survivors as soon as one rank dies). The push, sync and queued scenarios also run on symm (2 and 4
+ranks sharing the GPU under MPS, the heap from CUDA IPC).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 import pytest
 from _mps import mps_daemon
 from test_nvshmem_gpu import NGPU, _require_backend  # skip without GPU / backend (fail under ODC_REQUIRE_EXTENSION=1)
+from test_symm_shared_gpu import require_symm
 
 WORKER = os.path.join(os.path.dirname(__file__), "_dead_peer_worker.py")
 TIMEOUT_S = 8  # short: each scenario waits it out once (the proof must fit a 15-minute lease)
@@ -33,8 +35,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 # .ci/gpu --plan: (setup s, s per case, expected fraction); a case is ODC_TIMEOUT + start + exit, an init refusal
 # (several PEs on one GPU without MPS) or a skip; measured in the proof of 2026-11-27: the 16 cases in 128 s
 # (ODC_TIMEOUT=8)
+# (ODC_TIMEOUT=8). symm's cases were never measured: taken as nvshmem's cases under MPS (about 12 s each) plus
+# Triton's first compile, 15 s each (a third of 45 s)
 GPU_BUDGET = {"test_dead_peer_raises_within_timeout": (0, 45, 0.18), "test_mismatched_settings_raise_on_every_rank":
-              (0, 60, 0.2), "test_a_barrier_queued_behind_an_abort_does_not_release_the_peer": (0, 60, 0.3)}
+              (0, 60, 0.2), "test_a_barrier_queued_behind_an_abort_does_not_release_the_peer": (0, 60, 0.3),
+              "test_dead_peer_on_symm_raises_within_timeout": (0, 45, 0.34)}
 
 
 def _free_port() -> int:
@@ -109,6 +114,33 @@ def test_dead_peer_raises_within_timeout(scenario: str, world: int, mps: bool, t
         assert res["context_ok"] is True, f"rank {r}: CUDA context unusable after the error: {res}"
         assert r in exited and exited[r] - res["finished_at"] <= 5, f"rank {r} took too long to exit\n{log}"
         print(f"{scenario} world={world} mps={mps} rank {r}: raised after {res['seconds']:.2f} s, "
+              f"exited {exited[r] - res['finished_at']:.2f} s later")
+    assert procs[victim].returncode == -9, log
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("scenario", ["push", "sync", "queued"])
+def test_dead_peer_on_symm_raises_within_timeout(scenario: str, world: int, tmp_path) -> None:
+    """The same on symm, its ranks sharing the GPU under MPS (heap from CUDA IPC): the survivors raise
+    OdcTimeoutError (or its subclass OdcPeerLostError) naming the dead rank within ODC_TIMEOUT + 5 s, keep a usable
+    CUDA context, and exit within 5 s. Never run on a GPU yet."""
+    require_symm()
+    with mps_daemon(True, tmp_path) as env:
+        procs, exited = _launch(scenario, world, tmp_path, {**env, "ODC_GPU_TEST_BACKEND": "symm"})
+    log = _output(procs)
+    victim = world - 1
+    for r in range(world - 1):
+        path = tmp_path / f"rank{r}.json"
+        assert path.exists(), f"survivor {r} wrote no result (hung or crashed)\n{log}"
+        res = json.loads(path.read_text())
+        err = res.get("error") or ""
+        assert err.startswith(("OdcTimeoutError", "OdcPeerLostError")), f"rank {r}: {res}\n{log}"
+        named = re.search(r"rank\(s\) \[?([0-9, ]+)\]?", err)
+        assert named and victim in [int(x) for x in named.group(1).split(",")], f"rank {r}: no rank {victim}: {res}"
+        assert res["seconds"] <= TIMEOUT_S + 5, f"rank {r} raised after {res['seconds']:.1f} s: {res}"
+        assert res["context_ok"] is True, f"rank {r}: CUDA context unusable after the error: {res}"
+        assert r in exited and exited[r] - res["finished_at"] <= 5, f"rank {r} took too long to exit\n{log}"
+        print(f"symm {scenario} world={world} rank {r}: raised after {res['seconds']:.2f} s, "
               f"exited {exited[r] - res['finished_at']:.2f} s later")
     assert procs[victim].returncode == -9, log
 

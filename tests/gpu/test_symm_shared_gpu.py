@@ -1,8 +1,9 @@
 """GPU tests of the ``symm`` transport with several ranks on ONE GPU (CUDA MPS): its heap from CUDA IPC, since
 SymmetricMemory refuses ranks that share a device: the transport contract with 2 and 4 ranks. Skipped without a GPU,
 Triton, a way to map the heap or CUDA MPS, saying which. The rest of symm on one GPU is elsewhere in ``.ci/gpu``:
-the gang in test_gang_gpu.py, FSDP2 (examples/sft.py, 4 ranks, against the collective run) in its e2e phase, the
-comm rows in its bench phase; the hierarchy needs a transport with nodes (nvshmem only). Not yet run on a GPU."""
+the gang in test_gang_gpu.py, a dead peer in test_dead_peer_gpu.py, graph capture in test_capture_gpu.py, FSDP2
+(examples/sft.py, 4 ranks, against the collective run) in its e2e phase, the comm rows in its bench phase; the
+hierarchy needs a transport with nodes (nvshmem only). Not yet run on a GPU."""
 
 from __future__ import annotations
 
