@@ -125,6 +125,29 @@ def test_private_fsdp_surface_of_this_torch(suite2):
             )
 
 
+# ODC with unequal micro-batch counts against stock FSDP2 running the same minibatches with equal counts
+UNEQUAL2 = [1, 3]
+GROUPED = {  # torchtitan's llama3 shards its final norm and output head together: fully_shard([norm, output])
+    "grouped": {"grouped": True},
+    "grouped_tied": {"grouped": True, "tied": True},  # tied weights: fully_shard([tok_embeddings, norm, output])
+    # the head run per chunk of the sequence with its gradient sync off but for the last chunk (torchtitan's chunked
+    # loss), fp32: torch's reduce-scatter of unused parameters stays in use
+    "grouped_chunked": {"grouped": True, "chunks": 3},
+}
+
+
+@pytest.mark.timeout(120)
+def test_grouped_fully_shard_matches_stock_fsdp():
+    """One FSDP parameter group for several modules (``fully_shard([ln_f, head])``, and ``[emb, ln_f, head]`` with
+    the head tied to the embedding), 2 ranks with 1 and 3 micro-batches, ``clip_grad_norm_`` after the minibatch.
+    Before, ``enable`` built an ODC unit per module of the group: the group's gradient placeholders were never
+    released and the clip raised OdcUsageError ("used inside a minibatch")."""
+    plan = [(key, "scenario_unequal_vs_fsdp", (2, UNEQUAL2, opts)) for key, opts in GROUPED.items()]
+    suite = h.run(h.run_suite, 2, plan, timeout=100)
+    for key in GROUPED:
+        h.check_vs_stock(h.results(suite, key), FP32_TOL)
+
+
 @pytest.mark.timeout(120)
 def test_single_rank_is_refused():
     [msg] = h.run(h.scenario_single_rank, 1, timeout=100)

@@ -20,11 +20,12 @@ FSDP parameter-group metadata (parameter order, mixed-precision and offload poli
 setters do; every such read lives in ``odc_runtime.fsdp._compat``, which also detects what this torch offers
 (torch 2.9 to 2.14 are tested). The layout is re-checked at run time (row sizes and dtypes on every call, the
 published values against FSDP's all-gather input on the first call), so a change in torch's internals gives a
-clear error instead of wrong gradients. For each FSDP module (one parameter group) it creates ODC sharded tensors
-of shape ``(W, I)`` for the parameters and ``(W, R)`` for the gradients, where ``I`` is FSDP's per-rank
-all-gather input numel and ``R`` its per-rank reduce-scatter output numel (both padded as FSDP pads), so ODC owner
-``r`` holds exactly row ``r`` (``_layout``). When ``R == I`` (no frozen parameter in the module) one sharded
-tensor serves both: its parameter buffer holds the published row and its fp32 accumulator the gradient row.
+clear error instead of wrong gradients. For each FSDP parameter group (one FSDP module, or the modules of one
+grouped ``fully_shard([a, b])`` call, which FSDP communicates together) it creates ODC sharded tensors of shape
+``(W, I)`` for the parameters and ``(W, R)`` for the gradients, where ``I`` is FSDP's per-rank all-gather input
+numel and ``R`` its per-rank reduce-scatter output numel (both padded as FSDP pads), so ODC owner ``r`` holds
+exactly row ``r`` (``_layout``). When ``R == I`` (no frozen parameter in the module) one sharded tensor serves both:
+its parameter buffer holds the published row and its fp32 accumulator the gradient row.
 
 - All-gather (in place; FSDP's input is row ``rank`` of the output): inside a minibatch the output rows are
   fetched from the owners' published rows (one-sided; the owners do nothing). Outside a minibatch (an evaluation
@@ -159,6 +160,22 @@ def _param_group(module: nn.Module, fqn: str) -> FSDPParamGroup | None:
     return groups[0] if groups else None
 
 
+def _by_param_group(
+    modules: list[tuple[str, nn.Module]],
+) -> list[tuple[FSDPParamGroup, list[tuple[str, nn.Module]]]]:
+    """The FSDP parameter groups of ``modules`` (named FSDP modules, in model order), each with its modules.
+
+    ``fully_shard([a, b, ...])`` gives several modules one FSDP state and one parameter group: FSDP all-gathers and
+    reduce-scatters them together, so ODC lays out one unit for them (one set of hooks, rows and gradient
+    placeholders), not one per module. Modules that manage no parameters are left out."""
+    found: dict[int, tuple[FSDPParamGroup, list[tuple[str, nn.Module]]]] = {}
+    for fqn, m in modules:
+        group = _param_group(m, fqn)
+        if group is not None:
+            found.setdefault(id(group), (group, []))[1].append((fqn, m))
+    return list(found.values())
+
+
 def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
     """Put an FSDP2 model in ODC mode (collective: call on every rank, after ``fully_shard`` and ``odc.init``).
 
@@ -220,11 +237,8 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
     units: list[_Unit] = []
     managed: set[int] = set()
     names = {id(p): n for n, p in model.named_parameters()}
-    for fqn, m in modules:
-        group = _param_group(m, fqn)
-        if group is None:
-            continue
-        unit = _build_unit(m, fqn, group, world_size, api, names)
+    for group, members in _by_param_group(modules):
+        unit = _build_unit(members, group, world_size, api, names)
         if unit.device.type != device_type:
             raise OdcUsageError(
                 f"odc_runtime.fsdp: FSDP module {unit.fqn!r} runs on {unit.device} but the ODC "

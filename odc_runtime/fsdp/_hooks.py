@@ -222,7 +222,8 @@ def install_unused_tracking(unit: Unit) -> None:
             unit.handles.append(up.register_post_accumulate_grad_hook(_marker(p)))
             unit.hooked.add(id(up))
 
-    unit.handles.append(unit.module.register_forward_pre_hook(after_unshard))
+    # every module of a grouped fully_shard: a forward may run only some of them (e.g. the head alone, per chunk)
+    unit.handles.extend(m.register_forward_pre_hook(after_unshard) for m in unit.modules)
 
 
 def _marker(p: Param) -> Callable[[torch.Tensor], None]:
