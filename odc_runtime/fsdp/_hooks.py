@@ -10,10 +10,12 @@
   ``end_minibatch`` applies FSDP's scaling.
 - Unused parameters. FSDP leaves parameters that got no gradient in a backward out of the reduce-scatter input,
   which would shift every later parameter's columns. torch >= 2.13 keeps the layout fixed with
-  ``set_reduce_scatter_unused_params(True)``. On older torch ODC does the same itself: a post-accumulate-grad hook
-  on each unsharded parameter (registered by a forward pre-hook that runs after FSDP's unshard) marks the parameters
-  that received a gradient; the reduce-scatter maps FSDP's shorter input back onto the full row layout (zeros for
-  the unmarked parameters) before pushing. Both give the same accumulator contents.
+  ``set_reduce_scatter_unused_params(True)``. On older torch, and for groups that reduce in another dtype than they
+  compute in (mixed precision: torch's bf16 zeros would meet the fp32 gradients FSDP accumulates while gradient
+  sync is off, and FSDP asserts a uniform dtype), ODC does the same itself: a post-accumulate-grad hook on each
+  unsharded parameter (registered by a forward pre-hook, on every module of the group, that runs after FSDP's
+  unshard) marks the parameters that received a gradient; the reduce-scatter maps FSDP's shorter input back onto
+  the full row layout (zeros for the unmarked parameters) before pushing. Both give the same accumulator contents.
 """
 
 from __future__ import annotations

@@ -83,6 +83,12 @@ class Unit:
     rows: int = 0  # W: ranks FSDP shards over (the shard group's size under HSDP, else the world size)
 
     @property
+    def reduces_in_other_dtype(self) -> bool:
+        """FSDP reduces this group's gradients in another dtype than it computes them in (a mixed-precision
+        ``reduce_dtype``, e.g. ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``)."""
+        return self.rs_dtype is not None and self.rs_dtype != self.ag_dtype
+
+    @property
     def module(self) -> nn.Module:
         """The first of the group's modules. The modules of a grouped ``fully_shard`` share one FSDP state, so
         FSDPModule's setters and ``reshard()`` called on any of them act on the whole group (once is enough)."""
