@@ -289,6 +289,7 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
             # run different counts) and would only see ODC's zeros; end_minibatch all-reduces the accumulators.
             unit.prev["all_reduce"] = _compat.all_reduce_grads(g)
             m.set_requires_all_reduce(False, recurse=False)
+            state.handles.extend(_hooks.keep_all_reduce_off(unit))  # set_requires_gradient_sync(True) re-enables it
         m.set_custom_all_gather(all_gather_cls(state, unit))
         m.set_custom_reduce_scatter(reduce_scatter_cls(state, unit))
         # torch's zeros for unused parameters have the compute dtype, but what FSDP accumulates while gradient sync

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,9 @@ from odc_runtime.errors import OdcUsageError
 
 from . import _compat, _grads
 from ._layout import Param, State, Unit, fp16_pre_factor
+
+if TYPE_CHECKING:  # annotations only
+    from torch.utils.hooks import RemovableHandle
 
 
 class _CommBase:
@@ -155,6 +159,14 @@ def make_reduce_scatter(base: type) -> type:
                     "micro-batches in `with odc_runtime.fsdp.minibatch(model):` (or begin_minibatch/end_minibatch). "
                     f"FSDP's iteration state is now undefined: {recover}"
                 )
+            if unit.replicate_pg is not None and _compat.all_reduce_grads(unit.group):
+                raise OdcUsageError(
+                    f"odc_runtime.fsdp: FSDP's cross-replica all-reduce is on for the HSDP module {unit.fqn!r} at its "
+                    "reduce-scatter: set_requires_gradient_sync(True) (or set_requires_all_reduce(True)) ran between "
+                    "its forward and this backward. ODC keeps that all-reduce off (a collective per backward, which "
+                    "ranks with different micro-batch counts never all meet; end_minibatch all-reduces once) and "
+                    "turns it off again before each forward: turn gradient sync back on before the forward"
+                )
             _grads.before_reduce(unit)
             w, n = unit.rows, unit.rs_numel
             if unit.st_rs is None or input_tensor.dtype not in PARAM_DTYPES:
@@ -206,6 +218,20 @@ def _full_rows(unit: Unit, input_tensor: torch.Tensor, w: int) -> torch.Tensor |
         full[:, p.rs_offset : p.rs_offset + p.padded].copy_(src[:, col : col + p.padded])
         col += p.padded
     return full
+
+
+def keep_all_reduce_off(unit: Unit) -> list[RemovableHandle]:
+    """HSDP: ODC turns FSDP's per-backward cross-replica all-reduce off (``enable``), but
+    ``set_requires_gradient_sync(True)`` turns it back on with the reduce-scatter (FSDP sets both), e.g. for the
+    last chunk of torchtitan's chunked loss. A forward pre-hook on every module of the group turns it off again, so
+    the backward of that forward reduce-scatters only (a toggle between a forward and its backward is refused by the
+    reduce-scatter). Returns the hooks' handles."""
+
+    def off(module: nn.Module, args: tuple[object, ...]) -> None:
+        if _compat.all_reduce_grads(unit.group):
+            module.set_requires_all_reduce(False, recurse=False)
+
+    return [m.register_forward_pre_hook(off) for m in unit.modules]
 
 
 def install_unused_tracking(unit: Unit) -> None:
