@@ -324,6 +324,19 @@ def scenario_vs_fsdp(rank: int, world: int, steps: int, micro: int, opts: dict) 
     return {"diff": diffs, "grad_diff": grad_diffs}
 
 
+def partial_group_forward() -> bool:
+    """Whether this torch's FSDP2 runs a grouped ``fully_shard([norm, head])`` when a forward calls only some of its
+    modules (the head alone, per chunk, as torchtitan's chunked loss does): FSDPParamGroup.post_backward has a
+    partial-group path (torch 2.13 has it). Older releases finish a group only when all of its modules ran, so the
+    chunked loss does not run on a grouped head there, with or without ODC."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    post_backward = inspect.unwrap(FSDPParamGroup.post_backward)  # under torch._dynamo.disable
+    return "is_partial_group_backward" in post_backward.__code__.co_varnames
+
+
 def _chunked_backward(model, tokens, scale: float, chunks: int):
     """The loss the way torchtitan's chunked loss runs it (``ChunkedLossWrapper``): the trunk's forward up to the
     final norm, then the head per chunk of the sequence, each chunk's loss backward on its own with the head's
