@@ -298,8 +298,8 @@ def finish_unshard(group: FSDPParamGroup) -> None:
 
 def held_unsharded_grad(fsdp_param: FSDPParam) -> bool:
     """Whether FSDP holds a gradient of this parameter that it has not reduce-scattered: one accumulated while
-    gradient sync was off (``set_requires_gradient_sync(False)``: in the reduce dtype, ``unsharded_accumulated_grad``,
-    under mixed precision, else on the unsharded parameter's ``.grad``), or one an aborted backward left."""
+    gradient sync was off (``set_requires_gradient_sync(False)``: on the unsharded parameter's ``.grad``, or, up to
+    torch 2.14 under mixed precision, upcast into ``unsharded_accumulated_grad``), or one an aborted backward left."""
     if _attr(fsdp_param, "unsharded_accumulated_grad", "FSDPParam") is not None:
         return True
     up = unsharded_param(fsdp_param)
@@ -311,7 +311,8 @@ def drop_unsharded_grad(fsdp_param: FSDPParam) -> bool:
     whether there was one."""
     if not held_unsharded_grad(fsdp_param):
         return False
-    fsdp_param.unsharded_accumulated_grad = None
+    if "unsharded_accumulated_grad" in vars(fsdp_param):  # FSDP's own attribute up to 2.14; from 2.15 a read-only
+        fsdp_param.unsharded_accumulated_grad = None  # property that reads the unsharded parameter's .grad
     up = unsharded_param(fsdp_param)
     if up is not None:
         up.grad = None
