@@ -34,9 +34,12 @@ def run(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, init_o
 
 
 def make_model(
-    seed: int = 0, vocab: int = 37, dim: int = 12, heads: int = 3, hidden: int = 22, layers: int = 2, branch=False
+    seed: int = 0, vocab: int = 37, dim: int = 12, heads: int = 3, hidden: int = 22, layers: int = 2, branch=False,
+    tied=False,
 ):
     """A tiny decoder-only transformer whose parameter dims are not multiples of 2, 3 or 4 (uneven shards).
+
+    ``tied``: the output head shares the embedding's weight (``head.weight is emb.weight``), as small LLMs do.
 
     ``branch``: add layers used only by some micro-batches (``extra`` in the root's parameters, between ``pos`` and
     ``ln_f``, when the batch has 2 rows; ``aux`` in each block when the sequence length is odd), so a backward
@@ -76,16 +79,19 @@ def make_model(
             self.ln_f = nn.LayerNorm(dim)
             self.head = nn.Linear(dim, vocab, bias=False)
 
-        def forward(self, tokens):
+        def forward(self, tokens, skip_head=False):
             x = self.emb(tokens) + self.pos(torch.arange(tokens.shape[1]))
             if self.extra is not None and tokens.shape[0] == 2:
                 x = x + self.extra(x)
             for block in self.blocks:
                 x = block(x)
-            return self.head(self.ln_f(x))
+            x = self.ln_f(x)
+            return x if skip_head else self.head(x)  # skip_head: the caller runs the head (chunked loss)
 
     torch.manual_seed(seed)
     model = TinyLM()
+    if tied:
+        model.head.weight = model.emb.weight
     with torch.no_grad():  # LayerNorm starts at 1/0: perturb so its gradients are not degenerate
         for name, p in model.named_parameters():
             if "ln" in name:
@@ -93,7 +99,10 @@ def make_model(
     return model
 
 
-def shard_model(model, mp_policy=None, reshard_after_forward=True):
+def shard_model(model, mp_policy=None, reshard_after_forward=True, grouped=False):
+    """``fully_shard`` every block, then the root. ``grouped``: before the root, one FSDP parameter group for
+    ``[ln_f, head]`` (``[emb, ln_f, head]`` when the head's weight is the embedding's), as torchtitan's llama3 does
+    (``fully_shard([norm, output])``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -106,6 +115,9 @@ def shard_model(model, mp_policy=None, reshard_after_forward=True):
     }
     for block in model.blocks:
         fully_shard(block, **kw)
+    if grouped:
+        tied = model.head.weight is model.emb.weight
+        fully_shard([model.emb, model.ln_f, model.head] if tied else [model.ln_f, model.head], **kw)
     fully_shard(model, **kw)
     return model
 
@@ -310,6 +322,163 @@ def scenario_vs_fsdp(rank: int, world: int, steps: int, micro: int, opts: dict) 
             )
         )
     return {"diff": diffs, "grad_diff": grad_diffs}
+
+
+def partial_group_forward() -> bool:
+    """Whether this torch's FSDP2 runs a grouped ``fully_shard([norm, head])`` when a forward calls only some of its
+    modules (the head alone, per chunk, as torchtitan's chunked loss does): FSDPParamGroup.post_backward has a
+    partial-group path (torch 2.13 has it). Older releases finish a group only when all of its modules ran, so the
+    chunked loss does not run on a grouped head there, with or without ODC."""
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    post_backward = inspect.unwrap(FSDPParamGroup.post_backward)  # under torch._dynamo.disable
+    return "is_partial_group_backward" in post_backward.__code__.co_varnames
+
+
+def _chunked_backward(model, tokens, scale: float, chunks: int):
+    """The loss the way torchtitan's chunked loss runs it (``ChunkedLossWrapper``): the trunk's forward up to the
+    final norm, then the head per chunk of the sequence, each chunk's loss backward on its own with the head's
+    gradient sync off (``set_requires_gradient_sync(False)``) except for the last chunk, the head kept unsharded
+    across the chunks; then one backward of the trunk from the chunks' gradients. Returns the loss (detached)."""
+    import torch
+    import torch.nn.functional as F
+
+    head = model.head
+    h = model(tokens[:, :-1], skip_head=True)
+    targets = tokens[:, 1:]
+    head.set_reshard_after_forward(False)
+    head.set_reshard_after_backward(False)
+    head.set_requires_gradient_sync(False, recurse=False)
+    head.unshard()
+    total = torch.zeros(())
+    grads = []
+    pieces = list(zip(h.detach().chunk(chunks, dim=1), targets.chunk(chunks, dim=1), strict=True))
+    for i, (piece, target) in enumerate(pieces):
+        if i == len(pieces) - 1:
+            head.set_requires_gradient_sync(True, recurse=False)
+        leaf = piece.requires_grad_()
+        logits = head(leaf)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum")
+        (loss * scale).backward()
+        grads.append(leaf.grad)
+        total += loss.detach()
+    head.set_reshard_after_forward(True)
+    head.set_reshard_after_backward(True)
+    head.reshard()
+    h.backward(torch.cat(grads, dim=1))
+    return total
+
+
+def scenario_unequal_vs_fsdp(rank: int, world: int, steps: int, counts: list[int], opts: dict) -> dict:
+    """ODC with ``counts[r]`` micro-batches on rank r against stock FSDP2 running the same global minibatches with
+    equal counts (each minibatch's micro-batches dealt out in turn), ``clip_grad_norm_`` after every minibatch.
+    Both scale each micro-batch's token-loss sum by ``world / tokens`` (FSDP2's mean over ranks then gives the
+    minibatch's mean token loss), so their gradients differ only by the order of the sums.
+
+    opts: ``grouped`` and ``tied`` (``shard_model`` / ``make_model``), ``bf16`` (``MixedPrecisionPolicy(bf16,
+    fp32)``), ``chunks`` (the loss through ``_chunked_backward`` with that many chunks), ``clip`` (max norm, 0.5).
+    Returns per step the largest gradient and parameter differences, both norms and both losses."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import odc_runtime.fsdp as ofsdp
+
+    assert sum(counts) % world == 0, "stock FSDP2 needs the same count on every rank"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if opts.get("bf16") else None
+    odc_model, fsdp_model = (
+        shard_model(make_model(tied=opts.get("tied", False)), mp, grouped=opts.get("grouped", False))
+        for _ in range(2)
+    )
+    ofsdp.enable(odc_model)
+    opts_ = [_sgd(m.parameters()) for m in (odc_model, fsdp_model)]
+    data = make_data(steps, counts)
+    chunks, clip = opts.get("chunks"), opts.get("clip", 0.5)
+
+    def backward(model, mbs, tokens):
+        total = torch.zeros(())
+        for mb in mbs:
+            scale = world / tokens
+            if chunks:
+                total += _chunked_backward(model, mb, scale, chunks) * scale
+            else:
+                loss = token_loss_sum(model, mb) * scale
+                loss.backward()
+                total += loss.detach()
+        torch.distributed.all_reduce(total)
+        return total.item() / world
+
+    out: dict[str, Any] = {"grad_diff": [], "diff": [], "norm": [], "fsdp_norm": [], "loss": [], "fsdp_loss": []}
+    out["clip"] = clip
+    for step in range(steps):
+        everything = [mb for per_rank in data[step] for mb in per_rank]
+        tokens = n_targets(everything)
+        with ofsdp.minibatch(odc_model):
+            out["loss"].append(backward(odc_model, data[step][rank], tokens))
+        out["fsdp_loss"].append(backward(fsdp_model, everything[rank::world], tokens))
+        out["grad_diff"].append(
+            max(
+                (a.grad.full_tensor().float() - b.grad.full_tensor().float()).abs().max().item()
+                for a, b in zip(odc_model.parameters(), fsdp_model.parameters(), strict=True)
+            )
+        )
+        for key, model in (("norm", odc_model), ("fsdp_norm", fsdp_model)):
+            out[key].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor()))
+        for opt in opts_:
+            opt.step()
+            opt.zero_grad()
+        out["diff"].append(
+            max(
+                (a.full_tensor().float() - b.full_tensor().float()).abs().max().item()
+                for a, b in zip(odc_model.parameters(), fsdp_model.parameters(), strict=True)
+            )
+        )
+    ofsdp.disable(odc_model)
+    return out
+
+
+def scenario_sync_left_off(rank: int, world: int, kind: str, opts: dict) -> dict:
+    """The head's gradient sync turned off for a whole minibatch (``set_requires_gradient_sync(False)`` on the
+    grouped ``[ln_f, head]``): ``kind`` "still_off" leaves it off at ``end_minibatch``, "on_after" turns it back on
+    after the last backward (too late: FSDP holds the gradients). ``end_minibatch`` must refuse on every rank; with
+    sync on again, the next minibatch matches stock FSDP2 (nothing held back leaks into it). ``opts``: ``bf16``
+    (FSDP then accumulates in the reduce dtype, apart from the parameter's ``.grad``)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import odc_runtime.fsdp as ofsdp
+    from odc_runtime.errors import OdcUsageError
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if opts.get("bf16") else None
+    odc_model, fsdp_model = (shard_model(make_model(), mp, grouped=True) for _ in range(2))
+    ofsdp.enable(odc_model)
+    data = make_data(2, [2] * world, seed=13)
+
+    def backward(model, mbs):
+        for mb in mbs:
+            (token_loss_sum(model, mb) / n_targets(mbs)).backward()
+
+    out: dict[str, Any] = {"error": "NO ERROR"}
+    try:
+        with ofsdp.minibatch(odc_model):
+            odc_model.head.set_requires_gradient_sync(False, recurse=False)
+            backward(odc_model, data[0][rank])
+            if kind == "on_after":
+                odc_model.head.set_requires_gradient_sync(True, recurse=False)
+    except OdcUsageError as e:
+        out["error"] = str(e)
+    odc_model.head.set_requires_gradient_sync(True, recurse=False)
+    odc_model.zero_grad()
+    with ofsdp.minibatch(odc_model):
+        backward(odc_model, data[1][rank])
+    backward(fsdp_model, data[1][rank])
+    out["next_diff"] = max(
+        (a.grad.full_tensor() - b.grad.full_tensor()).abs().max().item()
+        for a, b in zip(odc_model.parameters(), fsdp_model.parameters(), strict=True)
+    )
+    ofsdp.disable(odc_model)
+    return out
 
 
 def _train(model, opt, data, rank, steps_range):
@@ -627,6 +796,19 @@ def results(suite: list[dict], key: str) -> list[Any]:
             pytest.fail(f"rank {rank} failed in scenario {key!r}:\n{res[key]['__error__']}")
         out.append(res[key])
     return out
+
+
+def check_vs_stock(results: list[dict], tol: float, rel: float = 1e-5) -> None:
+    """``scenario_unequal_vs_fsdp``'s results: gradients and parameters within ``tol`` of stock FSDP2 after every
+    step, losses and clipped norms within ``rel`` (relative), and the clipping active."""
+    import pytest
+
+    for r, res in enumerate(results):
+        assert max(res["grad_diff"]) < tol, f"rank {r}: gradient diffs per step {res['grad_diff']}"
+        assert max(res["diff"]) < tol, f"rank {r}: parameter diffs per step {res['diff']}"
+        assert res["norm"] == pytest.approx(res["fsdp_norm"], rel=rel), f"rank {r}"
+        assert res["loss"] == pytest.approx(res["fsdp_loss"], rel=rel), f"rank {r}"
+        assert all(n > res["clip"] for n in res["fsdp_norm"]), f"rank {r}: clipping inactive {res['fsdp_norm']}"
 
 
 def check_vs_reference(results: list[dict], tol: float) -> None:

@@ -540,6 +540,8 @@ def _grad_slip(rank: int, world: int, kind: str, odc_mode: bool) -> dict:
         backward(0, 0)
         backward(0, 1)
 
+    kept = []
+
     def idiom():
         with window(1):
             if kind == "zero_grad_first":  # before any backward of the minibatch: drops minibatch 0 (both modes)
@@ -551,7 +553,11 @@ def _grad_slip(rank: int, world: int, kind: str, odc_mode: bool) -> dict:
                 opt.zero_grad(set_to_none=False)
             if kind == "clip_between":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            if kind == "grad_kept":  # a reference to .grad taken inside the minibatch ...
+                kept.append(model.head.weight.grad)
             backward(1, 1)
+        if kept:  # ... used after it (local: no collective)
+            kept[0].to_local().sum()
 
     out = {"error": _error(idiom)}
     out["grads"] = [g.tolist() for g in _grads(model)] if all(p.grad is not None for p in model.parameters()) else None

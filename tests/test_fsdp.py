@@ -125,6 +125,75 @@ def test_private_fsdp_surface_of_this_torch(suite2):
             )
 
 
+# ODC with unequal micro-batch counts against stock FSDP2 running the same minibatches with equal counts
+UNEQUAL2 = [1, 3]
+GROUPED = {  # torchtitan's llama3 shards its final norm and output head together: fully_shard([norm, output])
+    "grouped": {"grouped": True},
+    "grouped_tied": {"grouped": True, "tied": True},  # tied weights: fully_shard([tok_embeddings, norm, output])
+    # the head run per chunk of the sequence with its gradient sync off but for the last chunk (torchtitan's chunked
+    # loss), fp32: torch's reduce-scatter of unused parameters stays in use
+    "grouped_chunked": {"grouped": True, "chunks": 3},
+}
+NO_PARTIAL_GROUPS = "this torch's FSDP2 cannot run the head of a grouped fully_shard alone (the chunked loss)"
+
+
+def runnable(variants: dict[str, dict]) -> dict[str, dict]:
+    """The variants this torch runs: the chunked loss on a grouped head needs FSDP2's partial-group forward."""
+    return {key: opts for key, opts in variants.items() if not opts.get("chunks") or h.partial_group_forward()}
+
+
+@pytest.mark.timeout(120)
+def test_grouped_fully_shard_matches_stock_fsdp():
+    """One FSDP parameter group for several modules (``fully_shard([ln_f, head])``, and ``[emb, ln_f, head]`` with
+    the head tied to the embedding), 2 ranks with 1 and 3 micro-batches, ``clip_grad_norm_`` after the minibatch.
+    Before, ``enable`` built an ODC unit per module of the group: the group's gradient placeholders were never
+    released and the clip raised OdcUsageError ("used inside a minibatch")."""
+    variants = runnable(GROUPED)
+    plan = [(key, "scenario_unequal_vs_fsdp", (2, UNEQUAL2, opts)) for key, opts in variants.items()]
+    suite = h.run(h.run_suite, 2, plan, timeout=100)
+    for key in variants:
+        h.check_vs_stock(h.results(suite, key), FP32_TOL)
+
+
+CHUNKED_BF16 = {  # torchtitan's default: bf16 compute, fp32 reduction, the chunked loss
+    "bf16_chunked": {"grouped": True, "bf16": True, "chunks": 3},
+    "bf16_chunked_tied": {"grouped": True, "tied": True, "bf16": True, "chunks": 3},
+}
+
+
+@pytest.mark.timeout(120)
+def test_bf16_chunked_loss_toggling_gradient_sync_matches_stock_fsdp():
+    """``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` with the head run per chunk and its gradient
+    sync off but for the last chunk, as torchtitan's ``ChunkedLossWrapper`` does; 2 ranks with 1 and 3
+    micro-batches, clipping after the minibatch. Before, torch's zeros for the parameters a backward leaves
+    unused (``set_reduce_scatter_unused_params``, bf16) met the head's gradient FSDP accumulated in fp32 with sync
+    off, and FSDP asserted "expects uniform gradient dtype"."""
+    if not h.partial_group_forward():
+        pytest.skip(NO_PARTIAL_GROUPS)
+    plan = [(key, "scenario_unequal_vs_fsdp", (2, UNEQUAL2, opts)) for key, opts in CHUNKED_BF16.items()]
+    suite = h.run(h.run_suite, 2, plan, timeout=100)
+    for key in CHUNKED_BF16:
+        h.check_vs_stock(h.results(suite, key), BF16_TOL, rel=1e-3)
+
+
+@pytest.mark.timeout(120)
+def test_gradient_sync_left_off_at_end_of_minibatch_is_refused_on_every_rank():
+    """Gradients FSDP accumulated with sync off and never reduce-scattered would be lost to ODC: refused at
+    ``end_minibatch`` on every rank (sync still off, or back on only after the last backward; bf16 and fp32 hold
+    them in different places), and the next minibatch, with sync on, matches stock FSDP2. Before, the minibatch
+    ended without them, silently."""
+    plan = [
+        ("still_off", "scenario_sync_left_off", ("still_off", {"bf16": True})),
+        ("on_after", "scenario_sync_left_off", ("on_after", {})),
+    ]
+    suite = h.run(h.run_suite, 2, plan, timeout=100)
+    for key, _, _ in plan:
+        for res in h.results(suite, key):
+            assert "the gradients of '[ln_f, head]' were left in FSDP, not reduce-scattered" in res["error"], res
+            assert ("and is still off" in res["error"]) == (key == "still_off"), res["error"]
+            assert res["next_diff"] < FP32_TOL, res
+
+
 @pytest.mark.timeout(120)
 def test_single_rank_is_refused():
     [msg] = h.run(h.scenario_single_rank, 1, timeout=100)

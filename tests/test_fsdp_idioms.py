@@ -143,8 +143,9 @@ def test_zero_grad_and_clipping_inside_a_minibatch_match_fsdp2_or_are_refused():
     # Reference: collective FSDP2 with the same micro-batches. zero_grad() before the minibatch's first backward drops
     # the earlier gradients in both. After a backward FSDP2 drops the micro-batches so far, which ODC cannot (they
     # reach the owners one-sidedly): refused on every rank at end_minibatch, the model stays usable. Reading or
-    # changing .grad in place inside the minibatch (clip_grad_norm_, zero_grad(set_to_none=False)) raises at the call.
-    kinds = ["zero_grad_first", "zero_grad_between", "zero_grad_keep", "clip_between"]
+    # changing .grad in place inside the minibatch (clip_grad_norm_, zero_grad(set_to_none=False)) raises at the call;
+    # a .grad kept from inside the minibatch and used after it raises saying so.
+    kinds = ["zero_grad_first", "zero_grad_between", "zero_grad_keep", "clip_between", "grad_kept"]
     results = h.run(idioms.scenario_grad_slips, 2, kinds, timeout=110)
     for res in results:
         first = res["zero_grad_first"]
@@ -159,4 +160,10 @@ def test_zero_grad_and_clipping_inside_a_minibatch_match_fsdp2_or_are_refused():
         assert _max_diff(between["odc"]["next"], between["fsdp2"]["next"]) < TOL
         for kind in ("zero_grad_keep", "clip_between"):
             message = res[kind]["odc"]["error"]
-            assert "gradients (.grad) of an ODC-enabled model were used inside a minibatch" in message, message
+            assert "gradients (.grad) of an ODC-enabled model were used inside a minibatch (" in message, message
+        # a placeholder kept from inside the minibatch and used after it: the error says so (not "inside")
+        kept = res["grad_kept"]
+        assert kept["fsdp2"]["error"] == "NO ERROR", kept
+        message = kept["odc"]["error"]
+        assert "of 'head.weight' taken from .grad inside a minibatch was used after the minibatch ended" in message, (
+            message)

@@ -17,7 +17,8 @@ BF16_TOL = 2e-3
 TIMEOUT = 240
 
 
-def shard_model_hsdp(model, mp_policy=None, reshard_after_forward=True):
+def shard_model_hsdp(model, mp_policy=None, reshard_after_forward=True, grouped=False):
+    """The harness's ``shard_model`` over a 2-D (replicate, shard) mesh."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -28,6 +29,9 @@ def shard_model_hsdp(model, mp_policy=None, reshard_after_forward=True):
     kw = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": reshard_after_forward}
     for block in model.blocks:
         fully_shard(block, **kw)
+    if grouped:
+        tied = model.head.weight is model.emb.weight
+        fully_shard([model.emb, model.ln_f, model.head] if tied else [model.ln_f, model.head], **kw)
     fully_shard(model, **kw)
     return model
 
@@ -70,10 +74,31 @@ def scenario_layout(rank: int, world: int) -> dict:
     return out
 
 
+def scenario_sync_on_before_backward(rank: int, world: int) -> str:
+    """The head's gradient sync turned back on between its forward and its backward: FSDP would all-reduce across
+    replicas after the reduce-scatter, so ODC's reduce-scatter refuses (every rank runs the same micro-batch)."""
+    import odc_runtime.fsdp as ofsdp
+    from odc_runtime.errors import OdcUsageError
+
+    model = shard_model_hsdp(h.make_model(), grouped=True)
+    ofsdp.enable(model)
+    tokens = h.make_data(1, [1])[0][0][0]
+    try:
+        with ofsdp.minibatch(model):
+            model.head.set_requires_gradient_sync(False, recurse=False)
+            loss = h.token_loss_sum(model, tokens)
+            model.head.set_requires_gradient_sync(True, recurse=False)
+            loss.backward()
+    except OdcUsageError as e:
+        return str(e)
+    return "NO ERROR"
+
+
 def _rank_suite(rank: int, world: int, plan: list) -> dict:
     h.shard_model = shard_model_hsdp  # the harness scenarios shard through this name
     h.scenario_hpz_refused = scenario_hpz_refused
     h.scenario_layout = scenario_layout
+    h.scenario_sync_on_before_backward = scenario_sync_on_before_backward
     return h.run_suite(rank, world, plan)
 
 
@@ -124,6 +149,25 @@ def test_hsdp_equal_counts_match_stock_fsdp2_hsdp(suite4):
     for res in h.results(suite4, "fsdp_fp32"):
         assert max(res["grad_diff"]) < FP32_TOL, res
         assert max(res["diff"]) < FP32_TOL, res
+
+
+@pytest.mark.timeout(150)
+def test_hsdp_chunked_loss_toggling_gradient_sync_matches_stock_fsdp2_hsdp():
+    """torchtitan's chunked loss under HSDP: grouped ``[ln_f, head]``, the head's gradient sync off for every chunk
+    but the last, counts 1, 3, 2, 2 against stock FSDP2 HSDP with 2 each on the same minibatches.
+    ``set_requires_gradient_sync(True)`` also turns FSDP's cross-replica all-reduce back on, which ODC keeps off
+    (a collective per backward, which ranks with different counts never all meet): ODC turns it off again before
+    the module's next forward. Before, the all-reduce of the last chunk's backward crossed ranks (they hung). Turned
+    on between a forward and its backward, it is refused at the reduce-scatter, naming the fix."""
+    chunked = ("chunked", "scenario_unequal_vs_fsdp", (2, [1, 3, 2, 2], {"grouped": True, "chunks": 3, "clip": 0.3}))
+    late = ("late", "scenario_sync_on_before_backward", ())  # leaves FSDP mid-backward: keep it last
+    partial = h.partial_group_forward()  # the chunked loss on a grouped head (torch 2.13 runs it)
+    suite = h.run(_rank_suite, 4, [chunked, late] if partial else [late], timeout=130)
+    if partial:
+        h.check_vs_stock(h.results(suite, "chunked"), FP32_TOL)
+    for msg in h.results(suite, "late"):
+        assert "cross-replica all-reduce is on for the HSDP module '[ln_f, head]'" in msg, msg
+        assert "turn gradient sync back on before the forward" in msg, msg
 
 
 @pytest.mark.timeout(TIMEOUT)

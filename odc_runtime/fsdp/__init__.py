@@ -20,11 +20,12 @@ FSDP parameter-group metadata (parameter order, mixed-precision and offload poli
 setters do; every such read lives in ``odc_runtime.fsdp._compat``, which also detects what this torch offers
 (torch 2.9 to 2.14 are tested). The layout is re-checked at run time (row sizes and dtypes on every call, the
 published values against FSDP's all-gather input on the first call), so a change in torch's internals gives a
-clear error instead of wrong gradients. For each FSDP module (one parameter group) it creates ODC sharded tensors
-of shape ``(W, I)`` for the parameters and ``(W, R)`` for the gradients, where ``I`` is FSDP's per-rank
-all-gather input numel and ``R`` its per-rank reduce-scatter output numel (both padded as FSDP pads), so ODC owner
-``r`` holds exactly row ``r`` (``_layout``). When ``R == I`` (no frozen parameter in the module) one sharded
-tensor serves both: its parameter buffer holds the published row and its fp32 accumulator the gradient row.
+clear error instead of wrong gradients. For each FSDP parameter group (one FSDP module, or the modules of one
+grouped ``fully_shard([a, b])`` call, which FSDP communicates together) it creates ODC sharded tensors of shape
+``(W, I)`` for the parameters and ``(W, R)`` for the gradients, where ``I`` is FSDP's per-rank all-gather input
+numel and ``R`` its per-rank reduce-scatter output numel (both padded as FSDP pads), so ODC owner ``r`` holds
+exactly row ``r`` (``_layout``). When ``R == I`` (no frozen parameter in the module) one sharded tensor serves both:
+its parameter buffer holds the published row and its fp32 accumulator the gradient row.
 
 - All-gather (in place; FSDP's input is row ``rank`` of the output): inside a minibatch the output rows are
   fetched from the owners' published rows (one-sided; the owners do nothing). Outside a minibatch (an evaluation
@@ -36,15 +37,16 @@ tensor serves both: its parameter buffer holds the published row and its fp32 ac
   FSDP adds into ``sharded_param.grad`` during the minibatch is zero (and FSDP's reduce op and post-division,
   which differ across torch versions, act on zeros). Parameters that got no gradient in a backward keep their
   columns: ``set_reduce_scatter_unused_params(True)`` where torch has it (>= 2.13), ODC's own tracking before
-  (``_hooks``). A reduce-scatter outside a minibatch raises ``OdcUsageError``.
+  and for mixed-precision reduce dtypes (``_hooks``). A reduce-scatter outside a minibatch raises ``OdcUsageError``.
 - ``begin_minibatch`` reshards every FSDP module (so the next forward gathers again; after a refused
   backward outside a minibatch it first resets FSDP and drops that backward's partial gradients), writes this rank's
   sharded parameters, cast to the all-gather dtype exactly as FSDP casts them (``MixedPrecisionPolicy
   .param_dtype``), into its row of the parameter buffers, and runs ``odc.sync()``.
 - ``end_minibatch`` returns every FSDP module to FSDP's normal sharded state (an explicit ``unshard()`` no
   forward consumed, ``reshard_after_forward=False`` after a forward-only pass), runs ``odc.sync()``, agrees with
-  every rank in one 4-number all-reduce that no rank changed its parameters inside the minibatch (bitwise against
-  the published rows), that ``divide_factor`` is the same everywhere and that dividing by it overflows nowhere (else
+  every rank in one 6-number all-reduce that no rank changed its parameters inside the minibatch (bitwise against
+  the published rows), reset its gradients after a backward or left gradients in FSDP with gradient sync off, that
+  ``divide_factor`` is the same everywhere and that dividing by it overflows nowhere (else
   every rank raises ``OdcUsageError``, the minibatch is discarded, the model stays usable), writes
   ``accumulator / divide_factor`` (cast to the parameter dtype) into every ``sharded_param.grad`` (a DTensor, as
   FSDP makes it; added to an existing ``.grad`` as FSDP adds), and zeroes the accumulators.
@@ -159,13 +161,29 @@ def _param_group(module: nn.Module, fqn: str) -> FSDPParamGroup | None:
     return groups[0] if groups else None
 
 
+def _by_param_group(
+    modules: list[tuple[str, nn.Module]],
+) -> list[tuple[FSDPParamGroup, list[tuple[str, nn.Module]]]]:
+    """The FSDP parameter groups of ``modules`` (named FSDP modules, in model order), each with its modules.
+
+    ``fully_shard([a, b, ...])`` gives several modules one FSDP state and one parameter group: FSDP all-gathers and
+    reduce-scatters them together, so ODC lays out one unit for them (one set of hooks, rows and gradient
+    placeholders), not one per module. Modules that manage no parameters are left out."""
+    found: dict[int, tuple[FSDPParamGroup, list[tuple[str, nn.Module]]]] = {}
+    for fqn, m in modules:
+        group = _param_group(m, fqn)
+        if group is not None:
+            found.setdefault(id(group), (group, []))[1].append((fqn, m))
+    return list(found.values())
+
+
 def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
     """Put an FSDP2 model in ODC mode (collective: call on every rank, after ``fully_shard`` and ``odc.init``).
 
     Installs ODC's all-gather and reduce-scatter on every FSDP module of ``model``, keeps the reduce-scatter
     layout fixed for parameters without a gradient (``set_reduce_scatter_unused_params(True)`` where torch has it,
-    ODC's own tracking otherwise), and allocates the ODC buffers. Every parameter of ``model`` that requires a
-    gradient must be managed by FSDP.
+    ODC's own tracking otherwise and under a mixed-precision reduce dtype), and allocates the ODC buffers (one set
+    per FSDP parameter group). Every parameter of ``model`` that requires a gradient must be managed by FSDP.
 
     Args:
         model: the root module (normally itself passed to ``fully_shard``).
@@ -220,11 +238,8 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
     units: list[_Unit] = []
     managed: set[int] = set()
     names = {id(p): n for n, p in model.named_parameters()}
-    for fqn, m in modules:
-        group = _param_group(m, fqn)
-        if group is None:
-            continue
-        unit = _build_unit(m, fqn, group, world_size, api, names)
+    for group, members in _by_param_group(modules):
+        unit = _build_unit(members, group, world_size, api, names)
         if unit.device.type != device_type:
             raise OdcUsageError(
                 f"odc_runtime.fsdp: FSDP module {unit.fqn!r} runs on {unit.device} but the ODC "
@@ -274,9 +289,14 @@ def enable(model: nn.Module, *, validate: bool = False) -> nn.Module:
             # run different counts) and would only see ODC's zeros; end_minibatch all-reduces the accumulators.
             unit.prev["all_reduce"] = _compat.all_reduce_grads(g)
             m.set_requires_all_reduce(False, recurse=False)
+            state.handles.extend(_hooks.keep_all_reduce_off(unit))  # set_requires_gradient_sync(True) re-enables it
         m.set_custom_all_gather(all_gather_cls(state, unit))
         m.set_custom_reduce_scatter(reduce_scatter_cls(state, unit))
-        if api.reduce_scatter_unused_params and not _FORCE_UNUSED_TRACKING:
+        # torch's zeros for unused parameters have the compute dtype, but what FSDP accumulates while gradient sync
+        # is off (set_requires_gradient_sync(False), e.g. torchtitan's chunked loss) has the reduce dtype: with mixed
+        # precision one reduce-scatter would hold both and torch asserts "uniform gradient dtype". ODC's own
+        # tracking passes no zeros through FSDP.
+        if api.reduce_scatter_unused_params and not (_FORCE_UNUSED_TRACKING or unit.reduces_in_other_dtype):
             m.set_reduce_scatter_unused_params(True, recurse=False)
         else:
             _hooks.install_unused_tracking(unit)
@@ -397,8 +417,10 @@ def begin_minibatch(model: nn.Module) -> None:
     for unit in state.units:
         if not _compat.reduce_grads(unit.group):
             raise OdcUsageError(
-                f"odc_runtime.fsdp: set_requires_gradient_sync(False) is active on {unit.fqn!r}; ODC accumulates "
-                "across micro-batches itself, keep gradient sync on"
+                f"odc_runtime.fsdp: set_requires_gradient_sync(False) is active on {unit.fqn!r} at the start of a "
+                "minibatch; ODC accumulates across micro-batches itself, keep gradient sync on (turning it off "
+                "inside a minibatch works if it is back on for the module's last backward of the minibatch, as "
+                "torchtitan's chunked loss does)"
             )
     _telemetry.open_window(state)  # the minibatch's figures (stats()["last_minibatch"]): its publishing and S1 included
     try:
@@ -446,6 +468,7 @@ def end_minibatch(model: nn.Module, *, divide_factor: float | None = None) -> No
     state.in_minibatch = False
     reset = _grads.release(state)  # .grad as before the minibatch; a zero_grad() after a backward is refused
     try:
+        held = _held_back(state)
         _to_normal_state(state)
         changed = _changed_params(state)
         _device_sync(state)
@@ -454,7 +477,7 @@ def end_minibatch(model: nn.Module, *, divide_factor: float | None = None) -> No
         odc.sync(parameters=False)
         _all_reduce_replicas(state)
         overflow = _overflow(state, factor)
-        problem = _agree_or_explain(state, factor, overflow, changed, reset)
+        problem = _agree_or_explain(state, factor, overflow, changed, reset, held)
         if problem is None:
             _write_grads(state, factor)
     except odc.OdcOverflowError:  # deterministic mode: every rank discarded the minibatch; a retry is clean
@@ -517,25 +540,54 @@ def _show_factor(value: float) -> str:
     return "None (the default)" if value == -1.0 else repr(value)
 
 
+def _held_back(state: _State) -> str | None:
+    """Where FSDP still holds gradients it has not reduce-scattered, described; or None. With gradient sync off
+    (``set_requires_gradient_sync(False)``) FSDP accumulates instead of reduce-scattering, and ODC receives gradients
+    only through the reduce-scatter: sync must be back on for each module's last backward of the minibatch."""
+    for unit in state.units:
+        off = not _compat.reduce_grads(unit.group)
+        if off or any(_compat.held_unsharded_grad(p.fsdp_param) for p in unit.params):
+            still = " and is still off" if off else ""
+            return (
+                f"the gradients of {unit.fqn!r} were left in FSDP, not reduce-scattered to their owners: gradient sync "
+                f"was off (set_requires_gradient_sync(False)) for its last backward of the minibatch{still}. Turn it "
+                "back on before the module's last backward of each minibatch (torchtitan's chunked loss does, for "
+                "its last chunk); under ODC deferring the sync saves nothing (a push is one-sided)"
+            )
+    return None
+
+
 def _agree_or_explain(
-    state: _State, divide_factor: float | None, overflow: str | None, changed: str | None, reset: str | None = None
+    state: _State,
+    divide_factor: float | None,
+    overflow: str | None,
+    changed: str | None,
+    reset: str | None = None,
+    held: str | None = None,
 ) -> str | None:
     """One small all-reduce (after S2, so every rank is here): the divide factor must be the same on every rank
     (a per-rank value, e.g. a local token count, would divide each owner's rows differently), and an overflow, a
-    parameter changed or a gradient reset inside the minibatch on any rank fails the minibatch on every rank, so
-    none is left waiting. Returns the error message for this rank, or None."""
+    parameter changed, a gradient reset inside the minibatch or gradients held back by FSDP on any rank fail the
+    minibatch on every rank, so none is left waiting. Returns the error message for this rank, or None."""
     device = state.units[0].device if state.units and state.units[0].device.type == "cuda" else "cpu"
     mine = -1.0 if divide_factor is None else divide_factor
     flags = torch.tensor([mine, -mine, float(overflow is not None), float(changed is not None),
-                          float(reset is not None)], dtype=torch.float64)
+                          float(reset is not None), float(held is not None)], dtype=torch.float64)
     dist.all_reduce(flags_dev := flags.to(device), op=dist.ReduceOp.MAX)
-    hi, neg_lo, any_overflow, any_changed, any_reset = flags_dev.tolist()
+    hi, neg_lo, any_overflow, any_changed, any_reset, any_held = flags_dev.tolist()
     if reset is not None:
         return f"odc_runtime.fsdp: {reset}. This minibatch's gradients were discarded on every rank"
     if any_reset:
         return (
             "odc_runtime.fsdp: another rank reset its gradients (zero_grad) inside the minibatch after a backward "
             "(see its error); this minibatch's gradients were discarded on every rank"
+        )
+    if held is not None:
+        return f"odc_runtime.fsdp: {held}. This minibatch's gradients were discarded on every rank"
+    if any_held:
+        return (
+            "odc_runtime.fsdp: another rank left gradients in FSDP with gradient sync off (see its error); this "
+            "minibatch's gradients were discarded on every rank"
         )
     if changed is not None:
         return (

@@ -5,13 +5,14 @@ The public surface ODC uses is ``fully_shard``, ``FSDPModule``'s methods (``set_
 ``AllGather`` / ``ReduceScatter`` base classes. To lay out the rows of the custom all-gather and reduce-scatter
 exactly as FSDP does, ODC must also *read* a few attributes of FSDP's per-module parameter group (parameter order,
 mixed-precision and offload policies, meshes, the divide factor) and, to restore a model on ``disable()``, the comm
-objects it replaces. Two actions FSDP takes itself are needed to bring every module back to FSDP's normal state at
-a minibatch boundary: ``finish_unshard`` (consume a pending explicit-prefetch all-gather) and
-``drop_unsharded_grad`` (clear what an aborted backward left). Those, and nothing else private, live in this
-module. Each read goes through ``_attr``, which turns a missing attribute into an ``OdcUsageError`` naming
-the torch version and the attribute, and ``tests/test_fsdp.py`` checks the whole surface
-(``check_private_surface``) on every torch the compatibility run installs, so a change in torch fails loudly
-instead of silently mis-laying gradients.
+objects it replaces (and, at ``end_minibatch``, whether FSDP still holds a gradient it has not reduce-scattered:
+``held_unsharded_grad``). Two actions FSDP takes itself are needed to bring every module back to FSDP's normal
+state at a minibatch boundary: ``finish_unshard`` (consume a pending explicit-prefetch all-gather) and
+``drop_unsharded_grad`` (clear what an aborted backward, or a minibatch ended with gradient sync off, left). Those,
+and nothing else private, live in this module. Each read goes through ``_attr``, which turns a missing attribute
+into an ``OdcUsageError`` naming the torch version and the attribute, and ``tests/test_fsdp.py`` checks the whole
+surface (``check_private_surface``) on every torch the compatibility run installs, so a change in torch fails
+loudly instead of silently mis-laying gradients.
 
 Capabilities are detected by feature, never by version number. ``CAPABILITIES`` records, for the error
 messages (and a test that keeps the table honest), the oldest torch release known to have each one.
@@ -22,8 +23,10 @@ What differs across the supported range (torch 2.9 to 2.14, read from the releas
   several with per-parameter meshes from ``shard_placement_fn``; torch >= 2.12). ``param_groups`` reads
   whichever exists.
 - ``FSDPModule.set_reduce_scatter_unused_params`` (torch >= 2.13) makes FSDP include zero gradients for
-  parameters that got none, so the reduce-scatter layout never changes. Without it ODC tracks which parameters
-  received a gradient itself (``odc_runtime.fsdp._hooks``) and re-expands FSDP's shorter input.
+  parameters that got none, so the reduce-scatter layout never changes. Without it (and, on any torch, for groups
+  with a mixed-precision reduce dtype, whose zeros would not match what FSDP accumulates with gradient sync off)
+  ODC tracks which parameters received a gradient itself (``odc_runtime.fsdp._hooks``) and re-expands FSDP's
+  shorter input.
 - The mixed-precision policy moved from ``FSDPParamGroup.mp_policy`` to each ``FSDPParam.mp_policy`` only in 2.15
   (per-parameter ``param_dtype_override_fn``); every release since 2.9 has the per-parameter one, so ODC reads that.
 - ``FSDPModule.reset_iter_state`` (torch >= 2.13) recovers FSDP after an exception mid-iteration; ODC only names
@@ -293,13 +296,26 @@ def finish_unshard(group: FSDPParamGroup) -> None:
     wait()
 
 
-def drop_unsharded_grad(fsdp_param: FSDPParam) -> bool:
-    """Drop the gradient an aborted backward left on the unsharded parameter (FSDP's post-backward would have
-    consumed it); a later backward would otherwise add into it. Returns whether there was one."""
+def held_unsharded_grad(fsdp_param: FSDPParam) -> bool:
+    """Whether FSDP holds a gradient of this parameter that it has not reduce-scattered: one accumulated while
+    gradient sync was off (``set_requires_gradient_sync(False)``: on the unsharded parameter's ``.grad``, or, up to
+    torch 2.14 under mixed precision, upcast into ``unsharded_accumulated_grad``), or one an aborted backward left."""
+    if _attr(fsdp_param, "unsharded_accumulated_grad", "FSDPParam") is not None:
+        return True
     up = unsharded_param(fsdp_param)
-    if up is None or up.grad is None:
+    return up is not None and up.grad is not None
+
+
+def drop_unsharded_grad(fsdp_param: FSDPParam) -> bool:
+    """Drop what ``held_unsharded_grad`` finds (FSDP's next reduce-scatter would otherwise add it in). Returns
+    whether there was one."""
+    if not held_unsharded_grad(fsdp_param):
         return False
-    up.grad = None
+    if "unsharded_accumulated_grad" in vars(fsdp_param):  # FSDP's own attribute up to 2.14; from 2.15 a read-only
+        fsdp_param.unsharded_accumulated_grad = None  # property that reads the unsharded parameter's .grad
+    up = unsharded_param(fsdp_param)
+    if up is not None:
+        up.grad = None
     return True
 
 
@@ -340,6 +356,7 @@ def check_private_surface(module: nn.Module) -> list[str]:
                 probe("mp_policy", lambda f=fp: mp_policy(f))
                 if sp is not None and not any(sp is p for p in module.parameters()):
                     problems.append("sharded_param: not a registered parameter of the FSDP module")
+                probe("held_unsharded_grad", lambda f=fp: held_unsharded_grad(f))
                 up = probe("unsharded_param", lambda f=fp: unsharded_param(f))
                 if up is None:
                     problems.append("unsharded_param: missing after a forward")

@@ -23,13 +23,14 @@ train on a different gradient than FSDP2 (the issue this module fixes), so ODC r
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 from odc_runtime.errors import OdcUsageError
 
-from ._layout import State
+from ._layout import Param, State
 
 _ADD = torch.ops.aten.add_.Tensor
 _VIEWS = {torch.ops.aten.alias.default, torch.ops.aten.view.default, torch.ops.aten.detach.default,
@@ -38,14 +39,21 @@ _VIEWS = {torch.ops.aten.alias.default, torch.ops.aten.view.default, torch.ops.a
 
 class PendingGrad(torch.Tensor):
     """Local tensor of a placeholder gradient: no storage; ``add_`` into it is a no-op, views stay placeholders,
-    anything else raises ``OdcUsageError`` (module docstring)."""
+    anything else raises ``OdcUsageError`` (module docstring). ``owner`` is the parameter it stands in for (held
+    weakly: the parameter keeps its placeholder), so that the error names it and says what actually happened."""
+
+    _owner: weakref.ref[Param] | None
 
     @staticmethod
-    def __new__(cls: type[PendingGrad], like: torch.Tensor, device: torch.device | None = None) -> PendingGrad:
-        return torch.Tensor._make_wrapper_subclass(
+    def __new__(
+        cls: type[PendingGrad], like: torch.Tensor, device: torch.device | None = None, owner: Param | None = None
+    ) -> PendingGrad:
+        t = torch.Tensor._make_wrapper_subclass(
             cls, like.shape, strides=like.stride(), dtype=like.dtype, device=device or like.device,
             requires_grad=False,
         )
+        t._owner = None if owner is None else weakref.ref(owner)
+        return t
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -55,24 +63,47 @@ class PendingGrad(torch.Tensor):
             t = args[0]
             meta = func(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"), *args[1:],
                         **(kwargs or {}))
-            return cls(meta, t.device)
-        raise OdcUsageError(
-            f"odc_runtime.fsdp: the gradients (.grad) of an ODC-enabled model were used inside a minibatch ({func}: "
-            "e.g. clip_grad_norm_(), zero_grad(set_to_none=False), or a gradient norm per micro-batch). In ODC mode "
-            "this minibatch's gradients only exist after end_minibatch (the owners receive them one-sidedly from "
-            "every rank), so FSDP2's partial sum of the micro-batches so far does not exist. Clip, inspect or zero "
-            "the gradients after the `with odc_runtime.fsdp.minibatch(model):` block (or after end_minibatch)"
-        )
+            return cls(meta, t.device, t._owner and t._owner())
+        placeholder = next((a for a in args if type(a) is cls), None)
+        owner = placeholder._owner() if placeholder is not None and placeholder._owner is not None else None
+        raise OdcUsageError(_misuse(func, owner))
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
 
-def _placeholder(sp: torch.Tensor) -> torch.Tensor:
+def _misuse(func: Any, owner: Param | None) -> str:
+    """What an operation on a placeholder means: a use of ``.grad`` inside the minibatch (the usual case), a
+    placeholder kept from inside the minibatch and used after it, or one ODC failed to replace (a defect)."""
+    if owner is not None and not owner.held:  # the minibatch ended (release() emptied ``held``)
+        if owner.sharded_param.grad is owner.placeholder:
+            return (
+                f"odc_runtime.fsdp: the gradient (.grad) of {owner.fqn!r} still holds ODC's in-minibatch placeholder "
+                f"after the minibatch ended ({func}): end_minibatch did not put the minibatch's gradient there. This "
+                "is a defect of odc_runtime: report it with the model's fully_shard calls and the torch version; "
+                "meanwhile train this model with plain FSDP2 (odc_runtime.fsdp.disable(model))"
+            )
+        return (
+            f"odc_runtime.fsdp: a gradient of {owner.fqn!r} taken from .grad inside a minibatch was used after the "
+            f"minibatch ended ({func}). Inside a minibatch .grad holds a placeholder (the gradient only exists "
+            "after end_minibatch); read .grad again after the `with odc_runtime.fsdp.minibatch(model):` block"
+        )
+    named = "" if owner is None else f" ({owner.fqn!r})"
+    return (
+        f"odc_runtime.fsdp: the gradients (.grad) of an ODC-enabled model were used inside a minibatch{named} ({func}: "
+        "e.g. clip_grad_norm_(), zero_grad(set_to_none=False), or a gradient norm per micro-batch). In ODC mode "
+        "this minibatch's gradients only exist after end_minibatch (the owners receive them one-sidedly from "
+        "every rank), so FSDP2's partial sum of the micro-batches so far does not exist. Clip, inspect or zero "
+        "the gradients after the `with odc_runtime.fsdp.minibatch(model):` block (or after end_minibatch)"
+    )
+
+
+def _placeholder(p: Param) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
+    sp = p.sharded_param
     local = sp.to_local()
-    return DTensor.from_local(PendingGrad(local), sp.device_mesh, sp.placements, run_check=False, shape=sp.shape,
-                              stride=sp.stride())
+    return DTensor.from_local(PendingGrad(local, owner=p), sp.device_mesh, sp.placements, run_check=False,
+                              shape=sp.shape, stride=sp.stride())
 
 
 def hold(state: State) -> None:
@@ -86,7 +117,7 @@ def hold(state: State) -> None:
                 sp = p.sharded_param
                 p.held = (sp.grad,)
                 if p.placeholder is None or p.placeholder.shape != sp.shape:  # made once: it holds no data
-                    p.placeholder = _placeholder(sp)
+                    p.placeholder = _placeholder(p)
                 sp.grad = p.placeholder
 
 

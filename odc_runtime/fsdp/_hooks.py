@@ -10,16 +10,19 @@
   ``end_minibatch`` applies FSDP's scaling.
 - Unused parameters. FSDP leaves parameters that got no gradient in a backward out of the reduce-scatter input,
   which would shift every later parameter's columns. torch >= 2.13 keeps the layout fixed with
-  ``set_reduce_scatter_unused_params(True)``. On older torch ODC does the same itself: a post-accumulate-grad hook
-  on each unsharded parameter (registered by a forward pre-hook that runs after FSDP's unshard) marks the parameters
-  that received a gradient; the reduce-scatter maps FSDP's shorter input back onto the full row layout (zeros for
-  the unmarked parameters) before pushing. Both give the same accumulator contents.
+  ``set_reduce_scatter_unused_params(True)``. On older torch, and for groups that reduce in another dtype than they
+  compute in (mixed precision: torch's bf16 zeros would meet the fp32 gradients FSDP accumulates while gradient
+  sync is off, and FSDP asserts a uniform dtype), ODC does the same itself: a post-accumulate-grad hook on each
+  unsharded parameter (registered by a forward pre-hook, on every module of the group, that runs after FSDP's
+  unshard) marks the parameters that received a gradient; the reduce-scatter maps FSDP's shorter input back onto
+  the full row layout (zeros for the unmarked parameters) before pushing. Both give the same accumulator contents.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,6 +34,9 @@ from odc_runtime.errors import OdcUsageError
 
 from . import _compat, _grads
 from ._layout import Param, State, Unit, fp16_pre_factor
+
+if TYPE_CHECKING:  # annotations only
+    from torch.utils.hooks import RemovableHandle
 
 
 class _CommBase:
@@ -153,6 +159,14 @@ def make_reduce_scatter(base: type) -> type:
                     "micro-batches in `with odc_runtime.fsdp.minibatch(model):` (or begin_minibatch/end_minibatch). "
                     f"FSDP's iteration state is now undefined: {recover}"
                 )
+            if unit.replicate_pg is not None and _compat.all_reduce_grads(unit.group):
+                raise OdcUsageError(
+                    f"odc_runtime.fsdp: FSDP's cross-replica all-reduce is on for the HSDP module {unit.fqn!r} at its "
+                    "reduce-scatter: set_requires_gradient_sync(True) (or set_requires_all_reduce(True)) ran between "
+                    "its forward and this backward. ODC keeps that all-reduce off (a collective per backward, which "
+                    "ranks with different micro-batch counts never all meet; end_minibatch all-reduces once) and "
+                    "turns it off again before each forward: turn gradient sync back on before the forward"
+                )
             _grads.before_reduce(unit)
             w, n = unit.rows, unit.rs_numel
             if unit.st_rs is None or input_tensor.dtype not in PARAM_DTYPES:
@@ -206,6 +220,20 @@ def _full_rows(unit: Unit, input_tensor: torch.Tensor, w: int) -> torch.Tensor |
     return full
 
 
+def keep_all_reduce_off(unit: Unit) -> list[RemovableHandle]:
+    """HSDP: ODC turns FSDP's per-backward cross-replica all-reduce off (``enable``), but
+    ``set_requires_gradient_sync(True)`` turns it back on with the reduce-scatter (FSDP sets both), e.g. for the
+    last chunk of torchtitan's chunked loss. A forward pre-hook on every module of the group turns it off again, so
+    the backward of that forward reduce-scatters only (a toggle between a forward and its backward is refused by the
+    reduce-scatter). Returns the hooks' handles."""
+
+    def off(module: nn.Module, args: tuple[object, ...]) -> None:
+        if _compat.all_reduce_grads(unit.group):
+            module.set_requires_all_reduce(False, recurse=False)
+
+    return [m.register_forward_pre_hook(off) for m in unit.modules]
+
+
 def install_unused_tracking(unit: Unit) -> None:
     """Track which trainable parameters of ``unit`` receive a gradient (torch without the unused-params hook)."""
     unit.track_unused = True
@@ -222,7 +250,8 @@ def install_unused_tracking(unit: Unit) -> None:
             unit.handles.append(up.register_post_accumulate_grad_hook(_marker(p)))
             unit.hooked.add(id(up))
 
-    unit.handles.append(unit.module.register_forward_pre_hook(after_unshard))
+    # every module of a grouped fully_shard: a forward may run only some of them (e.g. the head alone, per chunk)
+    unit.handles.extend(m.register_forward_pre_hook(after_unshard) for m in unit.modules)
 
 
 def _marker(p: Param) -> Callable[[torch.Tensor], None]:

@@ -1,4 +1,4 @@
-"""How FSDP2 lays out one FSDP module's all-gather and reduce-scatter rows, read into ODC's per-module state.
+"""How FSDP2 lays out one FSDP parameter group's all-gather and reduce-scatter rows, read into ODC's per-group state.
 
 FSDP2 flattens each parameter's shard (dim 0 split into ``W`` chunks, each padded to ``ceil(rows / W)`` rows) and
 concatenates them in parameter order: rank ``r``'s all-gather input (``I`` elements) is row ``r`` of the
@@ -54,11 +54,12 @@ class Param:
 
 @dataclass
 class Unit:
-    """One FSDP module (one FSDP parameter group) under ODC."""
+    """One FSDP parameter group under ODC: the modules of one ``fully_shard`` call (usually one module; several for
+    ``fully_shard([a, b, ...])``, which gives them one group, all-gathered and reduce-scattered together)."""
 
-    module: nn.Module
+    modules: tuple[nn.Module, ...]
     group: FSDPParamGroup  # read through _compat; written only through FSDPModule's setters
-    fqn: str
+    fqn: str  # the module's name, or "[a, b]" for a grouped fully_shard
     params: list[Param]
     ag_numel: int
     ag_dtype: torch.dtype
@@ -80,6 +81,18 @@ class Unit:
     shard_pg: dist.ProcessGroup | None = None  # ODC shards this unit's buffers over it
     replicate_pg: dist.ProcessGroup | None = None  # end_minibatch all-reduces the accumulators over it
     rows: int = 0  # W: ranks FSDP shards over (the shard group's size under HSDP, else the world size)
+
+    @property
+    def reduces_in_other_dtype(self) -> bool:
+        """FSDP reduces this group's gradients in another dtype than it computes them in (a mixed-precision
+        ``reduce_dtype``, e.g. ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``)."""
+        return self.rs_dtype is not None and self.rs_dtype != self.ag_dtype
+
+    @property
+    def module(self) -> nn.Module:
+        """The first of the group's modules. The modules of a grouped ``fully_shard`` share one FSDP state, so
+        FSDPModule's setters and ``reshard()`` called on any of them act on the whole group (once is enough)."""
+        return self.modules[0]
 
 
 @dataclass
@@ -130,13 +143,19 @@ def fp16_pre_factor(reduce_dtype: torch.dtype, factor: float) -> float:
 
 
 def build_unit(
-    module: nn.Module, fqn: str, group: FSDPParamGroup, world_size: int, api: _compat.FsdpApi, names: dict[int, str]
+    members: list[tuple[str, nn.Module]],
+    group: FSDPParamGroup,
+    world_size: int,
+    api: _compat.FsdpApi,
+    names: dict[int, str],
 ) -> Unit:
     """Read one FSDP parameter group into a ``Unit`` (offsets, dtypes, scale); refuse what ODC cannot do.
 
-    ``names`` maps ``id(sharded parameter)`` to its name in the root model.
+    ``members`` are the group's FSDP modules with their names in the root model (one, or several for a grouped
+    ``fully_shard``); ``names`` maps ``id(sharded parameter)`` to its name in the root model.
     """
-    name = fqn or "<root>"
+    fqns = [fqn or "<root>" for fqn, _ in members]
+    name = fqns[0] if len(fqns) == 1 else f"[{', '.join(fqns)}]"
     from torch.distributed.tensor import DTensor, Shard
 
     layout = _compat.group_layout(group)
@@ -216,7 +235,8 @@ def build_unit(
     rs_dtype = next(iter(rs_dtypes)) if rs_dtypes else None
     if rs_dtype is not None and rs_dtype not in PARAM_DTYPES:
         raise OdcUsageError(f"odc_runtime.fsdp: reduce dtype {rs_dtype} of {name!r} is not supported by ODC")
-    unit = Unit(module, group, name, params, ag_off, ag_dtype, rs_off, rs_dtype, layout.device, rows=world_size)
+    modules = tuple(m for _, m in members)
+    unit = Unit(modules, group, name, params, ag_off, ag_dtype, rs_off, rs_dtype, layout.device, rows=world_size)
     mesh = next(iter(meshes), None)
     if mesh is not None and mesh.ndim == 2:
         if mesh.size(1) < 2:
