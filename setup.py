@@ -1,6 +1,7 @@
 """Build script: the pure-Python package always; the CUDA/NVSHMEM extension ``odc_runtime._C`` when wanted.
 
-``kernels/`` is installed as ``odc_runtime.kernels`` (never as a top-level ``kernels`` package).
+``kernels/`` is installed as ``odc_runtime.kernels`` and ``bench/`` as ``odc_runtime.bench`` (never as top-level
+packages): ``odc_runtime.SOURCE_FOLDERS``, read here without importing the package.
 
 When the extension is built (``ODC_BUILD_EXT``: ``0`` never, ``1`` always (an impossible or failed build is an
 error), unset = auto):
@@ -26,6 +27,7 @@ error), unset = auto):
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
@@ -306,11 +308,22 @@ class CMakeBuildExt(build_ext):
         subprocess.run(["cmake", "--build", build_dir, "-j", jobs], check=True)
 
 
-packages = [*find_packages(include=["odc_runtime", "odc_runtime.*"]), "odc_runtime.kernels"]
+def _source_folders() -> dict[str, str]:
+    """``odc_runtime.SOURCE_FOLDERS`` (sub-package -> top-level folder), read from the source without importing it."""
+    with open(os.path.join(ROOT, "odc_runtime", "__init__.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["SOURCE_FOLDERS"]:
+            return ast.literal_eval(node.value)
+    raise RuntimeError("odc_runtime/__init__.py defines no SOURCE_FOLDERS")
+
+
+source_folders = _source_folders()
+packages = [*find_packages(include=["odc_runtime", "odc_runtime.*"]), *source_folders]
 
 setup(
     packages=packages,
-    package_dir={"odc_runtime.kernels": "kernels"},
+    package_dir=source_folders,
     ext_modules=[Extension(EXT_NAME, sources=[])],
     cmdclass={"build_ext": CMakeBuildExt},
     setup_requires=_extra_build_requires(),
