@@ -206,15 +206,28 @@ def make_plan() -> Plan:
     return Plan(True, explicit, requires=reqs)
 
 
-def _extra_build_requires() -> list[str]:
+def _setup_plan() -> Plan | None:
+    """``make_plan()`` for ``setup()``, announcing the extra build requirements; None when it failed (never break
+    metadata generation: the build step reports the problem)."""
     try:
         plan = make_plan()
-    except Exception as exc:  # never break metadata generation; the build step reports the problem
+    except Exception as exc:
         _say(f"could not work out the extension's build requirements ({exc})")
-        return []
+        return None
     if plan.requires:
         _say(f"asking pip for build requirements of odc_runtime._C: {', '.join(plan.requires)}")
-    return plan.requires
+    return plan
+
+
+def _ext_modules(plan: Plan | None) -> list[Extension]:
+    """``odc_runtime._C`` unless the plan skips it without error: with no extension module declared, the wheel is
+    pure (``py3-none-any``), as ``ODC_BUILD_EXT=0`` (or a machine that will not build it) makes it."""
+    if plan is None or plan.build or plan.explicit:
+        return [Extension(EXT_NAME, sources=[])]
+    if _build_mode() != "off":
+        _say(f"building without the CUDA/NVSHMEM extension odc_runtime._C ({plan.reason}); the host and symm "
+             "(Triton) backends still work")
+    return []
 
 
 def _arch_arg() -> str:
@@ -320,11 +333,12 @@ def _source_folders() -> dict[str, str]:
 
 source_folders = _source_folders()
 packages = [*find_packages(include=["odc_runtime", "odc_runtime.*"]), *source_folders]
+plan = _setup_plan()
 
 setup(
     packages=packages,
     package_dir=source_folders,
-    ext_modules=[Extension(EXT_NAME, sources=[])],
+    ext_modules=_ext_modules(plan),
     cmdclass={"build_ext": CMakeBuildExt},
-    setup_requires=_extra_build_requires(),
+    setup_requires=plan.requires if plan else [],
 )
