@@ -4,7 +4,8 @@
 
 It shows:
 
-* the versions that matter: Python, torch and its CUDA, Triton, the NVSHMEM wheels;
+* the versions that matter: odc_runtime (and the directory it was imported from: an installed wheel's
+  site-packages, or a checkout), Python, torch and its CUDA, Triton, the NVSHMEM wheels;
 * the CUDA devices, with CUDA MPS's state (several ranks on one GPU need it);
 * the host transport's shared-memory directory and its free space (a container's small ``/dev/shm`` is the usual
   cause of an ``OdcMemoryError`` on CPU ranks);
@@ -135,6 +136,7 @@ def collect() -> dict[str, Any]:
     transports = _transports()
     return {
         "odc_runtime": __version__,
+        "odc_runtime_dir": os.path.dirname(os.path.abspath(__file__)),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
@@ -160,7 +162,7 @@ def render(report: dict[str, Any]) -> str:
         f"odc_runtime {report['odc_runtime']} · Python {report['python']} · torch {report['torch']} (CUDA "
         f"{report['torch_cuda'] or 'none'}) · triton {report['triton'] or 'not installed'} · NVSHMEM wheels: "
         f"{', '.join(report['nvshmem_wheels']) or 'none'}",
-        f"platform: {report['platform']}",
+        f"platform: {report['platform']} · odc_runtime imported from {report['odc_runtime_dir']}",
         "",
     ]
     if report["gpus"]:
