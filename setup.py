@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import SetupError
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 EXT_NAME = "odc_runtime._C"
@@ -246,7 +247,8 @@ class CMakeBuildExt(build_ext):
         reason = plan.reason if not plan.build else self._missing()
         if reason:
             if plan.explicit:
-                raise RuntimeError(f"odc_runtime: cannot build the CUDA extension odc_runtime._C: {reason}")
+                # A setuptools error: setup() reports it as one line (no traceback), what is missing and the way out.
+                raise SetupError(f"odc_runtime: cannot build the CUDA extension odc_runtime._C: {reason}")
             _say(f"skipping the CUDA/NVSHMEM extension odc_runtime._C ({reason}); the host and symm (Triton) "
                  "backends still work")
             self._drop_stale_output()
