@@ -10,7 +10,7 @@
 #    version of pyproject.toml);
 # 4. `twine check` on every artefact (metadata and the README as the long description render).
 # build and twine live in a cached venv, ${ODC_RELEASE_CACHE:-$HOME/.cache/odc-release}. The NVSHMEM extension
-# wheels (one per CUDA major) are not built yet: GPU users build the extension from the sdist or a checkout.
+# wheels (one per CUDA major and CPython) are built after this, by the commands of RELEASING.md's step 4.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-dist}
