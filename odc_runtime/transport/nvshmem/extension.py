@@ -13,6 +13,7 @@ import ctypes
 import importlib
 import importlib.util
 import logging
+import sys
 import time
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -45,6 +46,8 @@ def _import_first(names: Sequence[str]) -> ModuleType:
     """The first of ``names`` that is installed, imported; ImportError (naming every candidate) when none is, or the
     error of the first one that is installed but does not import."""
     for name in names:
+        if sys.modules.get(name) is not None:  # already imported (or put there by a test)
+            return sys.modules[name]
         try:
             if importlib.util.find_spec(name) is None:
                 continue
