@@ -1,6 +1,7 @@
 """Build script: the pure-Python package always; the CUDA/NVSHMEM extension ``odc_runtime._C`` when wanted.
 
-``kernels/`` is installed as ``odc_runtime.kernels`` (never as a top-level ``kernels`` package).
+``kernels/`` is installed as ``odc_runtime.kernels`` and ``bench/`` as ``odc_runtime.bench`` (never as top-level
+packages): ``odc_runtime.SOURCE_FOLDERS``, read here without importing the package.
 
 When the extension is built (``ODC_BUILD_EXT``: ``0`` never, ``1`` always (an impossible or failed build is an
 error), unset = auto):
@@ -26,6 +27,7 @@ error), unset = auto):
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import SetupError
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 EXT_NAME = "odc_runtime._C"
@@ -204,15 +207,28 @@ def make_plan() -> Plan:
     return Plan(True, explicit, requires=reqs)
 
 
-def _extra_build_requires() -> list[str]:
+def _setup_plan() -> Plan | None:
+    """``make_plan()`` for ``setup()``, announcing the extra build requirements; None when it failed (never break
+    metadata generation: the build step reports the problem)."""
     try:
         plan = make_plan()
-    except Exception as exc:  # never break metadata generation; the build step reports the problem
+    except Exception as exc:
         _say(f"could not work out the extension's build requirements ({exc})")
-        return []
+        return None
     if plan.requires:
         _say(f"asking pip for build requirements of odc_runtime._C: {', '.join(plan.requires)}")
-    return plan.requires
+    return plan
+
+
+def _ext_modules(plan: Plan | None) -> list[Extension]:
+    """``odc_runtime._C`` unless the plan skips it without error: with no extension module declared, the wheel is
+    pure (``py3-none-any``), as ``ODC_BUILD_EXT=0`` (or a machine that will not build it) makes it."""
+    if plan is None or plan.build or plan.explicit:
+        return [Extension(EXT_NAME, sources=[])]
+    if _build_mode() != "off":
+        _say(f"building without the CUDA/NVSHMEM extension odc_runtime._C ({plan.reason}); the host and symm "
+             "(Triton) backends still work")
+    return []
 
 
 def _arch_arg() -> str:
@@ -231,7 +247,8 @@ class CMakeBuildExt(build_ext):
         reason = plan.reason if not plan.build else self._missing()
         if reason:
             if plan.explicit:
-                raise RuntimeError(f"odc_runtime: cannot build the CUDA extension odc_runtime._C: {reason}")
+                # A setuptools error: setup() reports it as one line (no traceback), what is missing and the way out.
+                raise SetupError(f"odc_runtime: cannot build the CUDA extension odc_runtime._C: {reason}")
             _say(f"skipping the CUDA/NVSHMEM extension odc_runtime._C ({reason}); the host and symm (Triton) "
                  "backends still work")
             self._drop_stale_output()
@@ -306,12 +323,24 @@ class CMakeBuildExt(build_ext):
         subprocess.run(["cmake", "--build", build_dir, "-j", jobs], check=True)
 
 
-packages = [*find_packages(include=["odc_runtime", "odc_runtime.*"]), "odc_runtime.kernels"]
+def _source_folders() -> dict[str, str]:
+    """``odc_runtime.SOURCE_FOLDERS`` (sub-package -> top-level folder), read from the source without importing it."""
+    with open(os.path.join(ROOT, "odc_runtime", "__init__.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["SOURCE_FOLDERS"]:
+            return ast.literal_eval(node.value)
+    raise RuntimeError("odc_runtime/__init__.py defines no SOURCE_FOLDERS")
+
+
+source_folders = _source_folders()
+packages = [*find_packages(include=["odc_runtime", "odc_runtime.*"]), *source_folders]
+plan = _setup_plan()
 
 setup(
     packages=packages,
-    package_dir={"odc_runtime.kernels": "kernels"},
-    ext_modules=[Extension(EXT_NAME, sources=[])],
+    package_dir=source_folders,
+    ext_modules=_ext_modules(plan),
     cmdclass={"build_ext": CMakeBuildExt},
-    setup_requires=_extra_build_requires(),
+    setup_requires=plan.requires if plan else [],
 )

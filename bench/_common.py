@@ -22,22 +22,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+from odc_runtime import launch as launch_helper
+
 BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-RESULTS_DIR = BENCH_DIR / "results"
-
-
-def ensure_importable() -> None:
-    """Make ``import odc_runtime`` work from a source checkout that was not installed."""
-    try:
-        import odc_runtime  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(REPO_ROOT))
-
-
-ensure_importable()
-
-from odc_runtime import launch as launch_helper  # noqa: E402 (importable only after ensure_importable)
+#: Where plots go by default: ``bench/results`` in a checkout (this folder's parent is the repository, not a
+#: package); ``odc-bench-results`` in the working directory for an installed package (never site-packages).
+RESULTS_DIR = Path("odc-bench-results") if (BENCH_DIR.parent / "__init__.py").is_file() else BENCH_DIR / "results"
 
 # --------------------------------------------------------------------------------------------------- launch
 
@@ -90,10 +80,10 @@ def tensor_collectives() -> tuple[Callable, Callable]:
 
 
 def add_output_args(parser: argparse.ArgumentParser, name: str) -> None:
-    """``--json PATH`` and ``--plot PATH`` (default ``bench/results/<name>.png``; ``none`` skips the plot)."""
+    """``--json PATH`` and ``--plot PATH`` (default ``RESULTS_DIR/<name>.png``; ``none`` skips the plot)."""
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--plot", default=None, metavar="PATH",
-                        help=f"PNG path (default {default_plot_path(name).relative_to(REPO_ROOT)}); 'none' to skip")
+                        help=f"PNG path (default {default_plot_path(name)}); 'none' to skip")
 
 
 def comma_list(choices: Iterable[str] | None = None, *, cast: Callable[[str], object] = str,
@@ -312,7 +302,7 @@ def write_outputs(args: argparse.Namespace, name: str, payload: dict, draw: Call
     if (args.plot or "").lower() == "none":
         return
     try:
-        import plots
+        from odc_runtime.bench import plots
     except ImportError as e:
         print(f"no plot ({e}); pip install matplotlib (the 'bench' extra)")
         return

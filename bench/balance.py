@@ -23,9 +23,11 @@ import statistics
 import sys
 import time
 
-import _common
+if not __package__:  # python bench/balance.py from a checkout (bench/_checkout.py)
+    import _checkout  # noqa: F401
 
 from odc_runtime.balance import POLICY_REGISTRY, imbalance, plan
+from odc_runtime.bench import _common
 
 LEGEND = {
     "ranks": "world size (data-parallel ranks)",

@@ -69,11 +69,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import _common
-from _common import launch, progress
+if not __package__:  # python bench/comm.py from a checkout (bench/_checkout.py)
+    import _checkout  # noqa: F401
 
 from odc_runtime import config
 from odc_runtime import transport as registry
+from odc_runtime.bench import _common
+from odc_runtime.bench._common import launch, progress
 from odc_runtime.errors import OdcError
 
 if TYPE_CHECKING:

@@ -25,7 +25,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import _common
+if not __package__:  # python bench/determinism.py from a checkout (bench/_checkout.py)
+    import _checkout  # noqa: F401
+
+from odc_runtime.bench import _common
 
 if TYPE_CHECKING:
     import torch
@@ -200,8 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main() -> None:
-    args = build_parser().parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     import torch
     import torch.distributed as dist

@@ -46,9 +46,9 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from _common import tensor_collectives
-from schedule import Schedule, Task, micro_batch_tasks
 
+from odc_runtime.bench._common import tensor_collectives
+from odc_runtime.bench.schedule import Schedule, Task, micro_batch_tasks
 from odc_runtime.split import Chunk
 
 all_gather_tensor, reduce_scatter_tensor = tensor_collectives()

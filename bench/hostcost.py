@@ -41,7 +41,10 @@ import time
 import types
 from collections.abc import Callable
 
-import _common
+if not __package__:  # python bench/hostcost.py from a checkout (bench/_checkout.py)
+    import _checkout  # noqa: F401
+
+from odc_runtime.bench import _common
 
 NUMEL = 1024  # 4 KiB of fp32
 
@@ -400,8 +403,8 @@ def _draw(results: dict[str, dict[str, float]]) -> Callable[[object, str], None]
     return draw
 
 
-def main() -> None:
-    args = build_parser().parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     global _clock
     _clock = CLOCKS[args.clock]
 

@@ -63,11 +63,22 @@ import statistics
 import sys
 import time
 
-import _common
-from _common import launch, progress
-from schedule import COMMS, GPU_PEAK_FLOPS, MODELS, POLICIES, SIMULATED_POLICIES, Schedule, build_schedule, grid
+if not __package__:  # python bench/imbalance.py from a checkout (bench/_checkout.py)
+    import _checkout  # noqa: F401
 
 from odc_runtime import transport as transports
+from odc_runtime.bench import _common
+from odc_runtime.bench._common import launch, progress
+from odc_runtime.bench.schedule import (
+    COMMS,
+    GPU_PEAK_FLOPS,
+    MODELS,
+    POLICIES,
+    SIMULATED_POLICIES,
+    Schedule,
+    build_schedule,
+    grid,
+)
 
 Schedules = dict[tuple[str, str], Schedule]  # (comm, policy) → schedule
 
@@ -253,7 +264,7 @@ def make_schedules(args: argparse.Namespace, batches: list[list[int]], world: in
 
 def fit_time_scale(schedules: Schedules, budget_s: float) -> float:
     """Time scale at which the compute-only simulation of every configuration sums to ``budget_s``."""
-    from simulate import LINKS, simulate
+    from odc_runtime.bench.simulate import LINKS, simulate
 
     total = sum(simulate(s, layer_bytes=0, link=LINKS["none"]).time_s for s in schedules.values())
     return budget_s / total if total > 0 else 1.0
@@ -262,7 +273,7 @@ def fit_time_scale(schedules: Schedules, budget_s: float) -> float:
 def pick_timeline_minibatch(schedules: Schedules, base: tuple[str, str] = ("collective", "local_sort"),
                             best: tuple[str, str] = ("odc", "lb_mini")) -> int:
     """The minibatch whose ``base`` vs ``best`` compute-only gap is the median one."""
-    from simulate import LINKS, simulate
+    from odc_runtime.bench.simulate import LINKS, simulate
 
     a, b = schedules.get(base), schedules.get(best)
     if a is None or b is None:
@@ -317,7 +328,8 @@ def outlier_phase(args: argparse.Namespace, rank: int, world: int, comm: object,
     and gang exchange (``gang``; made here, with ``kv_feat`` features, when the grid had none).
     Collective: every rank calls it. Returns (what :func:`report` needs, the gang exchange to free)."""
     import torch.distributed as dist
-    from executor import GangKV, expected_grad, run_minibatch
+
+    from odc_runtime.bench.executor import GangKV, expected_grad, run_minibatch
 
     size = OUTLIER_SAMPLES_PER_RANK * world
     phase = argparse.Namespace(**{**vars(args), "comms": ["odc"], "policies": list(OUTLIER_POLICIES),
@@ -358,10 +370,18 @@ def same_schedules(schedules: Schedules, world: int) -> None:
 
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
-    from executor import CollectiveComm, GangKV, OdcComm, expected_grad, run_minibatch, trace_waits, warm_up
 
     import odc_runtime as odc
     from odc_runtime import telemetry
+    from odc_runtime.bench.executor import (
+        CollectiveComm,
+        GangKV,
+        OdcComm,
+        expected_grad,
+        run_minibatch,
+        trace_waits,
+        warm_up,
+    )
 
     rank, world, device = init_ranks(args)
     load_before = os.getloadavg()
@@ -434,7 +454,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def summarize(schedules: Schedules, gathered: list[dict], world: int, time_scale: float) -> list[dict]:
-    from simulate import LINKS, simulate
+    from odc_runtime.bench.simulate import LINKS, simulate
 
     runs = []
     for key, sched in schedules.items():

@@ -91,8 +91,11 @@ import math
 import sys
 from dataclasses import asdict, dataclass, replace
 
-import _common
-from schedule import MODELS
+if not __package__:  # python bench/netmodel.py from a checkout (bench/_checkout.py)
+    import _checkout  # noqa: F401
+
+from odc_runtime.bench import _common
+from odc_runtime.bench.schedule import MODELS
 
 GB = 1e9
 

@@ -36,9 +36,8 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _common import check_plan  # _common also makes odc_runtime importable from a checkout
-
 from odc_runtime.balance import POLICY_REGISTRY, CostModel, get_policy, plan
+from odc_runtime.bench._common import check_plan
 from odc_runtime.split import Chunk, chunk_cost
 
 #: The policies bench/imbalance.py runs by default: whole samples only (a split plan, e.g. lb_mini_split, runs

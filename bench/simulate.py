@@ -47,8 +47,11 @@ import math
 import sys
 from dataclasses import dataclass, field
 
-import _common
-from schedule import GPU_PEAK_FLOPS, MODELS, SIMULATED_POLICIES, Schedule, build_schedule, grid
+if not __package__:  # python bench/simulate.py from a checkout (bench/_checkout.py)
+    import _checkout  # noqa: F401
+
+from odc_runtime.bench import _common
+from odc_runtime.bench.schedule import GPU_PEAK_FLOPS, MODELS, SIMULATED_POLICIES, Schedule, build_schedule, grid
 
 
 @dataclass(frozen=True)

@@ -44,33 +44,43 @@ from odc_runtime.errors import (
 __version__ = "0.1.0"
 
 
-class _SourceKernels(importlib.abc.MetaPathFinder):
-    """Resolves ``odc_runtime.kernels`` to the top-level ``kernels/`` folder of a source checkout.
+#: Sub-packages whose source is a top-level folder of the checkout, mapped into the package by an install
+#: (``setup.py``'s ``package_dir``): ``odc_runtime.kernels`` is ``kernels/``, ``odc_runtime.bench`` is ``bench/``.
+SOURCE_FOLDERS = {"odc_runtime.kernels": "kernels", "odc_runtime.bench": "bench"}
 
-    An install maps that folder into the package (``setup.py``'s ``package_dir``); a checkout used from
-    ``PYTHONPATH=.`` has no such mapping, so without this finder ``import odc_runtime.kernels`` (and the hierarchy,
-    which imports it) would fail there. Registered only when the folder sits next to this package and the package
-    has no ``kernels`` of its own (an install), so it resolves the name exactly as the install does."""
 
-    def __init__(self, directory: str) -> None:
-        self._directory = directory
+class _SourceFolders(importlib.abc.MetaPathFinder):
+    """Resolves the sub-packages of ``SOURCE_FOLDERS`` to their top-level folders of a source checkout.
+
+    An install maps those folders into the package; a checkout used from ``PYTHONPATH=.`` has no such mapping, so
+    without this finder ``import odc_runtime.kernels`` (and the hierarchy, which imports it) or ``import
+    odc_runtime.bench`` would fail there. Registered only for folders that sit next to this package while the
+    package has no sub-package of that name (an install), so it resolves each name exactly as the install does."""
+
+    def __init__(self, directories: dict[str, str]) -> None:
+        self._directories = directories
 
     def find_spec(self, name: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
-        if name != "odc_runtime.kernels":
+        directory = self._directories.get(name)
+        if directory is None:
             return None
-        init = os.path.join(self._directory, "__init__.py")
-        return importlib.util.spec_from_file_location(name, init, submodule_search_locations=[self._directory])
+        init = os.path.join(directory, "__init__.py")
+        return importlib.util.spec_from_file_location(name, init, submodule_search_locations=[directory])
 
 
-def _register_source_kernels() -> None:
+def _register_source_folders() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
-    source = os.path.join(os.path.dirname(here), "kernels")
-    checkout = os.path.isfile(os.path.join(source, "__init__.py")) and not os.path.isdir(os.path.join(here, "kernels"))
-    if checkout and not any(isinstance(f, _SourceKernels) for f in sys.meta_path):
-        sys.meta_path.insert(0, _SourceKernels(source))
+    found = {}
+    for name, folder in SOURCE_FOLDERS.items():
+        source = os.path.join(os.path.dirname(here), folder)
+        installed = os.path.isdir(os.path.join(here, name.rsplit(".", 1)[1]))
+        if os.path.isfile(os.path.join(source, "__init__.py")) and not installed:
+            found[name] = source
+    if found and not any(isinstance(f, _SourceFolders) for f in sys.meta_path):
+        sys.meta_path.insert(0, _SourceFolders(found))
 
 
-_register_source_kernels()
+_register_source_folders()
 
 # The core API imports torch; it is loaded on first use so that torch-free modules such as
 # ``odc_runtime.balance`` can be used in a data loader without importing torch.

@@ -17,6 +17,8 @@ import sysconfig
 from collections.abc import Iterable, Sequence
 
 __all__ = [
+    "EXTENSION_PACKAGES",
+    "extension_modules",
     "header_version",
     "host_libraries",
     "installed_wheels",
@@ -32,6 +34,17 @@ __all__ = [
 Version = tuple[int, int, int]
 
 _WHEEL_RE = re.compile(r"^nvidia[-_]nvshmem[-_](cu\d+)$", re.I)
+
+#: The NVSHMEM extension's prebuilt wheels, one distribution per CUDA major (``pip install odc-runtime-cu13``), each
+#: the import package named here holding ``_C`` (so that it never overwrites a file of the pure wheel's package).
+EXTENSION_PACKAGES = {"cu12": "odc_runtime_cu12", "cu13": "odc_runtime_cu13"}
+
+
+def extension_modules(cuda_major: int | None) -> list[str]:
+    """Import names of the NVSHMEM extension, in preference order: ``odc_runtime._C`` (a source build: in place, or
+    installed with the package), then the extension wheel of ``cuda_major`` (torch's), then the other ones."""
+    flavors = sorted(EXTENSION_PACKAGES, key=lambda f: f != f"cu{cuda_major}")
+    return ["odc_runtime._C", *(f"{EXTENSION_PACKAGES[f]}._C" for f in flavors)]
 
 
 def site_dirs() -> list[str]:

@@ -364,5 +364,6 @@ SETTINGS: dict[str, Callable[[], object] | None] = {
 # The ODC_* variables of the project's tests and CI scripts (docs/configuration.md lists them too): known names, not
 # settings of the package.
 TOOLING = ("ODC_COMPAT_CACHE", "ODC_COMPAT_TORCH", "ODC_GPU_BUDGET_S", "ODC_GPU_PHASE_BUDGET_S", "ODC_GPU_REPORT_DIR",
-           "ODC_GPU_TEST_BACKEND", "ODC_NVSHMEM_WHEEL", "ODC_STRESS_ITERATIONS", "ODC_STRESS_SEED", "ODC_TRITON_CACHE",
-           "ODC_TRITON_LINES", "ODC_VERL_CACHE", "ODC_VERL_VERSION")
+           "ODC_GPU_TEST_BACKEND", "ODC_NVSHMEM_WHEEL", "ODC_RELEASE_CACHE", "ODC_STRESS_ITERATIONS", "ODC_STRESS_SEED",
+           "ODC_TEST_INSTALLED", "ODC_TRITON_CACHE", "ODC_TRITON_LINES", "ODC_VERL_CACHE", "ODC_VERL_VERSION",
+           "ODC_WHEEL_CACHE")

@@ -4,7 +4,10 @@
 
 It shows:
 
-* the versions that matter: Python, torch and its CUDA, Triton, the NVSHMEM wheels;
+* the versions that matter: odc_runtime (and the directory it was imported from: an installed wheel's
+  site-packages, or a checkout), Python, torch and its CUDA, Triton, the NVSHMEM wheels;
+* the NVSHMEM extension it finds: a source build's ``odc_runtime._C`` or an extension wheel (``odc-runtime-cu13``),
+  with the NVSHMEM release it was compiled against; or why none loads;
 * the CUDA devices, with CUDA MPS's state (several ranks on one GPU need it);
 * the host transport's shared-memory directory and its free space (a container's small ``/dev/shm`` is the usual
   cause of an ``OdcMemoryError`` on CPU ranks);
@@ -130,17 +133,35 @@ def _nvshmem_wheels() -> list[tuple[str, str]]:
         return []
 
 
+def _extension() -> dict[str, Any]:
+    """The NVSHMEM extension ``load_extension`` takes (``{"module", "file", "distribution", "nvshmem"}``; the
+    distribution is None for a source build), or ``{"error"}``: why none loads. Loads it (no NVSHMEM init)."""
+    from odc_runtime.transport.nvshmem import extension
+
+    try:
+        C = extension.load_extension()
+        nvshmem = ".".join(str(x) for x in C.nvshmem_version_compiled())
+    except (OdcError, AttributeError) as e:
+        return {"error": str(e)}
+    package = C.__name__.rsplit(".", 1)[0]
+    dists = [] if package == "odc_runtime" else importlib.metadata.packages_distributions().get(package, [])
+    distribution = f"{dists[0]} {_version(dists[0])}" if dists else None
+    return {"module": C.__name__, "file": C.__file__, "distribution": distribution, "nvshmem": nvshmem}
+
+
 def collect() -> dict[str, Any]:
     """Everything the doctor reports, as a JSON-serialisable dict (see the module docstring)."""
     transports = _transports()
     return {
         "odc_runtime": __version__,
+        "odc_runtime_dir": os.path.dirname(os.path.abspath(__file__)),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "triton": _version("triton"),
         "nvshmem_wheels": [f"nvidia-nvshmem-{f}=={v}" for f, v in _nvshmem_wheels()],
+        "extension": _extension(),
         "gpus": _gpus(),
         "shared_memory": _shared_memory(),
         "transports": transports,
@@ -154,13 +175,21 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]]
 
 
+def _render_extension(ext: dict[str, Any]) -> str:
+    if "error" in ext:
+        return f"NVSHMEM extension: none ({ext['error']})"
+    source = f"the extension wheel {ext['distribution']}" if ext["distribution"] else "a source build"
+    return f"NVSHMEM extension: {ext['module']} ({source}, compiled against NVSHMEM {ext['nvshmem']}) at {ext['file']}"
+
+
 def render(report: dict[str, Any]) -> str:
     """``collect()``'s report as text."""
     lines = [
         f"odc_runtime {report['odc_runtime']} · Python {report['python']} · torch {report['torch']} (CUDA "
         f"{report['torch_cuda'] or 'none'}) · triton {report['triton'] or 'not installed'} · NVSHMEM wheels: "
         f"{', '.join(report['nvshmem_wheels']) or 'none'}",
-        f"platform: {report['platform']}",
+        f"platform: {report['platform']} · odc_runtime imported from {report['odc_runtime_dir']}",
+        _render_extension(report["extension"]),
         "",
     ]
     if report["gpus"]:

@@ -51,6 +51,8 @@ def test_the_command_reports_every_transport_and_the_choice_of_init(clean_env) -
     assert rows["symm-cpu"]["available"] is (importlib.util.find_spec("triton") is not None)
     assert not rows["symm-cpu"]["automatic"] and rows["nvshmem"]["multi_node"]
     assert report["torch"] == torch.__version__ and report["settings"] == []
+    assert report["odc_runtime"] == odc.__version__
+    assert report["odc_runtime_dir"] == os.path.dirname(os.path.abspath(odc.__file__))  # this process's package
     text = subprocess.run([sys.executable, "-m", "odc_runtime.doctor"], capture_output=True, text=True, env=env,
                           timeout=100).stdout
     assert "transport  device  automatic  available  why not" in text and "odc.init() here: " in text

@@ -426,3 +426,30 @@ def test_setup_rebuild_without_archs_goes_back_to_the_default(setup_ns, monkeypa
     assert configure() == "90-real"
     monkeypatch.delenv("ODC_CUDA_ARCHS")
     assert configure() == default
+
+
+# --- the extension wheels (odc-runtime-cu12/-cu13) -------------------------------------------------------------
+
+
+def test_extension_candidates_prefer_the_source_build_then_torchs_cuda_major():
+    from odc_runtime import _nvshmem_locate as loc
+
+    assert loc.extension_modules(13) == ["odc_runtime._C", "odc_runtime_cu13._C", "odc_runtime_cu12._C"]
+    assert loc.extension_modules(12) == ["odc_runtime._C", "odc_runtime_cu12._C", "odc_runtime_cu13._C"]
+    assert loc.extension_modules(None)[0] == "odc_runtime._C"
+
+
+def test_an_extension_wheels_module_is_found_when_the_package_has_none(tmp_path, monkeypatch):
+    """A package that is not installed is skipped (its parent missing, or the module missing in it); the first
+    installed one is imported; none installed names every candidate."""
+    from odc_runtime.transport.nvshmem import extension
+
+    pkg = tmp_path / "odc_fake_cu13"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_C.py").write_text("WHO = 'wheel'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = ["odc_runtime._C_missing", "odc_fake_cu12._C", "odc_fake_cu13._C"]
+    assert extension._import_first(names).WHO == "wheel"
+    with pytest.raises(ImportError, match=r"none of odc_runtime\._C_missing, odc_fake_cu12\._C is installed"):
+        extension._import_first(names[:2])

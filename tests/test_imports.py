@@ -12,10 +12,13 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from odc_runtime import SOURCE_FOLDERS
+
 PKG = "odc_runtime"
 ROOT = Path(__file__).resolve().parent.parent / PKG
-# Source folders and the package they install as (setup.py's package_dir: kernels/ is odc_runtime.kernels).
-SOURCES = {ROOT: PKG, ROOT.parent / "kernels": f"{PKG}.kernels"}
+# Source folders and the package they install as (setup.py's package_dir: kernels/ is odc_runtime.kernels, bench/
+# is odc_runtime.bench).
+SOURCES = {ROOT: PKG, **{ROOT.parent / folder: name for name, folder in SOURCE_FOLDERS.items()}}
 MAX_LINES = 700
 
 

@@ -15,9 +15,10 @@ import subprocess
 import sys
 import textwrap
 
-import odc_runtime.kernels as K
 import pytest
 import torch
+
+import odc_runtime.kernels as K
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 SIZES = (1, 7, 1000, 4099)

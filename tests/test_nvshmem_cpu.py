@@ -425,8 +425,9 @@ def test_triton_fold_does_not_autotune_inside_the_training_loop() -> None:
     # Triton's autotuner benchmarks every config (device-wide synchronisations) at the first call of each shape,
     # i.e. at the first sync of each shard size, inside a training step: the fold kernels take a fixed config.
     pytest.importorskip("triton")
-    from odc_runtime.kernels import _triton
     from triton.runtime.autotuner import Autotuner
+
+    from odc_runtime.kernels import _triton
 
     for kernel in (_triton._accumulate_kernel, _triton._accumulate_slots_kernel):
         assert not isinstance(kernel, Autotuner), kernel

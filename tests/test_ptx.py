@@ -22,6 +22,7 @@ import types
 from pathlib import Path
 
 import pytest
+
 from odc_runtime.kernels import ptx
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import importlib
+import importlib.util
 import logging
+import sys
 import time
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -21,7 +24,8 @@ from odc_runtime import _nvshmem_locate as _locate
 from odc_runtime.errors import OdcBackendError
 
 INSTALL_HINT = (
-    'build it with a CUDA toolkit and an NVSHMEM wheel: pip install -e ".[cu13]" (or ".[cu12]"), '
+    "install the extension wheel of your torch's CUDA major (pip install odc-runtime-cu13, or -cu12) where one is "
+    'built, or build it with a CUDA toolkit and an NVSHMEM wheel: pip install -e ".[cu13]" (or ".[cu12]"), '
     "or run .ci/build_ext.sh"
 )
 
@@ -38,18 +42,36 @@ def _nvshmem_lib_dirs() -> list[str]:
     return _locate.lib_dirs()
 
 
-def load_extension() -> ModuleType:
-    """Import ``odc_runtime._C``; raise ``OdcBackendError`` saying why it is not usable.
+def _import_first(names: Sequence[str]) -> ModuleType:
+    """The first of ``names`` that is installed, imported; ImportError (naming every candidate) when none is, or the
+    error of the first one that is installed but does not import."""
+    for name in names:
+        if sys.modules.get(name) is not None:  # already imported (or put there by a test)
+            return sys.modules[name]
+        try:
+            if importlib.util.find_spec(name) is None:
+                continue
+        except ImportError:  # its parent package (an extension wheel's) is not installed
+            continue
+        return importlib.import_module(name)
+    raise ImportError(f"none of {', '.join(names)} is installed")
 
-    ``libnvshmem_host.so.3`` is preloaded from ``NVSHMEM_HOME`` or the installed ``nvidia-nvshmem`` wheel unless
-    the process already has one (``import torch`` loads its own in torch CUDA builds; the same soname is then
-    reused, which is why ``check_version`` compares versions before init).
+
+def load_extension() -> ModuleType:
+    """Import the NVSHMEM extension; raise ``OdcBackendError`` saying why it is not usable.
+
+    ``odc_runtime._C`` (a source build) when present, else the extension wheel of torch's CUDA major
+    (``odc_runtime_cu13._C`` from ``pip install odc-runtime-cu13``), else another one
+    (``_nvshmem_locate.extension_modules``). ``libnvshmem_host.so.3`` is preloaded from ``NVSHMEM_HOME`` or the
+    installed ``nvidia-nvshmem`` wheel unless the process already has one (``import torch`` loads its own in torch
+    CUDA builds; the same soname is then reused, which is why ``check_version`` compares versions before init).
     """
     global _ext, _ext_error
     if _ext is not None:
         return _ext
     if _ext_error is not None:
         raise OdcBackendError(_ext_error)
+    major = int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
     try:
         if _locate.loaded_host_library() is None:
             for d in _nvshmem_lib_dirs():
@@ -57,12 +79,12 @@ def load_extension() -> ModuleType:
                 if libs:
                     ctypes.CDLL(libs[0], mode=ctypes.RTLD_GLOBAL)
                     break
-        from odc_runtime import _C
+        C = _import_first(_locate.extension_modules(major))
     except (ImportError, OSError) as exc:
-        _ext_error = f"the NVSHMEM extension odc_runtime._C is not usable ({exc}); {INSTALL_HINT}"
+        _ext_error = f"the NVSHMEM extension is not usable ({exc}); {INSTALL_HINT}"
         raise OdcBackendError(_ext_error) from exc
-    _ext = _C
-    return _C
+    _ext = C
+    return C
 
 
 def _fmt(v: Sequence[int]) -> str:
