@@ -12,6 +12,8 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
+from odc_runtime.cli import plain
+
 __all__ = ["TOOLS", "main", "summary"]
 
 #: The benchmarks with a command line (each module has ``build_parser()`` and ``main(argv)``), main job first.
@@ -25,7 +27,7 @@ def summary(tool: str, width: int = 100) -> str:
     if spec is None or spec.origin is None:
         return ""
     with open(spec.origin, encoding="utf-8") as f:
-        doc = ast.get_docstring(ast.parse(f.read())) or ""
+        doc = plain(ast.get_docstring(ast.parse(f.read())) or "")
     sentence = " ".join(doc.split("\n\n", 1)[0].split()).split(". ", 1)[0].rstrip(".")
     return sentence if len(sentence) <= width else sentence[: width - 1].rstrip() + "…"
 

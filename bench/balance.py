@@ -26,6 +26,7 @@ import time
 if not __package__:  # python bench/balance.py from a checkout (bench/_checkout.py)
     import _checkout  # noqa: F401
 
+from odc_runtime import cli
 from odc_runtime.balance import POLICY_REGISTRY, imbalance, plan
 from odc_runtime.bench import _common
 
@@ -48,7 +49,7 @@ LEGEND = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser(__doc__)
     _common.add_workload_args(parser)
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 32], help="world sizes to compare")
     parser.add_argument("--samples-per-rank", type=int, default=64)

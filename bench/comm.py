@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING
 if not __package__:  # python bench/comm.py from a checkout (bench/_checkout.py)
     import _checkout  # noqa: F401
 
-from odc_runtime import config
+from odc_runtime import cli, config
 from odc_runtime import transport as registry
 from odc_runtime.bench import _common
 from odc_runtime.bench._common import launch, progress
@@ -128,7 +128,7 @@ def human(n: int) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--nproc", type=int, default=None,
                    help="processes to spawn (default 4 for a CPU transport, every GPU x --pes-per-gpu for a GPU one)")
     p.add_argument("--backend", choices=registry.names(), default=None,

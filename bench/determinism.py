@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 if not __package__:  # python bench/determinism.py from a checkout (bench/_checkout.py)
     import _checkout  # noqa: F401
 
+from odc_runtime import cli
 from odc_runtime.bench import _common
 
 if TYPE_CHECKING:
@@ -192,7 +193,7 @@ def cost_table(runs: int, backend: str = "host") -> dict[str, dict[str, float]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.parser(__doc__, first_paragraph=True)
     parser.add_argument("--ranks", type=int, default=8, help="simulated ranks (precision)")
     parser.add_argument("--micro", type=int, default=4, help="micro-batches per rank (precision)")
     parser.add_argument("--orders", type=int, default=2, help="random arrival orders of the fp32 sum")

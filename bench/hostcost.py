@@ -44,6 +44,7 @@ from collections.abc import Callable
 if not __package__:  # python bench/hostcost.py from a checkout (bench/_checkout.py)
     import _checkout  # noqa: F401
 
+from odc_runtime import cli
 from odc_runtime.bench import _common
 
 NUMEL = 1024  # 4 KiB of fp32
@@ -377,7 +378,7 @@ def _symm_stubbed(runs_: int, calls: int) -> dict[str, float] | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.parser(__doc__, first_paragraph=True)
     parser.add_argument("--runs", type=int, default=7, help="runs per figure (the median is reported)")
     parser.add_argument("--calls", type=int, default=5000, help="calls per run")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",

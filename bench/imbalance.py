@@ -66,6 +66,7 @@ import time
 if not __package__:  # python bench/imbalance.py from a checkout (bench/_checkout.py)
     import _checkout  # noqa: F401
 
+from odc_runtime import cli
 from odc_runtime import transport as transports
 from odc_runtime.bench import _common
 from odc_runtime.bench._common import launch, progress
@@ -121,7 +122,7 @@ def parse_hsdp(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--nproc", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
     p.add_argument("--backend", choices=transports.names(), default="host",
                    help="ODC transport; its device is the job's: host = CPU tensors and gloo collectives, nvshmem "

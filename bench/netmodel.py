@@ -94,6 +94,7 @@ from dataclasses import asdict, dataclass, replace
 if not __package__:  # python bench/netmodel.py from a checkout (bench/_checkout.py)
     import _checkout  # noqa: F401
 
+from odc_runtime import cli
 from odc_runtime.bench import _common
 from odc_runtime.bench.schedule import MODELS
 
@@ -370,7 +371,7 @@ LEGEND = {
 
 def build_parser() -> argparse.ArgumentParser:
     d = Cluster()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--models", default="7b,14b,32b", type=_common.comma_list(MODELS),
                    help=f"comma-separated subset of {','.join(MODELS)}")
     p.add_argument("--nodes", default="2,4,8,16,32,64", type=_common.comma_list(cast=int, minimum=1),

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 if not __package__:  # python bench/simulate.py from a checkout (bench/_checkout.py)
     import _checkout  # noqa: F401
 
+from odc_runtime import cli
 from odc_runtime.bench import _common
 from odc_runtime.bench.schedule import GPU_PEAK_FLOPS, MODELS, SIMULATED_POLICIES, Schedule, build_schedule, grid
 
@@ -184,7 +185,7 @@ def simulate(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--world", type=int, default=8, help="GPUs (data-parallel ranks)")
     _common.add_workload_args(p)
     p.add_argument("--model", default="7b", choices=sorted(MODELS))

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import odc_runtime as odc
+from odc_runtime import cli
 from odc_runtime.balance import POLICIES, CostModel, get_policy, plan
 from odc_runtime.launch import gloo_rank, launch
 from odc_runtime.workloads import sample_lengths
@@ -119,7 +120,7 @@ def reference_step(params: dict[str, torch.Tensor], xs, ys, total_rows: int, lr:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser(__doc__)
     parser.add_argument("--nproc", type=int, default=4, help="ranks to spawn when not under torchrun")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--samples", type=int, default=24, help="samples per minibatch (all ranks together)")

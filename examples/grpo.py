@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 import odc_runtime as odc
 import odc_runtime.fsdp as odc_fsdp
-from odc_runtime import balance, transport, workloads
+from odc_runtime import balance, cli, transport, workloads
 from odc_runtime.launch import gloo_rank, launch
 
 CLIP_EPS = 0.2
@@ -428,7 +428,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = cli.parser(__doc__, first_paragraph=True)
     p.add_argument("--nproc", type=int, default=4, help="ranks to spawn when not under torchrun")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
@@ -469,6 +469,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    cli.require("transformers", "hf", "examples/grpo.py")  # here, not in the ranks: one line, before any launch
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built from a config: never reach the Hub (ranks too)
     # In this process under torchrun, else spawned ranks; each ends with odc_runtime.launch.exit_process().
     launch(gloo_rank, args.nproc, train, args, exit_after=True)

@@ -72,7 +72,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import odc_runtime as odc
 import odc_runtime.fsdp as odc_fsdp
-from odc_runtime import balance, config, gang, split, workloads
+from odc_runtime import balance, cli, config, gang, split, workloads
 from odc_runtime import transport as transports
 from odc_runtime.errors import OdcError
 
@@ -233,16 +233,8 @@ def placement(*, cuda_devices: int, local_rank: int, local_world: int, pes_per_g
     return Placement(device, "gloo", name)
 
 
-def _show_defaults(p: argparse.ArgumentParser) -> None:
-    """--help shows each option's default, unless its help text already says it (flags default to off)."""
-    for action in p._actions:
-        if action.default in (None, argparse.SUPPRESS) or action.default is False or "default" in (action.help or ""):
-            continue
-        action.help = f"{action.help} (default: %(default)s)" if action.help else "default: %(default)s"
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = cli.parser(__doc__, first_paragraph=True)
     p.add_argument("--comm", choices=("collective", "odc"), default="odc")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -307,7 +299,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ranks to spawn when not launched by torchrun (default on CPU: R*S with --mesh, else 4; with "
         "CUDA: GPUs x --pes-per-gpu)",
     )
-    _show_defaults(p)
     args = p.parse_args(argv)
     if args.pes_per_gpu < 1:
         p.error(f"--pes-per-gpu must be at least 1, got {args.pes_per_gpu}")

@@ -30,6 +30,20 @@ test uses ``use_remove_padding=False`` with SDPA).
 
 from __future__ import annotations
 
+import sys
+
+from odc_runtime import cli
+
+if __name__ == "__main__":  # run as a program without veRL: its help, or one line saying what to install
+    try:
+        import verl  # noqa: F401
+    except ImportError:
+        if {"-h", "--help"} & set(sys.argv[1:]):
+            print(cli.plain(__doc__ or ""))
+            print("This recipe needs veRL 0.9.x, which is not installed: pip install verl==0.9.1")
+            sys.exit(0)
+        cli.require("verl", "verl==0.9.1", "examples/verl_odc.py")
+
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker
 

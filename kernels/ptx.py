@@ -74,7 +74,6 @@ a machine-readable report). ``tests/test_ptx.py`` runs it in CI.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib
 import importlib.util
@@ -88,6 +87,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
+
+from odc_runtime import cli
 
 __all__ = [
     "ARCHS",
@@ -455,7 +456,7 @@ def _load(names: Iterable[str], explicit: bool) -> list[ModuleType]:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: check every case of the given kernel modules on every supported architecture; exit 1 on a problem."""
-    ap = argparse.ArgumentParser(prog="python -m odc_runtime.kernels.ptx", description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__, prog="python -m odc_runtime.kernels.ptx", first_paragraph=True)
     ap.add_argument("modules", nargs="*", help=f"kernel modules (default: {', '.join(DEFAULT_MODULES)})")
     ap.add_argument("--arch", type=int, action="append", help="sm_XY as XY (repeatable; default 80, 90, 100)")
     ap.add_argument("--mutants", action="store_true", help="also change each sem=/scope= literal (on sm_90)")

@@ -24,7 +24,6 @@ Exit status 1 when a set variable is invalid or unknown, or no transport fits; e
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import importlib.metadata
 import json
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 
-from odc_runtime import __version__, _nvshmem_locate, config
+from odc_runtime import __version__, _nvshmem_locate, cli, config
 from odc_runtime import transport as registry
 from odc_runtime.errors import OdcError
 from odc_runtime.transport import gpu_sharing
@@ -227,7 +226,7 @@ def healthy(report: dict[str, Any]) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m odc_runtime.doctor", description=__doc__.split("\n\n")[0])
+    parser = cli.parser(__doc__, prog="python -m odc_runtime.doctor", first_paragraph=True)
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH ('-': stdout only)")
     args = parser.parse_args(argv)
     report = collect()

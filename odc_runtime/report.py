@@ -21,7 +21,6 @@ matplotlib (the ``bench`` extra); reading and summarising do not.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import logging
@@ -32,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from odc_runtime import cli
 from odc_runtime.errors import OdcUsageError
 from odc_runtime.telemetry import records
 
@@ -206,7 +206,7 @@ def _table(summary: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    parser = argparse.ArgumentParser(prog="python -m odc_runtime.report", description=__doc__.split("\n\n")[0])
+    parser = cli.parser(__doc__, prog="python -m odc_runtime.report", first_paragraph=True)
     parser.add_argument("paths", nargs="+", metavar="TRACE_DIR", help="directories of rank<r>.jsonl files")
     parser.add_argument("--out", default=None, help="PNG path (default: report.png in the first TRACE_DIR); "
                                                     "'none' to skip the picture")
