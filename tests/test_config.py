@@ -159,3 +159,16 @@ def test_settings_are_parsed_strictly(monkeypatch) -> None:
     monkeypatch.setenv("ODC_NVSHMEM_SCRATCH_SLOTS", "1.5")
     with pytest.raises(odc.OdcUsageError, match="ODC_NVSHMEM_SCRATCH_SLOTS must be a whole number"):
         config.nvshmem_settings()
+
+
+def test_only_config_reads_odc_variables_from_the_environment() -> None:
+    """Issue 53: one place parses the environment. A module that reads an ``ODC_*`` variable (or scans the
+    environment for them) itself escapes config.py's checks: an empty value taken as unset, a typo unflagged."""
+    readers = re.compile(r"os\.environ|os\.getenv|environ\.get")
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in (ROOT / "odc_runtime").rglob("*.py") if path.name != "config.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if readers.search(line) and "ODC_" in line
+    ]
+    assert found == [], "read ODC_* variables through odc_runtime.config:\n" + "\n".join(found)
