@@ -126,6 +126,9 @@ def init(
         raise OdcUsageError("odc_runtime.init() called twice; call odc_runtime.finalize() first")
     if not (dist.is_available() and dist.is_initialized()):
         raise OdcUsageError("odc_runtime.init() needs torch.distributed.init_process_group() to have been called")
+    for variable, nearest in config.unknown_variables().items():  # a misspelt setting would be ignored silently
+        log.warning("odc_runtime.init(): %s is set but %s (python -m odc_runtime.doctor checks every ODC_* "
+                    "variable)", variable, config.describe_unknown(nearest))
     try:  # the agreement itself must be bounded even when this rank's timeout setting is bad
         exchange_timeout = config.resolve_timeout(timeout)
     except OdcUsageError:
