@@ -363,6 +363,37 @@ def _rank_views_after_finalize(rank: int, world: int) -> list[list[float]]:
     return [local.tolist(), grad.tolist()]
 
 
+def _rank_attributes_after_finalize(rank: int, world: int) -> list[str]:
+    """st.local / st.grad read, and st.local updated in place, after finalize: each raises OdcNotInitializedError (a
+    write would reach no peer). The values read before finalize are exact."""
+    odc.init("host")
+    st = odc.shard(torch.arange(8.0))
+    odc.push(st, torch.ones(8))
+    odc.sync()
+    start, stop = st.shard_range
+    assert torch.equal(st.local, torch.arange(start, stop, dtype=torch.float32))
+    assert torch.equal(st.grad, torch.full((stop - start,), float(world)))
+    odc.finalize()
+    errors = []
+    for use in (lambda: st.local, lambda: st.grad, lambda: st.local.add_(1)):
+        with pytest.raises(odc.OdcNotInitializedError) as info:
+            use()
+        errors.append(str(info.value))
+    with pytest.raises(odc.OdcNotInitializedError):
+        st.local -= 1
+    return errors
+
+
+@pytest.mark.parametrize("backend", ["host", "symm-cpu"])
+def test_shard_attributes_after_finalize_raise(backend: str) -> None:
+    from test_debug import _on
+
+    for errors in _on(backend, _rank_attributes_after_finalize, 2):
+        assert "st.local after odc_runtime.finalize()" in errors[0], errors
+        assert "st.grad after odc_runtime.finalize()" in errors[1], errors
+        assert "st.local after odc_runtime.finalize()" in errors[2], errors
+
+
 def test_views_kept_after_finalize_stay_valid() -> None:
     results = run_ranks(_rank_views_after_finalize, 2, timeout=30)
     assert results == [[[100.0, 101.0, 102.0, 103.0], [2.0] * 4], [[104.0, 105.0, 106.0, 107.0], [2.0] * 4]]
