@@ -127,9 +127,10 @@ def shorten(text: str, limit: int = 160) -> str:
 class Exchange(Protocol):
     """A bounded all-gather of bytes: every rank calls ``exchange`` with the same ``op`` in the same order."""
 
-    def exchange(self, op: str, payload: bytes) -> list[bytes]:
+    def exchange(self, op: str, payload: bytes, *, label: str | None = None) -> list[bytes]:
         """Return every rank's payload (indexed by rank). Raises OdcMismatchError if ranks are in different
-        operations, OdcPeerLostError / OdcTimeoutError naming the ranks that did not arrive in time."""
+        operations (``op`` is compared; ``label``, default ``op``, is what messages call it), OdcPeerLostError /
+        OdcTimeoutError naming the ranks that did not arrive in time."""
         ...
 
 
@@ -154,8 +155,10 @@ class StoreExchange:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
 
-    def exchange(self, op: str, payload: bytes) -> list[bytes]:
+    def exchange(self, op: str, payload: bytes, *, label: str | None = None) -> list[bytes]:
         rank, world = dist.get_rank(), dist.get_world_size()
+        digest = op_digest(op).hex()
+        op = op if label is None else label  # from here on: what messages say
         if StoreExchange._failed is not None:
             raise OdcUsageError(
                 f"odc {shorten(op)}: cannot run after {StoreExchange._failed} in this process: peers may have "
@@ -165,7 +168,7 @@ class StoreExchange:
         store = _default_store()
         k = next(StoreExchange._round)
         keys = [f"odc_runtime/agree/{k}/{r}" for r in range(world)]
-        header = {"op": shorten(op), "digest": op_digest(op).hex(), "host": _HOST, "pid": _PID, "start": _START}
+        header = {"op": shorten(op), "digest": digest, "host": _HOST, "pid": _PID, "start": _START}
         posted = False
         try:
             store.set(keys[rank], json.dumps(header).encode() + b"\n" + payload)

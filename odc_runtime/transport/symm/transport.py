@@ -405,9 +405,9 @@ class SymmTransport(HostTransport):
         if entry.after is not None:
             entry.after()
 
-    def exchange(self, op: str, payload: bytes) -> list[bytes]:
+    def exchange(self, op: str, payload: bytes, *, label: str | None = None) -> list[bytes]:
         self.settle()  # an exchange round follows the barrier round before it: that one's outcome first
-        return super().exchange(op, payload)
+        return super().exchange(op, payload, label=label)
 
     def group_barrier(self, op: str, group: Group) -> None:
         self.settle()
