@@ -69,10 +69,12 @@ class _Counters:
         return {name: getattr(self, name) for name in FIELDS}
 
 
-#: This rank's counters. ``fetch`` and ``push`` update them in place on their way out (two slot adds, written out in
-#: ``odc_runtime.api``: a wrapper's extra call cost more than the counting itself). Cleared in place, never
-#: replaced, so a reference taken at import stays the live one.
+#: This rank's counters since ``init``. ``fetch`` and ``push`` update them in place on their way out (two slot adds,
+#: written out in ``odc_runtime.api``: a wrapper's extra call cost more than the counting itself). Cleared in place
+#: at ``init`` only, never replaced, so a reference taken at import stays the live one; ``stats(reset=True)`` moves
+#: the user's zero (``_stats_zero``) instead, so the trace's open minibatches never lose what they counted.
 counts = _Counters()
+_stats_zero = counts.snapshot()  # the counters at the user's last stats(reset=True) (or init)
 _open: list[Minibatch] = []  # this rank's open minibatches (normally 0 or 1): each sync adds its interval to them
 _trace: TraceWriter | None = None
 _run = ""  # this rank's run id in the trace (init time and process)
@@ -86,16 +88,16 @@ def stats(reset: bool = False) -> dict[str, int | float]:
     Keys: ``fetches``, ``pushes``, ``syncs`` (calls that returned), ``fetch_bytes`` (the full tensor's bytes per
     fetch, this rank's own shard included), ``push_bytes`` (the gradient's bytes per push), ``sync_wait_s`` (host
     seconds in ``sync``: waiting for the peers and for pushes to land; see the module docstring for GPUs) and
-    ``minibatches`` (ended by FSDP ODC mode or ``end_minibatch``). ``reset=True`` zeroes them after reading.
+    ``minibatches`` (ended by FSDP ODC mode or ``end_minibatch``). ``reset=True`` zeroes them after reading (these
+    figures only: the trace's minibatch lines count every call, whenever the user resets).
     Usable before ``init`` (zeros) and after ``finalize`` (the ended runtime's figures); ``init`` zeroes them.
     """
     if not isinstance(reset, bool):
         raise OdcUsageError(f"odc_runtime.stats(): reset must be a bool, got {reset!r}")
-    figures = counts.snapshot()
+    now = counts.snapshot()
+    figures = {name: now[name] - _stats_zero[name] for name in FIELDS}
     if reset:
-        counts.clear()
-        for window in _open:  # an open minibatch keeps measuring from the new zero
-            window._base = counts.snapshot()
+        _stats_zero.update(now)  # the user's zero only: the trace's minibatches measure from their own start
     return figures
 
 
@@ -171,6 +173,7 @@ def start(rank: int, trace_dir: str | None) -> None:
     global _trace, _run, _next_index
     stop()
     counts.clear()
+    _stats_zero.update(counts.snapshot())
     _open.clear()
     _next_index = 0
     _run = f"{time.time():.6f}-{os.getpid()}"

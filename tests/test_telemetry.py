@@ -72,6 +72,50 @@ def _counting_rank(rank: int, world: int) -> dict:
             "after_finalize": after_finalize, "again": again}
 
 
+def _reset_inside_a_minibatch_rank(rank: int, world: int, trace_dir: str) -> dict:
+    """Two minibatches of 3 fetches and 2 pushes each; the user calls ``stats(reset=True)`` after the first fetch of
+    the second one. Returns the records, the stats the user saw and the trace file's lines."""
+    odc.init("host", trace_dir=trace_dir)
+    st = odc.shard(torch.zeros(8), name="w")
+    records, seen = [], []
+    for minibatch in range(2):
+        window = telemetry.begin_minibatch()
+        for i in range(3):
+            odc.fetch(st)
+            if minibatch == 1 and i == 0:
+                seen.append(odc.stats(reset=True))  # the user's reset, inside a minibatch
+        odc.push(st, torch.ones(8))
+        odc.push(st, torch.ones(8))
+        odc.sync()
+        records.append(telemetry.end_minibatch(window, 3))
+    seen.append(odc.stats())
+    odc.finalize()
+    return {"records": records, "seen": seen, "trace": list(telemetry.records(os.path.join(trace_dir,
+                                                                                          f"rank{rank}.jsonl")))}
+
+
+@pytest.mark.parametrize("backend", ["host", "symm-cpu"])
+@pytest.mark.timeout(180)
+def test_the_trace_is_independent_of_the_users_stats_reset(tmp_path, backend):
+    """Issue 53: ``stats(reset=True)`` inside a minibatch zeroed that minibatch's trace figures (0 fetches recorded
+    where 3 ran). The user's counters restart from the reset; the trace counts what ran."""
+    import importlib.util
+
+    if backend == "symm-cpu" and importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    from test_symm_cpu import run_on_symm
+
+    run = run_ranks if backend == "host" else run_on_symm
+    for res in run(_reset_inside_a_minibatch_rank, 2, str(tmp_path), timeout=150):
+        for record in res["records"]:
+            assert (record["fetches"], record["pushes"], record["syncs"]) == (3, 2, 1), record
+            assert (record["fetch_bytes"], record["push_bytes"]) == (3 * 32, 2 * 32), record
+        assert [line["fetches"] for line in res["trace"]] == [3, 3], res["trace"]
+        at_reset, at_end = res["seen"]
+        assert (at_reset["fetches"], at_reset["pushes"], at_reset["syncs"]) == (4, 2, 1), at_reset
+        assert (at_end["fetches"], at_end["pushes"], at_end["syncs"], at_end["minibatches"]) == (2, 2, 1, 1), at_end
+
+
 @pytest.mark.timeout(120)
 def test_counters_count_every_call_that_returned_exactly():
     zeros = dict.fromkeys(telemetry.FIELDS, 0)
