@@ -37,7 +37,7 @@ from odc_runtime.errors import (
     OdcUsageError,
 )
 from odc_runtime.hierarchy import Hierarchy
-from odc_runtime.plans import CONTIGUOUS, output_key, tensor_key
+from odc_runtime.plans import CONTIGUOUS, dense, output_key, tensor_key
 from odc_runtime.sharded import Handle, ShardedTensor
 from odc_runtime.state import Runtime
 from odc_runtime.transport.base import (
@@ -475,6 +475,9 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
             checks.check_tensor("fetch(out=...)", out, st, device, (st.dtype,))
             if not out.is_contiguous():
                 raise OdcUsageError("odc_runtime.fetch(out=...): out must be contiguous")
+            if out.is_neg():  # a transport writing its memory would store the values un-negated
+                raise OdcUsageError("odc_runtime.fetch(out=...): out has torch's negative bit (a torch._neg_view); "
+                                    "pass a plain tensor (out.resolve_neg() copies it into one)")
             if out.requires_grad:
                 raise OdcUsageError("odc_runtime.fetch(out=...): out must not require grad (pass a detached tensor)")
             key = tensor_key("fetch", out, transport.stream_key())
@@ -507,7 +510,7 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
             key = tensor_key("push", grad, runtime.transport.stream_key())
             plan = st._plans.get(key)
             if plan is not None:  # plans take contiguous tensors of any shape (see below)
-                src = grad if key[CONTIGUOUS] else grad.detach().contiguous()  # type: ignore[index]
+                src = grad if key[CONTIGUOUS] else dense(grad)  # type: ignore[index]
                 # the scale can change from call to call: checked every time, before any remote effect (inline:
                 # checks.scale_value's common case, a float that fp32 represents as non-zero)
                 if type(scale) is float and (_TINY <= scale <= _MAX or -_MAX <= scale <= -_TINY):
@@ -535,9 +538,9 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
         st._plans.put(key, plan)
         # Not reshape(-1): it returns a *view* of a tensor whose strides collapse to one (big[::2], an expand, a 2-D
         # view of a strided 1-D one), and a pointer-based plan (symm, nvshmem) reads numel consecutive elements
-        # from its address. contiguous() copies exactly the tensors is_contiguous() rejects, the check the plan key
-        # makes.
-        src = grad if grad.is_contiguous() else grad.detach().contiguous()
+        # from its address, as they are in memory (a negative bit unapplied). dense() copies exactly the tensors
+        # the plan key's contiguity rejects.
+        src = grad if key[CONTIGUOUS] else dense(grad)  # type: ignore[index]
         result = _issue(plan, src, value, async_op, None)
         _COUNTS.pushes += 1
         _COUNTS.push_bytes += grad.nbytes

@@ -394,6 +394,38 @@ def test_shard_attributes_after_finalize_raise(backend: str) -> None:
         assert "st.local after odc_runtime.finalize()" in errors[2], errors
 
 
+def _rank_negative_bit(rank: int, world: int) -> dict:
+    """Gradients with torch's negative bit (``torch._neg_view``: values stored un-negated) pushed contiguous and
+    strided, twice each (the checked path, then the cached plan's fast path after a plain push of the same key);
+    a ``fetch(out=...)`` into such a tensor is refused with nothing written. Returns the exact sums."""
+    odc.init("host")
+    st = odc.shard(torch.arange(12.0).reshape(3, 4), name="w")
+    ones = torch.ones(3, 4)
+    assert torch._neg_view(ones).is_neg()
+    for _ in range(2):
+        odc.push(st, torch.full((3, 4), 10.0))  # a plain gradient of the key the next one shares but for the bit
+        odc.push(st, torch._neg_view(ones))  # -1 per element
+        odc.push(st, torch._neg_view(torch.ones(4, 3)).t())  # strided and negative: -1
+    odc.sync()
+    out = torch.full((3, 4), 7.0)
+    odc.fetch(st, out=out)  # a plain out first: its key is cached
+    view = torch._neg_view(torch.full((3, 4), 5.0))
+    with pytest.raises(odc.OdcUsageError, match="negative bit"):
+        odc.fetch(st, out=view)
+    assert view.is_neg() and torch.equal(view.resolve_neg(), torch.full((3, 4), -5.0))  # nothing written
+    start, stop = st.shard_range
+    return {"grad": st.grad.tolist(), "want": [2.0 * (10 - 2) * world] * (stop - start), "fetched": out.tolist()}
+
+
+@pytest.mark.parametrize("backend", ["host", "symm-cpu"])
+def test_tensors_with_the_negative_bit_are_exact_or_refused(backend: str) -> None:
+    from test_debug import _on
+
+    for res in _on(backend, _rank_negative_bit, 2):
+        assert res["grad"] == res["want"], res
+        assert res["fetched"] == torch.arange(12.0).reshape(3, 4).tolist(), res
+
+
 def test_views_kept_after_finalize_stay_valid() -> None:
     results = run_ranks(_rank_views_after_finalize, 2, timeout=30)
     assert results == [[[100.0, 101.0, 102.0, 103.0], [2.0] * 4], [[104.0, 105.0, 106.0, 107.0], [2.0] * 4]]
