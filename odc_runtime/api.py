@@ -136,13 +136,13 @@ def init(
 
     traces: list[str | None] = []
 
-    def local_checks() -> tuple[str, float, int | None, int | None, bool, bool]:
+    def local_checks() -> tuple[str, float, int | None, int | None, bool, bool, str]:
         if heap_size is not None:
             config.parse_size(heap_size, what="heap_size")
         traces.append(telemetry.check_trace_dir(trace_dir))  # checked here, so a bad one fails every rank together
         nodes = config.node_size(node_size, dist.get_world_size())
         return (_backend_facts(backend), config.resolve_timeout(timeout), nodes, config.node_slots(node_slots),
-                config.deterministic(deterministic), config.debug())
+                config.deterministic(deterministic), config.debug(), telemetry.run_id())
 
     results = gather_checked("init", local_checks, exchange=StoreExchange(exchange_timeout))
     # The backend (chosen from every rank's facts, the same on all) and the node settings must match here; the
@@ -154,14 +154,14 @@ def init(
                     (4, "accumulation mode (init(deterministic=...) / ODC_DETERMINISTIC)"),
                     (5, "debug setting (ODC_DEBUG)")):
         require_same("init", [r[i] for r in results], rule=f"needs the same {what} on every rank")
-    _, resolved_timeout, requested_nodes, slots, exact, checked = results[dist.get_rank()]
+    _, resolved_timeout, requested_nodes, slots, exact, checked, _ = results[dist.get_rank()]
     with _blaming_odc_backend(backend):
         _start(name, backend_timeout=resolved_timeout, heap_size=heap_size, requested_nodes=requested_nodes,
-               slots=slots, exact=exact, checked=checked, trace=traces[0])
+               slots=slots, exact=exact, checked=checked, trace=traces[0], run=results[0][6])  # rank 0's run id
 
 
 def _start(name: str, *, backend_timeout: float, heap_size: int | str | None, requested_nodes: int | None,
-           slots: int | None, exact: bool, checked: bool, trace: str | None) -> None:
+           slots: int | None, exact: bool, checked: bool, trace: str | None, run: str) -> None:
     """Create the agreed transport ``name`` and start the runtime on it (the second half of ``init``)."""
     transport = registry.get(name).create(timeout=backend_timeout, heap_size=heap_size)
     try:
@@ -183,7 +183,7 @@ def _start(name: str, *, backend_timeout: float, heap_size: int | str | None, re
         raise
     fixed = FixedPointAccumulators(transport, hierarchy) if exact else None
     state.start(transport, hierarchy=hierarchy, fixed=fixed, debug=checked)
-    telemetry.start(transport.rank, trace)
+    telemetry.start(transport.rank, trace, run)
     log.info(
         "odc_runtime initialised: backend=%s rank=%d world=%d node_size=%d deterministic=%s debug=%s", name,
         transport.rank, transport.world_size, nodes, exact, checked,

@@ -18,13 +18,14 @@
 
 A trace line (``make_record``; one format for the runtime and ``bench/imbalance.py --trace-dir``)::
 
-    {"v": 1, "run": "...", "label": null, "rank": 0, "world": 2, "minibatch": 3, "start": 1.7e9, "end": 1.7e9,
+    {"v": 2, "run": "...", "label": null, "rank": 0, "world": 2, "minibatch": 3, "start": 1.7e9, "end": 1.7e9,
      "micro_batches": 4, "sync_wait_s": 0.12, "syncs": 2, "fetches": 96, "pushes": 48, "fetch_bytes": ...,
      "push_bytes": ..., "waits": [[t0, t1, "sync"], ...]}
 
 ``start``/``end`` and the ``waits`` intervals are wall-clock seconds (``time.time()``), comparable between the
 ranks of one machine (across machines: as well as their clocks agree). ``run`` tells apart the runs appended to one
-file (this rank's ``init`` time and process); ``waits`` are the intervals the rank spent waiting (here: in
+file and ties together the ranks' lines of one run (rank 0's ``run_id`` at ``init``, the same on every rank; version 1
+lines had a per-rank id, paired by position); ``waits`` are the intervals the rank spent waiting (here: in
 ``sync``); the rest of ``[start, end]`` counts as busy.
 
 ``sync_wait_s`` is host time. On the host transport ``sync`` blocks until every peer arrived and every push landed;
@@ -39,6 +40,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -52,7 +54,7 @@ __all__ = ["FIELDS", "Minibatch", "TraceWriter", "begin_minibatch", "end_minibat
 
 #: The counters, in the order ``stats`` returns them.
 FIELDS = ("fetches", "pushes", "syncs", "fetch_bytes", "push_bytes", "sync_wait_s", "minibatches")
-TRACE_VERSION = 1
+TRACE_VERSION = 2  # 2: ``run`` is the job's id, the same on every rank (1: per rank)
 
 
 class _Counters:
@@ -77,7 +79,7 @@ counts = _Counters()
 _stats_zero = counts.snapshot()  # the counters at the user's last stats(reset=True) (or init)
 _open: list[Minibatch] = []  # this rank's open minibatches (normally 0 or 1): each sync adds its interval to them
 _trace: TraceWriter | None = None
-_run = ""  # this rank's run id in the trace (init time and process)
+_run = ""  # the job's run id in the trace, the same on every rank (agreed at init: run_id)
 _next_index = 0  # the next minibatch's index since init
 _NULL = nullcontext()
 
@@ -168,15 +170,22 @@ def check_trace_dir(arg: str | os.PathLike[str] | None = None) -> str | None:
     return directory
 
 
-def start(rank: int, trace_dir: str | None) -> None:
-    """A runtime started on this rank: zero the counters, forget open minibatches, open the trace if asked."""
+def run_id() -> str:
+    """A fresh id for a run of the job (its start time, process and a random part): ``init`` takes rank 0's, so
+    every rank's trace lines of one run carry the same one and the report pairs them by it."""
+    return f"{time.time():.6f}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def start(rank: int, trace_dir: str | None, run: str) -> None:
+    """A runtime started on this rank: zero the counters, forget open minibatches, open the trace if asked; its
+    lines carry ``run`` (``run_id``, the same on every rank)."""
     global _trace, _run, _next_index
     stop()
     counts.clear()
     _stats_zero.update(counts.snapshot())
     _open.clear()
     _next_index = 0
-    _run = f"{time.time():.6f}-{os.getpid()}"
+    _run = run
     if trace_dir is not None:
         _trace = TraceWriter(trace_dir, rank)
         log.info("odc_runtime: tracing minibatches to %s", _trace.path)

@@ -106,7 +106,9 @@ def test_the_trace_is_independent_of_the_users_stats_reset(tmp_path, backend):
     from test_symm_cpu import run_on_symm
 
     run = run_ranks if backend == "host" else run_on_symm
-    for res in run(_reset_inside_a_minibatch_rank, 2, str(tmp_path), timeout=150):
+    results = run(_reset_inside_a_minibatch_rank, 2, str(tmp_path), timeout=150)
+    assert len({line["run"] for res in results for line in res["trace"]}) == 1, results  # one run id, every rank
+    for res in results:
         for record in res["records"]:
             assert (record["fetches"], record["pushes"], record["syncs"]) == (3, 2, 1), record
             assert (record["fetch_bytes"], record["push_bytes"]) == (3 * 32, 2 * 32), record
@@ -312,6 +314,26 @@ def test_report_figures_against_hand_computed_ones(tmp_path):
         out = tmp_path / "p.png"
         report.main([str(tmp_path / "t"), "--out", str(out), "--run", "0"])
         assert out.stat().st_size > 10_000
+
+
+def test_report_pairs_runs_by_their_id_and_names_a_rank_missing_from_one(tmp_path):
+    """Issue 53: after a crash and a restart into the same directory, runs were paired by position in each file, so
+    one job's run was drawn with another's. Run "a" (both ranks), run "b" (rank 1 crashed before its first minibatch
+    ended: rank 0's lines only), run "c" (both ranks, restarted)."""
+    def lines(run: str, rank: int, t: float) -> list[dict]:
+        return [_line(rank, 0, t, t + 2.0, [], run=run, micro_batches=10 * rank + ord(run))]
+
+    _write(tmp_path / "t", [lines("a", 0, 0.0) + lines("b", 0, 10.0) + lines("c", 0, 20.0),
+                            lines("a", 1, 0.5) + lines("c", 1, 20.5)])
+    for which, run_name in ((0, "a"), (-1, "c"), (2, "c")):
+        (run,) = report.load(str(tmp_path / "t"), which)
+        assert [lines[0]["run"] for lines in run.ranks] == [run_name, run_name], (which, run.ranks)
+        assert report.summarize(run)["micro_batches"] == [ord(run_name), 10 + ord(run_name)]
+    for which in (1, -2):
+        with pytest.raises(OdcUsageError, match=r"run -?\d \(id 'b'\) has no trace line of rank\(s\) \[1\]"):
+            report.load(str(tmp_path / "t"), which)
+    with pytest.raises(OdcUsageError, match="holds 3 run"):
+        report.load(str(tmp_path / "t"), 3)
 
 
 def test_report_refuses_what_is_not_a_trace(tmp_path):
