@@ -426,6 +426,46 @@ def test_tensors_with_the_negative_bit_are_exact_or_refused(backend: str) -> Non
         assert res["fetched"] == torch.arange(12.0).reshape(3, 4).tolist(), res
 
 
+def _rank_init_without_room(rank: int, world: int) -> dict:
+    """Rank 1's filesystem has no room for its segment (the OS's posix_fallocate says ENOSPC): init fails on every
+    rank with the real error, leaves no segment file behind, and succeeds when retried once there is room."""
+    import errno
+
+    real = os.posix_fallocate
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if rank == 1:
+        os.posix_fallocate = full
+    try:
+        with pytest.raises(odc.OdcError) as info:
+            odc.init("host")
+    finally:
+        os.posix_fallocate = real
+    torch.distributed.barrier()  # every rank's failed init returned (the directory is shared)
+    left = sorted(os.listdir(os.environ["ODC_SHM_DIR"]))
+    odc.init("host")  # room again: a failed init released everything, so a retry works
+    st = odc.shard(torch.zeros(4))
+    odc.push(st, torch.ones(4))
+    odc.sync()
+    start, stop = st.shard_range
+    assert torch.equal(st.grad, torch.full((stop - start,), float(world)))
+    return {"error": type(info.value).__name__, "message": str(info.value), "left": left}
+
+
+@pytest.mark.parametrize("backend", ["host", "symm-cpu"])
+def test_a_failed_init_raises_the_real_error_and_leaves_nothing_behind(backend: str, tmp_path) -> None:
+    """Issue 53: on symm-cpu the OS error turned into an AttributeError in SymmTransport.finalize, which also left
+    the segment files behind until the process exited."""
+    from test_debug import _on
+
+    for rank, res in enumerate(_on(backend, _rank_init_without_room, 2, env={"ODC_SHM_DIR": str(tmp_path)})):
+        assert res["error"] == "OdcMemoryError", res
+        assert "rank 1 cannot reserve" in res["message"] and "No space left on device" in res["message"], res
+        assert res["left"] == [], (rank, res)
+
+
 def test_views_kept_after_finalize_stay_valid() -> None:
     results = run_ranks(_rank_views_after_finalize, 2, timeout=30)
     assert results == [[[100.0, 101.0, 102.0, 103.0], [2.0] * 4], [[104.0, 105.0, 106.0, 107.0], [2.0] * 4]]
