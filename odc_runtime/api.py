@@ -208,7 +208,7 @@ def finalize() -> None:
     runtime = state.require("finalize")
     transport = runtime.transport
     state.take()
-    telemetry.stop()
+    telemetry.stop()  # never raises (an unwritable trace is warned of): the transport below is always released
     try:
         # A transport that saw a peer die or a collective time out records it (``failure``): the error was
         # raised once already, and waiting for the peers again would only add another ODC_TIMEOUT.

@@ -12,7 +12,9 @@
   ``odc.gang.*`` ranges (``span``). On GPUs the kernels and copies a call launches are attributed to its range
   by the profiler, as for torch's own ops. When no profiler records, the cost is one flag read.
 * **Trace** (``ODC_TRACE_DIR``): each rank appends one JSON line per minibatch to ``<dir>/rank<r>.jsonl``, written
-  and flushed when the minibatch ends (after its closing ``sync``), so a crash loses no finished minibatch.
+  and flushed when the minibatch ends (after its closing ``sync``), so a crash loses no finished minibatch. The
+  trace is an observer: a rank whose file cannot be opened or written (a full disk) warns and traces no more, and
+  the job goes on (the directory itself is checked at ``init``, on every rank together).
   Minibatches are marked by ``begin_minibatch`` / ``end_minibatch``: FSDP ODC mode marks its own; a
   core-API trainer calls them around each minibatch. ``python -m odc_runtime.report DIR`` draws the lines.
 
@@ -35,6 +37,7 @@ on GPU transports ``sync`` returns once the barrier is queued on the stream and 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -187,15 +190,36 @@ def start(rank: int, trace_dir: str | None, run: str) -> None:
     _next_index = 0
     _run = run
     if trace_dir is not None:
-        _trace = TraceWriter(trace_dir, rank)
-        log.info("odc_runtime: tracing minibatches to %s", _trace.path)
+        try:
+            _trace = TraceWriter(trace_dir, rank)
+        except OdcUsageError as e:  # the directory was agreed usable at init: this rank's file alone is not
+            log.warning("odc_runtime: not tracing on this rank: %s", e)
+        else:
+            log.info("odc_runtime: tracing minibatches to %s", _trace.path)
+
+
+def _stop_tracing(error: OSError) -> None:
+    """A trace write failed (a full disk, an I/O error): the trace is an observer, so it must never fail or hold up
+    the job. Warn once and trace no more on this rank; the lines written so far stay."""
+    global _trace
+    trace, _trace = _trace, None
+    if trace is None:
+        return
+    log.warning("odc_runtime: the trace file %s cannot be written (%s); tracing stops on this rank, the job goes on",
+                trace.path, error)
+    with contextlib.suppress(OSError):  # its buffered line cannot be flushed either
+        trace.close()
 
 
 def stop() -> None:
-    """The runtime ended: close the trace (the counters stay readable)."""
+    """The runtime ended: close the trace (the counters stay readable). Never raises: an unwritable trace is
+    warned of (``_stop_tracing``), so ``finalize`` always goes on to release the transport."""
     global _trace
     if _trace is not None:
-        _trace.close()
+        try:
+            _trace.close()
+        except OSError as e:
+            _stop_tracing(e)
         _trace = None
 
 
@@ -246,7 +270,10 @@ def end_minibatch(window: Minibatch, micro_batches: int) -> dict[str, Any]:
     )
     _next_index += 1
     if _trace is not None:
-        _trace.write(record)
+        try:
+            _trace.write(record)
+        except OSError as e:
+            _stop_tracing(e)
     return record
 
 
