@@ -17,6 +17,7 @@ on this machine, else after ``ODC_TIMEOUT`` as ``OdcTimeoutError`` naming the ra
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import itertools
 import json
@@ -180,6 +181,12 @@ class StoreExchange:
                 self._fail(store, k, rank, op, e)
             if isinstance(e, OdcError) or not isinstance(e, Exception):
                 raise
+            limit = _own_limit(e)
+            if limit is not None:
+                raise OdcBackendError(
+                    f"odc {shorten(op)}: rank {rank} cannot use the torch.distributed store: this process hit "
+                    f"{limit} ({type(e).__name__}: {e}); the store itself may be fine"
+                ) from e
             raise OdcPeerLostError(
                 f"odc {shorten(op)}: rank {rank} lost the torch.distributed store ({type(e).__name__}: {e}); the "
                 "process hosting it (rank 0 under torch.multiprocessing, the launcher under torchrun) has died"
@@ -246,6 +253,26 @@ class StoreExchange:
         if known is None or known[0] != _HOST:
             return False
         return not process_alive(known[1], known[2])
+
+
+# Limits of this process that a store call reports (as an OSError, or as the text of torch's DistStoreError, e.g.
+# 'Too many open files' when a FileStore cannot open its file): not a dead store host. ENFILE's text contains EMFILE's,
+# so it is tried first.
+_OWN_LIMITS = {
+    errno.ENFILE: "the system's limit of open files; close files or raise fs.file-max",
+    errno.EMFILE: "its limit of open files; raise it (ulimit -n, or resource.setrlimit(RLIMIT_NOFILE)) or close files "
+                  "this process holds",
+    errno.ENOMEM: "an out-of-memory condition; free memory on this machine",
+}
+
+
+def _own_limit(error: BaseException) -> str | None:
+    """What limit of this process ``error`` (from a store call) reports, with what to do, or ``None``."""
+    code = error.errno if isinstance(error, OSError) else None
+    for limit, advice in _OWN_LIMITS.items():
+        if code == limit or os.strerror(limit) in str(error):
+            return f"{advice} [{os.strerror(limit)}]"
+    return None
 
 
 def _default_store() -> dist.Store:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -464,6 +465,37 @@ def test_a_failed_init_raises_the_real_error_and_leaves_nothing_behind(backend: 
         assert res["error"] == "OdcMemoryError", res
         assert "rank 1 cannot reserve" in res["message"] and "No space left on device" in res["message"], res
         assert res["left"] == [], (rank, res)
+
+
+def _rank_out_of_file_descriptors(rank: int, world: int) -> dict:
+    """Rank 1 has used up its open files (real descriptors, under a lowered RLIMIT_NOFILE) when it calls init: its
+    FileStore round cannot open the store's file. Returns the error each rank got."""
+    import resource
+
+    init = odc.init  # imported now: an import needs a descriptor too
+    held: list[int] = []
+    if rank == 1:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 256), hard))
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+    try:
+        with pytest.raises(odc.OdcError) as info:
+            init("host", timeout=8)
+    finally:
+        for fd in held:
+            os.close(fd)
+    return {"error": type(info.value).__name__, "message": str(info.value)}
+
+
+def test_a_process_out_of_file_descriptors_is_not_told_the_store_died() -> None:
+    """Issue 53: EMFILE inside the store was reported as 'the process hosting it has died'."""
+    own, peer = run_ranks(_rank_out_of_file_descriptors, 2, timeout=60)[::-1]
+    assert own["error"] == "OdcBackendError", own
+    assert "this process hit its limit of open files" in own["message"] and "ulimit -n" in own["message"], own
+    assert "has died" not in own["message"], own
+    assert peer["error"] == "OdcTimeoutError" and "rank(s) [1]" in peer["message"], peer  # rank 1 never posted
 
 
 def test_views_kept_after_finalize_stay_valid() -> None:
