@@ -308,6 +308,8 @@ class TraceWriter:
         try:
             os.makedirs(directory, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115  (held until close())
+            if _ends_torn(self.path):  # a crash cut the last line: end it, so this run's first line stands alone
+                self._file.write("\n")
         except OSError as e:
             raise OdcUsageError(f"cannot open the trace file {self.path!r} ({e}); point the trace (ODC_TRACE_DIR) "
                                 "at a writable directory") from None
@@ -320,16 +322,47 @@ class TraceWriter:
         self._file.close()
 
 
+def _ends_torn(path: str) -> bool:
+    """Whether the file at ``path`` is non-empty and does not end with a newline (its last line was cut)."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
+_LINE_START = '{"v":'  # every trace line starts so (make_record's first key, written without spaces)
+
+
 def records(path: str) -> Iterator[dict[str, Any]]:
-    """The lines of one trace file, parsed (a torn last line, from a crash while writing, is skipped)."""
+    """The lines of one trace file, parsed. A torn line (a crash while writing it) is skipped with a warning: at the
+    end of the file, or glued to the first line a restart appended after it (traces written before writers ended a
+    torn line first); anything else that is not a trace line is an OdcUsageError."""
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
     for i, line in enumerate(lines):
         if not line.strip():
             continue
-        try:
-            yield json.loads(line)
-        except json.JSONDecodeError:
-            if i != len(lines) - 1:  # only a last line without its newline is torn (each line is one write)
-                raise OdcUsageError(f"{path}:{i + 1}: not a trace line (JSON): {line[:80]!r}") from None
-            log.warning("%s: skipping a torn last line", path)
+        where = f"{path}:{i + 1}"
+        record = _parse(line, where)
+        if record is None:  # not JSON: torn if it is a last line without its newline, or one a later writer ended
+            glued = line.rfind(_LINE_START)
+            record = _parse(line[glued:], where) if glued > 0 else None
+            if record is None and not (i == len(lines) - 1 or line.startswith(_LINE_START)):
+                raise OdcUsageError(f"{where}: not a trace line (JSON): {line[:80]!r}")
+            log.warning("%s: skipping a torn line (a crash while writing it)", where)
+            if record is None:
+                continue
+        yield record
+
+
+def _parse(line: str, where: str) -> dict[str, Any] | None:
+    """``line`` as a trace record; ``None`` when it is not JSON; OdcUsageError for JSON that is no record."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if not (isinstance(record, dict) and "run" in record and "rank" in record):
+        raise OdcUsageError(f"{where}: not a trace line (a JSON object with its run and rank): {line[:80]!r}")
+    return record

@@ -417,6 +417,32 @@ def test_report_refuses_what_is_not_a_trace(tmp_path):
         report.load(str(tmp_path / "one"))
 
 
+def test_a_torn_line_before_a_restarts_lines_is_skipped(tmp_path):
+    """Issue 53: a crash that cut rank 0's last line, then a restart appending to the same files, made the report
+    refuse the whole directory (the torn line and the restart's first line glued into one). Old files are read
+    past the torn part; a writer now ends a torn line before appending."""
+    torn = json.dumps(_line(0, 1, 2.0, 3.0, [], run="a"), separators=(",", ":"))[:40]
+    for healed in (False, True):
+        directory = tmp_path / f"healed={healed}"
+        _write(directory, [[_line(0, 0, 0.0, 1.0, [], run="a")], [_line(1, 0, 0.0, 1.0, [], run="a"),
+                                                                  _line(1, 1, 2.0, 3.0, [], run="a")]])
+        with open(directory / "rank0.jsonl", "a") as f:
+            f.write(torn)  # rank 0 crashed while writing minibatch 1
+        restarted = [_line(r, 0, 10.0, 11.0, [], run="b") for r in range(2)]
+        if healed:  # the runtime's writer
+            for r, line in enumerate(restarted):
+                writer = telemetry.TraceWriter(str(directory), r)
+                writer.write(line)
+                writer.close()
+        else:  # a writer that appends as it is
+            _write(directory, [[line] for line in restarted])
+        assert [x["run"] for x in telemetry.records(str(directory / "rank0.jsonl"))] == ["a", "b"], healed
+        (run,) = report.load(str(directory))
+        assert [[x["run"] for x in lines] for lines in run.ranks] == [["b"], ["b"]], healed
+        (first,) = report.load(str(directory), 0)
+        assert [len(lines) for lines in first.ranks] == [1, 2], healed
+
+
 # ------------------------------------------------------------------------------------------ settings and misuse
 
 
