@@ -412,7 +412,9 @@ def worker(args: argparse.Namespace) -> None:
     records: dict = {key: [] for key in schedules}
     steps = [(k, key) for k in range(len(batches)) for key in schedules]
     trace = telemetry.TraceWriter(args.trace_dir, rank) if args.trace_dir else None
-    run_id, to_wall = f"{time.time():.6f}-{os.getpid()}", time.time() - time.perf_counter()
+    shared = [telemetry.run_id()]
+    dist.broadcast_object_list(shared, src=0)  # rank 0's: the report ties the ranks' lines of a run by it
+    run_id, to_wall = shared[0], time.time() - time.perf_counter()
     t_run = time.perf_counter()
     for k, key in progress(steps, enabled=rank == 0, desc="minibatch × config"):
         sched = schedules[key]

@@ -17,6 +17,7 @@ on this machine, else after ``ODC_TIMEOUT`` as ``OdcTimeoutError`` naming the ra
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import itertools
 import json
@@ -127,9 +128,10 @@ def shorten(text: str, limit: int = 160) -> str:
 class Exchange(Protocol):
     """A bounded all-gather of bytes: every rank calls ``exchange`` with the same ``op`` in the same order."""
 
-    def exchange(self, op: str, payload: bytes) -> list[bytes]:
+    def exchange(self, op: str, payload: bytes, *, label: str | None = None) -> list[bytes]:
         """Return every rank's payload (indexed by rank). Raises OdcMismatchError if ranks are in different
-        operations, OdcPeerLostError / OdcTimeoutError naming the ranks that did not arrive in time."""
+        operations (``op`` is compared; ``label``, default ``op``, is what messages call it), OdcPeerLostError /
+        OdcTimeoutError naming the ranks that did not arrive in time."""
         ...
 
 
@@ -154,8 +156,10 @@ class StoreExchange:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
 
-    def exchange(self, op: str, payload: bytes) -> list[bytes]:
+    def exchange(self, op: str, payload: bytes, *, label: str | None = None) -> list[bytes]:
         rank, world = dist.get_rank(), dist.get_world_size()
+        digest = op_digest(op).hex()
+        op = op if label is None else label  # from here on: what messages say
         if StoreExchange._failed is not None:
             raise OdcUsageError(
                 f"odc {shorten(op)}: cannot run after {StoreExchange._failed} in this process: peers may have "
@@ -165,7 +169,7 @@ class StoreExchange:
         store = _default_store()
         k = next(StoreExchange._round)
         keys = [f"odc_runtime/agree/{k}/{r}" for r in range(world)]
-        header = {"op": shorten(op), "digest": op_digest(op).hex(), "host": _HOST, "pid": _PID, "start": _START}
+        header = {"op": shorten(op), "digest": digest, "host": _HOST, "pid": _PID, "start": _START}
         posted = False
         try:
             store.set(keys[rank], json.dumps(header).encode() + b"\n" + payload)
@@ -177,6 +181,12 @@ class StoreExchange:
                 self._fail(store, k, rank, op, e)
             if isinstance(e, OdcError) or not isinstance(e, Exception):
                 raise
+            limit = _own_limit(e)
+            if limit is not None:
+                raise OdcBackendError(
+                    f"odc {shorten(op)}: rank {rank} cannot use the torch.distributed store: this process hit "
+                    f"{limit} ({type(e).__name__}: {e}); the store itself may be fine"
+                ) from e
             raise OdcPeerLostError(
                 f"odc {shorten(op)}: rank {rank} lost the torch.distributed store ({type(e).__name__}: {e}); the "
                 "process hosting it (rank 0 under torch.multiprocessing, the launcher under torchrun) has died"
@@ -243,6 +253,26 @@ class StoreExchange:
         if known is None or known[0] != _HOST:
             return False
         return not process_alive(known[1], known[2])
+
+
+# Limits of this process that a store call reports (as an OSError, or as the text of torch's DistStoreError, e.g.
+# 'Too many open files' when a FileStore cannot open its file): not a dead store host. ENFILE's text contains EMFILE's,
+# so it is tried first.
+_OWN_LIMITS = {
+    errno.ENFILE: "the system's limit of open files; close files or raise fs.file-max",
+    errno.EMFILE: "its limit of open files; raise it (ulimit -n, or resource.setrlimit(RLIMIT_NOFILE)) or close files "
+                  "this process holds",
+    errno.ENOMEM: "an out-of-memory condition; free memory on this machine",
+}
+
+
+def _own_limit(error: BaseException) -> str | None:
+    """What limit of this process ``error`` (from a store call) reports, with what to do, or ``None``."""
+    code = error.errno if isinstance(error, OSError) else None
+    for limit, advice in _OWN_LIMITS.items():
+        if code == limit or os.strerror(limit) in str(error):
+            return f"{advice} [{os.strerror(limit)}]"
+    return None
 
 
 def _default_store() -> dist.Store:

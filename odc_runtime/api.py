@@ -37,7 +37,7 @@ from odc_runtime.errors import (
     OdcUsageError,
 )
 from odc_runtime.hierarchy import Hierarchy
-from odc_runtime.plans import CONTIGUOUS, output_key, tensor_key
+from odc_runtime.plans import CONTIGUOUS, dense, output_key, tensor_key
 from odc_runtime.sharded import Handle, ShardedTensor
 from odc_runtime.state import Runtime
 from odc_runtime.transport.base import (
@@ -126,6 +126,9 @@ def init(
         raise OdcUsageError("odc_runtime.init() called twice; call odc_runtime.finalize() first")
     if not (dist.is_available() and dist.is_initialized()):
         raise OdcUsageError("odc_runtime.init() needs torch.distributed.init_process_group() to have been called")
+    for variable, nearest in config.unknown_variables().items():  # a misspelt setting would be ignored silently
+        log.warning("odc_runtime.init(): %s is set but %s (python -m odc_runtime.doctor checks every ODC_* "
+                    "variable)", variable, config.describe_unknown(nearest))
     try:  # the agreement itself must be bounded even when this rank's timeout setting is bad
         exchange_timeout = config.resolve_timeout(timeout)
     except OdcUsageError:
@@ -133,13 +136,13 @@ def init(
 
     traces: list[str | None] = []
 
-    def local_checks() -> tuple[str, float, int | None, int | None, bool, bool]:
+    def local_checks() -> tuple[str, float, int | None, int | None, bool, bool, str]:
         if heap_size is not None:
             config.parse_size(heap_size, what="heap_size")
         traces.append(telemetry.check_trace_dir(trace_dir))  # checked here, so a bad one fails every rank together
         nodes = config.node_size(node_size, dist.get_world_size())
         return (_backend_facts(backend), config.resolve_timeout(timeout), nodes, config.node_slots(node_slots),
-                config.deterministic(deterministic), config.debug())
+                config.deterministic(deterministic), config.debug(), telemetry.run_id())
 
     results = gather_checked("init", local_checks, exchange=StoreExchange(exchange_timeout))
     # The backend (chosen from every rank's facts, the same on all) and the node settings must match here; the
@@ -151,14 +154,14 @@ def init(
                     (4, "accumulation mode (init(deterministic=...) / ODC_DETERMINISTIC)"),
                     (5, "debug setting (ODC_DEBUG)")):
         require_same("init", [r[i] for r in results], rule=f"needs the same {what} on every rank")
-    _, resolved_timeout, requested_nodes, slots, exact, checked = results[dist.get_rank()]
+    _, resolved_timeout, requested_nodes, slots, exact, checked, _ = results[dist.get_rank()]
     with _blaming_odc_backend(backend):
         _start(name, backend_timeout=resolved_timeout, heap_size=heap_size, requested_nodes=requested_nodes,
-               slots=slots, exact=exact, checked=checked, trace=traces[0])
+               slots=slots, exact=exact, checked=checked, trace=traces[0], run=results[0][6])  # rank 0's run id
 
 
 def _start(name: str, *, backend_timeout: float, heap_size: int | str | None, requested_nodes: int | None,
-           slots: int | None, exact: bool, checked: bool, trace: str | None) -> None:
+           slots: int | None, exact: bool, checked: bool, trace: str | None, run: str) -> None:
     """Create the agreed transport ``name`` and start the runtime on it (the second half of ``init``)."""
     transport = registry.get(name).create(timeout=backend_timeout, heap_size=heap_size)
     try:
@@ -180,7 +183,7 @@ def _start(name: str, *, backend_timeout: float, heap_size: int | str | None, re
         raise
     fixed = FixedPointAccumulators(transport, hierarchy) if exact else None
     state.start(transport, hierarchy=hierarchy, fixed=fixed, debug=checked)
-    telemetry.start(transport.rank, trace)
+    telemetry.start(transport.rank, trace, run)
     log.info(
         "odc_runtime initialised: backend=%s rank=%d world=%d node_size=%d deterministic=%s debug=%s", name,
         transport.rank, transport.world_size, nodes, exact, checked,
@@ -208,7 +211,7 @@ def finalize() -> None:
     runtime = state.require("finalize")
     transport = runtime.transport
     state.take()
-    telemetry.stop()
+    telemetry.stop()  # never raises (an unwritable trace is warned of): the transport below is always released
     unseen: OdcError | None = None
     try:
         # A transport that saw a peer die or a collective time out records it (``failure``): waiting for the
@@ -485,6 +488,9 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
             checks.check_tensor("fetch(out=...)", out, st, device, (st.dtype,))
             if not out.is_contiguous():
                 raise OdcUsageError("odc_runtime.fetch(out=...): out must be contiguous")
+            if out.is_neg():  # a transport writing its memory would store the values un-negated
+                raise OdcUsageError("odc_runtime.fetch(out=...): out has torch's negative bit (a torch._neg_view); "
+                                    "pass a plain tensor (out.resolve_neg() copies it into one)")
             if out.requires_grad:
                 raise OdcUsageError("odc_runtime.fetch(out=...): out must not require grad (pass a detached tensor)")
             key = tensor_key("fetch", out, transport.stream_key())
@@ -517,7 +523,7 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
             key = tensor_key("push", grad, runtime.transport.stream_key())
             plan = st._plans.get(key)
             if plan is not None:  # plans take contiguous tensors of any shape (see below)
-                src = grad if key[CONTIGUOUS] else grad.detach().contiguous()  # type: ignore[index]
+                src = grad if key[CONTIGUOUS] else dense(grad)  # type: ignore[index]
                 # the scale can change from call to call: checked every time, before any remote effect (inline:
                 # checks.scale_value's common case, a float that fp32 represents as non-zero)
                 if type(scale) is float and (_TINY <= scale <= _MAX or -_MAX <= scale <= -_TINY):
@@ -545,9 +551,9 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
         st._plans.put(key, plan)
         # Not reshape(-1): it returns a *view* of a tensor whose strides collapse to one (big[::2], an expand, a 2-D
         # view of a strided 1-D one), and a pointer-based plan (symm, nvshmem) reads numel consecutive elements
-        # from its address. contiguous() copies exactly the tensors is_contiguous() rejects, the check the plan key
-        # makes.
-        src = grad if grad.is_contiguous() else grad.detach().contiguous()
+        # from its address, as they are in memory (a negative bit unapplied). dense() copies exactly the tensors
+        # the plan key's contiguity rejects.
+        src = grad if key[CONTIGUOUS] else dense(grad)  # type: ignore[index]
         result = _issue(plan, src, value, async_op, None)
         _COUNTS.pushes += 1
         _COUNTS.push_bytes += grad.nbytes

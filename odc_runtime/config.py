@@ -12,6 +12,7 @@ The nvshmem transport's ``ODC_NVSHMEM_*`` settings are parsed below as well (the
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -124,12 +125,18 @@ def shm_dir() -> str:
     Raises OdcUsageError if the variable is set but empty, or names something that exists and is not a directory.
     A directory that does not exist is reported by the transport when it tries to create its segment.
     """
-    directory = env("ODC_SHM_DIR") or DEFAULT_SHM_DIR
+    env("ODC_SHM_DIR")  # set but empty: an error
+    directory = shm_dir_as_set()
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise OdcUsageError(
             f"ODC_SHM_DIR={directory!r} is not a directory; point it at a directory on a tmpfs (e.g. /dev/shm)"
         )
     return directory
+
+
+def shm_dir_as_set() -> str:
+    """``ODC_SHM_DIR`` as written, unchecked (for reports about an unusable value), else the default."""
+    return os.environ.get("ODC_SHM_DIR", "").strip() or DEFAULT_SHM_DIR
 
 
 def host_chunk_bytes() -> int:
@@ -367,3 +374,26 @@ TOOLING = ("ODC_COMPAT_CACHE", "ODC_COMPAT_TORCH", "ODC_GPU_BUDGET_S", "ODC_GPU_
            "ODC_GPU_TEST_BACKEND", "ODC_NVSHMEM_WHEEL", "ODC_RELEASE_CACHE", "ODC_STRESS_ITERATIONS", "ODC_STRESS_SEED",
            "ODC_TEST_INSTALLED", "ODC_TRITON_CACHE", "ODC_TRITON_LINES", "ODC_VERL_CACHE", "ODC_VERL_VERSION",
            "ODC_WHEEL_CACHE")
+
+
+def odc_variables(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Every ``ODC_*`` variable set (in ``environ``, default ``os.environ``), name to raw value, sorted by name."""
+    environ = os.environ if environ is None else environ
+    return {name: environ[name] for name in sorted(environ) if name.startswith("ODC_")}
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """The ``ODC_*`` variables set that odc_runtime reads nowhere (neither in ``SETTINGS`` nor ``TOOLING``), each
+    with the setting its name is closest to (``None`` when none is close): a misspelt setting is otherwise ignored
+    without a word."""
+    unknown: dict[str, str | None] = {}
+    for name in odc_variables(environ):
+        if name not in SETTINGS and name not in TOOLING:
+            close = difflib.get_close_matches(name, SETTINGS, n=1, cutoff=0.75)
+            unknown[name] = close[0] if close else None
+    return unknown
+
+
+def describe_unknown(nearest: str | None) -> str:
+    """What to say about an unknown ``ODC_*`` variable whose closest setting is ``nearest`` (``unknown_variables``)."""
+    return "odc_runtime does not read it" + (f": did you mean {nearest}?" if nearest else "")

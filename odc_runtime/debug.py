@@ -34,7 +34,9 @@ from odc_runtime.errors import OdcRoundMismatchError
 if TYPE_CHECKING:
     from odc_runtime.state import Runtime
 
-_OP = "odc debug: collective fingerprint"  # the same on every rank: the round pairs by count, payloads compared
+# The round's identity, the same on every rank (it pairs by count; the payloads are compared here). Never shown:
+# messages name the user's call (the exchange's label).
+_OP = "debug: collective fingerprint"
 _MAX_BYTES = 480  # a fingerprint fits every transport's exchange payload (at least about 1.9 KB)
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _SKIP = (_PACKAGE, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, os.path.abspath(contextlib.__file__))
@@ -55,8 +57,9 @@ def check(runtime: Runtime, op: str) -> None:
     """Collective over the world, the first step of a core-API collective call ``op`` in debug mode: raise
     OdcRoundMismatchError on every rank if any rank's fingerprint differs from another's."""
     runtime.debug_calls += 1
-    mine = f"{op} at {call_site()}".encode()[:_MAX_BYTES]
-    fingerprints = runtime.transport.exchange(_OP, mine)
+    call = f"{op} at {call_site()}"
+    mine = call.encode()[:_MAX_BYTES]
+    fingerprints = runtime.transport.exchange(_OP, mine, label=call)  # messages name the user's call, not _OP
     if all(f == mine for f in fingerprints):
         return
     sides = describe_calls(ranks_by_value(enumerate(fingerprints)), lambda f, _: f.decode(errors="replace"))

@@ -24,7 +24,6 @@ Exit status 1 when a set variable is invalid or unknown, or no transport fits; e
 
 from __future__ import annotations
 
-import difflib
 import importlib.metadata
 import json
 import os
@@ -72,7 +71,7 @@ def _shared_memory() -> dict[str, Any]:
         directory = config.shm_dir()
         stats = os.statvfs(directory)
     except (OdcError, OSError) as e:
-        return {"dir": os.environ.get("ODC_SHM_DIR", config.DEFAULT_SHM_DIR), "free_bytes": None, "error": str(e)}
+        return {"dir": config.shm_dir_as_set(), "free_bytes": None, "error": str(e)}
     return {"dir": directory, "free_bytes": stats.f_bavail * stats.f_frsize, "error": None}
 
 
@@ -106,14 +105,14 @@ def _init_choice(transports: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def _settings() -> list[dict[str, Any]]:
     """Every ``ODC_*`` variable set here, with what its reader says."""
     rows = []
-    for name in sorted(k for k in os.environ if k.startswith("ODC_")):
-        row: dict[str, Any] = {"name": name, "value": os.environ[name], "ok": True, "note": ""}
+    unknown = config.unknown_variables()
+    for name, value in config.odc_variables().items():
+        row: dict[str, Any] = {"name": name, "value": value, "ok": True, "note": ""}
         if name in config.TOOLING:
             row["note"] = "read by odc_runtime's tests and CI scripts, not by the package"
-        elif name not in config.SETTINGS:
-            close = difflib.get_close_matches(name, config.SETTINGS, n=1, cutoff=0.75)
+        elif name in unknown:
             row["ok"] = False
-            row["note"] = "odc_runtime does not read it" + (f": did you mean {close[0]}?" if close else "")
+            row["note"] = config.describe_unknown(unknown[name])
         elif config.SETTINGS[name] is None:
             row["note"] = "read with its context (init's world size, or the build): not checked here"
         else:

@@ -1,7 +1,8 @@
 """The per-call fast path of ``fetch`` / ``push``: plan keys and the per-tensor plan cache.
 
 The first fetch/push of a ShardedTensor with a given ``PlanKey`` (tensor type, shape, dtype, device, layout,
-contiguity, requires_grad (fetch only: a push accepts either), transport stream key) runs every check and builds a
+contiguity in plain memory (no negative bit), requires_grad (fetch only: a push accepts either), transport stream key)
+runs every check and builds a
 ``TransferPlan`` (which peer gets which slice, plus whatever the transport
 precomputes: peer pointers, kernel arguments). Later calls with the same key skip straight to ``plan.run()``. A
 key that was rejected is never cached, so every rejected call takes the checked path and raises there. A plan is
@@ -61,9 +62,19 @@ def tensor_key(op: str, t: torch.Tensor, stream: object) -> tuple | None:
     """``PlanKey.for_tensor`` as a plain tuple (``key[CONTIGUOUS]`` is the contiguity)."""
     if t.layout is not _STRIDED or t.is_nested:
         return None  # the checked path refuses these; some have no shape or is_contiguous()
+    # "contiguous" means plain memory a plan may address directly: torch's negative bit (torch._neg_view) leaves the
+    # values un-negated in memory, so such a tensor is copied (push, ``dense``) or refused (fetch's out) like a
+    # non-contiguous one
+    plain = t.is_contiguous() and not t.is_neg()
     if op == "push":  # a push takes a gradient whether it requires grad or not, through the same plan
-        return (op, type(t), t.shape, t.dtype, t.device, t.is_contiguous(), False, stream)
-    return (op, type(t), t.shape, t.dtype, t.device, t.is_contiguous(), t.requires_grad, stream)
+        return (op, type(t), t.shape, t.dtype, t.device, plain, False, stream)
+    return (op, type(t), t.shape, t.dtype, t.device, plain, t.requires_grad, stream)
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in plain contiguous memory, for a tensor whose key is not ``CONTIGUOUS``: a copy (of a
+    non-contiguous view, or of one with torch's negative bit, resolved)."""
+    return t.detach().contiguous().resolve_neg()
 
 
 CONTIGUOUS = PlanKey._fields.index("contiguous")

@@ -5,8 +5,10 @@
 A trace directory holds one ``rank<r>.jsonl`` per rank (``ODC_TRACE_DIR``, or ``bench/imbalance.py --trace-dir``;
 the line format is ``odc_runtime.telemetry.make_record``'s). Each directory gives one timeline panel per label
 in it (the runtime's traces have none; the main job labels each configuration), all on one time axis, under a bar
-chart of every rank's idle share. A file may hold several runs (appended): ``--run`` picks one by its position
-(default ``-1``, the last).
+chart of every rank's idle share. A file may hold several runs (appended, e.g. after a crash and a restart into
+the same directory): the ranks' lines of one run are tied together by its run id, and ``--run`` picks a run by its
+position among them in order of start (default ``-1``, the last); a run that a rank traced nothing of is refused,
+naming the rank.
 
 Definitions (the main job's, ``bench/imbalance.py``): a minibatch's *wall* time runs from the first rank's start to
 the last rank's end; a rank is *busy* for its ``[start, end]`` less the intervals it waited (``waits``: in ``sync``,
@@ -50,10 +52,28 @@ class Run:
     ranks: list[list[dict[str, Any]]]
 
 
+def _runs_by_id(files: dict[int, str]) -> dict[str, list[list[dict[str, Any]]]]:
+    """Every run of the rank files ``files`` (rank -> path), by run id, each as its lines per rank (empty for a rank
+    that traced none of it), in the order the runs started. A run's lines carry the job's id on every rank (trace
+    version 2); version 1 lines carried a per-rank id, so those runs are paired by their position in each file."""
+    world = max(files) + 1
+    runs: dict[str, list[list[dict[str, Any]]]] = {}
+    for r, path in files.items():
+        positions: dict[str, str] = {}  # version 1: this file's run id -> its position
+        for line in records(path):
+            key = line["run"]
+            if line.get("v", 1) < 2:
+                key = positions.setdefault(key, f"v1 run #{len(positions)}")
+            runs.setdefault(key, [[] for _ in range(world)])[r].append(line)
+    return dict(sorted(runs.items(), key=lambda kv: min(x["start"] for lines in kv[1] for x in lines)))
+
+
 def load(path: str, run: int = -1) -> list[Run]:
-    """The runs of trace directory ``path`` (one per label, in order of first appearance), taking run number
-    ``run`` of each rank file (runs in the order they were appended; ``-1``: the last). OdcUsageError when
-    ``path`` holds no ``rank<r>.jsonl``, a rank is missing, or a file has no such run."""
+    """The runs of trace directory ``path`` (one per label, in order of first appearance), taking the job's run
+    number ``run`` (runs in the order they started, each tied together across the rank files by its run id; ``-1``:
+    the last). OdcUsageError when ``path`` holds no ``rank<r>.jsonl``, a rank file is missing, there is no such run,
+    or a rank traced nothing of it (e.g. it crashed before its first minibatch ended: say so, rather than draw
+    another run's lines in its place)."""
     files = {}
     for f in glob.glob(os.path.join(path, "rank*.jsonl")):
         m = re.fullmatch(r"rank(\d+)\.jsonl", os.path.basename(f))
@@ -65,15 +85,16 @@ def load(path: str, run: int = -1) -> list[Run]:
     missing = sorted(set(range(world)) - set(files))
     if missing:
         raise OdcUsageError(f"{path}: no trace of rank(s) {missing} (of {world}); every rank writes its own file")
-    per_rank = []
-    for r in range(world):
-        runs: dict[str, list[dict[str, Any]]] = {}
-        for line in records(files[r]):
-            runs.setdefault(line["run"], []).append(line)
-        chosen = list(runs.values())
-        if not -len(chosen) <= run < len(chosen):
-            raise OdcUsageError(f"{files[r]}: holds {len(chosen)} run(s), no run {run}")
-        per_rank.append(chosen[run])
+    runs = _runs_by_id(files)
+    if not -len(runs) <= run < len(runs):
+        raise OdcUsageError(f"{path}: holds {len(runs)} run(s), no run {run}")
+    run_id, per_rank = list(runs.items())[run]
+    absent = [r for r, lines in enumerate(per_rank) if not lines]
+    if absent:
+        raise OdcUsageError(
+            f"{path}: run {run} (id {run_id!r}) has no trace line of rank(s) {absent} (of {world}): they ended no "
+            "minibatch of it (a crash or a restart before the first one ended); pick another run with --run"
+        )
     labels = list(dict.fromkeys(line["label"] or "odc" for lines in per_rank for line in lines))
     return [Run(label, [sorted((x for x in lines if (x["label"] or "odc") == label), key=lambda x: x["minibatch"])
                         for lines in per_rank]) for label in labels]
@@ -210,7 +231,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("paths", nargs="+", metavar="TRACE_DIR", help="directories of rank<r>.jsonl files")
     parser.add_argument("--out", default=None, help="PNG path (default: report.png in the first TRACE_DIR); "
                                                     "'none' to skip the picture")
-    parser.add_argument("--run", type=int, default=-1, help="which appended run of each file (default -1: the last)")
+    parser.add_argument("--run", type=int, default=-1,
+                        help="which run of the job, in order of start (default -1: the last)")
     parser.add_argument("--json", default=None, help="write the summaries to this file")
     parser.add_argument("--title", default="", help="the picture's title")
     args = parser.parse_args(argv)

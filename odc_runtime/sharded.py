@@ -99,7 +99,9 @@ class ShardedTensor:
     # (``st.local -= ...``) updates in place and assigns the same tensor back, which is allowed.
     @property
     def local(self) -> torch.Tensor:
-        """This rank's parameter shard (a view of symmetric memory; update it in place)."""
+        """This rank's parameter shard (a view of symmetric memory; update it in place). OdcNotInitializedError
+        after ``finalize``."""
+        self._require_runtime("local")
         return self._local
 
     @local.setter
@@ -108,12 +110,24 @@ class ShardedTensor:
 
     @property
     def grad(self) -> torch.Tensor | None:
-        """This rank's gradient accumulator shard (a view of symmetric memory), ``None`` without one."""
+        """This rank's gradient accumulator shard (a view of symmetric memory), ``None`` without one.
+        OdcNotInitializedError after ``finalize``."""
+        self._require_runtime("grad")
         return self._grad_view
 
     @grad.setter
     def grad(self, value: object) -> None:
         self._refuse_rebind("grad", value, self._grad_view)
+
+    def _require_runtime(self, attr: str) -> None:
+        # After finalize the views' memory belongs to no runtime: writes reach no peer and reads are no parameter.
+        # A read-only check (a forked child may read), one attribute compare: the optimizer reads these per step.
+        runtime = state.current
+        if runtime is None or runtime.generation != self._generation:
+            raise OdcNotInitializedError(
+                f"ShardedTensor {self.name!r}: st.{attr} after odc_runtime.finalize(): its symmetric memory was "
+                f"released with the runtime; copy what you need (st.{attr}.clone(), a checkpoint) before finalize"
+            )
 
     def _refuse_rebind(self, attr: str, value: object, current: torch.Tensor | None) -> None:
         if value is not current:

@@ -12,19 +12,22 @@
   ``odc.gang.*`` ranges (``span``). On GPUs the kernels and copies a call launches are attributed to its range
   by the profiler, as for torch's own ops. When no profiler records, the cost is one flag read.
 * **Trace** (``ODC_TRACE_DIR``): each rank appends one JSON line per minibatch to ``<dir>/rank<r>.jsonl``, written
-  and flushed when the minibatch ends (after its closing ``sync``), so a crash loses no finished minibatch.
+  and flushed when the minibatch ends (after its closing ``sync``), so a crash loses no finished minibatch. The
+  trace is an observer: a rank whose file cannot be opened or written (a full disk) warns and traces no more, and
+  the job goes on (the directory itself is checked at ``init``, on every rank together).
   Minibatches are marked by ``begin_minibatch`` / ``end_minibatch``: FSDP ODC mode marks its own; a
   core-API trainer calls them around each minibatch. ``python -m odc_runtime.report DIR`` draws the lines.
 
 A trace line (``make_record``; one format for the runtime and ``bench/imbalance.py --trace-dir``)::
 
-    {"v": 1, "run": "...", "label": null, "rank": 0, "world": 2, "minibatch": 3, "start": 1.7e9, "end": 1.7e9,
+    {"v": 2, "run": "...", "label": null, "rank": 0, "world": 2, "minibatch": 3, "start": 1.7e9, "end": 1.7e9,
      "micro_batches": 4, "sync_wait_s": 0.12, "syncs": 2, "fetches": 96, "pushes": 48, "fetch_bytes": ...,
      "push_bytes": ..., "waits": [[t0, t1, "sync"], ...]}
 
 ``start``/``end`` and the ``waits`` intervals are wall-clock seconds (``time.time()``), comparable between the
 ranks of one machine (across machines: as well as their clocks agree). ``run`` tells apart the runs appended to one
-file (this rank's ``init`` time and process); ``waits`` are the intervals the rank spent waiting (here: in
+file and ties together the ranks' lines of one run (rank 0's ``run_id`` at ``init``, the same on every rank; version 1
+lines had a per-rank id, paired by position); ``waits`` are the intervals the rank spent waiting (here: in
 ``sync``); the rest of ``[start, end]`` counts as busy.
 
 ``sync_wait_s`` is host time. On the host transport ``sync`` blocks until every peer arrived and every push landed;
@@ -34,11 +37,13 @@ on GPU transports ``sync`` returns once the barrier is queued on the stream and 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -52,7 +57,7 @@ __all__ = ["FIELDS", "Minibatch", "TraceWriter", "begin_minibatch", "end_minibat
 
 #: The counters, in the order ``stats`` returns them.
 FIELDS = ("fetches", "pushes", "syncs", "fetch_bytes", "push_bytes", "sync_wait_s", "minibatches")
-TRACE_VERSION = 1
+TRACE_VERSION = 2  # 2: ``run`` is the job's id, the same on every rank (1: per rank)
 
 
 class _Counters:
@@ -69,13 +74,15 @@ class _Counters:
         return {name: getattr(self, name) for name in FIELDS}
 
 
-#: This rank's counters. ``fetch`` and ``push`` update them in place on their way out (two slot adds, written out in
-#: ``odc_runtime.api``: a wrapper's extra call cost more than the counting itself). Cleared in place, never
-#: replaced, so a reference taken at import stays the live one.
+#: This rank's counters since ``init``. ``fetch`` and ``push`` update them in place on their way out (two slot adds,
+#: written out in ``odc_runtime.api``: a wrapper's extra call cost more than the counting itself). Cleared in place
+#: at ``init`` only, never replaced, so a reference taken at import stays the live one; ``stats(reset=True)`` moves
+#: the user's zero (``_stats_zero``) instead, so the trace's open minibatches never lose what they counted.
 counts = _Counters()
+_stats_zero = counts.snapshot()  # the counters at the user's last stats(reset=True) (or init)
 _open: list[Minibatch] = []  # this rank's open minibatches (normally 0 or 1): each sync adds its interval to them
 _trace: TraceWriter | None = None
-_run = ""  # this rank's run id in the trace (init time and process)
+_run = ""  # the job's run id in the trace, the same on every rank (agreed at init: run_id)
 _next_index = 0  # the next minibatch's index since init
 _NULL = nullcontext()
 
@@ -86,16 +93,16 @@ def stats(reset: bool = False) -> dict[str, int | float]:
     Keys: ``fetches``, ``pushes``, ``syncs`` (calls that returned), ``fetch_bytes`` (the full tensor's bytes per
     fetch, this rank's own shard included), ``push_bytes`` (the gradient's bytes per push), ``sync_wait_s`` (host
     seconds in ``sync``: waiting for the peers and for pushes to land; see the module docstring for GPUs) and
-    ``minibatches`` (ended by FSDP ODC mode or ``end_minibatch``). ``reset=True`` zeroes them after reading.
+    ``minibatches`` (ended by FSDP ODC mode or ``end_minibatch``). ``reset=True`` zeroes them after reading (these
+    figures only: the trace's minibatch lines count every call, whenever the user resets).
     Usable before ``init`` (zeros) and after ``finalize`` (the ended runtime's figures); ``init`` zeroes them.
     """
     if not isinstance(reset, bool):
         raise OdcUsageError(f"odc_runtime.stats(): reset must be a bool, got {reset!r}")
-    figures = counts.snapshot()
+    now = counts.snapshot()
+    figures = {name: now[name] - _stats_zero[name] for name in FIELDS}
     if reset:
-        counts.clear()
-        for window in _open:  # an open minibatch keeps measuring from the new zero
-            window._base = counts.snapshot()
+        _stats_zero.update(now)  # the user's zero only: the trace's minibatches measure from their own start
     return figures
 
 
@@ -166,24 +173,53 @@ def check_trace_dir(arg: str | os.PathLike[str] | None = None) -> str | None:
     return directory
 
 
-def start(rank: int, trace_dir: str | None) -> None:
-    """A runtime started on this rank: zero the counters, forget open minibatches, open the trace if asked."""
+def run_id() -> str:
+    """A fresh id for a run of the job (its start time, process and a random part): ``init`` takes rank 0's, so
+    every rank's trace lines of one run carry the same one and the report pairs them by it."""
+    return f"{time.time():.6f}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def start(rank: int, trace_dir: str | None, run: str) -> None:
+    """A runtime started on this rank: zero the counters, forget open minibatches, open the trace if asked; its
+    lines carry ``run`` (``run_id``, the same on every rank)."""
     global _trace, _run, _next_index
     stop()
     counts.clear()
+    _stats_zero.update(counts.snapshot())
     _open.clear()
     _next_index = 0
-    _run = f"{time.time():.6f}-{os.getpid()}"
+    _run = run
     if trace_dir is not None:
-        _trace = TraceWriter(trace_dir, rank)
-        log.info("odc_runtime: tracing minibatches to %s", _trace.path)
+        try:
+            _trace = TraceWriter(trace_dir, rank)
+        except OdcUsageError as e:  # the directory was agreed usable at init: this rank's file alone is not
+            log.warning("odc_runtime: not tracing on this rank: %s", e)
+        else:
+            log.info("odc_runtime: tracing minibatches to %s", _trace.path)
+
+
+def _stop_tracing(error: OSError) -> None:
+    """A trace write failed (a full disk, an I/O error): the trace is an observer, so it must never fail or hold up
+    the job. Warn once and trace no more on this rank; the lines written so far stay."""
+    global _trace
+    trace, _trace = _trace, None
+    if trace is None:
+        return
+    log.warning("odc_runtime: the trace file %s cannot be written (%s); tracing stops on this rank, the job goes on",
+                trace.path, error)
+    with contextlib.suppress(OSError):  # its buffered line cannot be flushed either
+        trace.close()
 
 
 def stop() -> None:
-    """The runtime ended: close the trace (the counters stay readable)."""
+    """The runtime ended: close the trace (the counters stay readable). Never raises: an unwritable trace is
+    warned of (``_stop_tracing``), so ``finalize`` always goes on to release the transport."""
     global _trace
     if _trace is not None:
-        _trace.close()
+        try:
+            _trace.close()
+        except OSError as e:
+            _stop_tracing(e)
         _trace = None
 
 
@@ -234,7 +270,10 @@ def end_minibatch(window: Minibatch, micro_batches: int) -> dict[str, Any]:
     )
     _next_index += 1
     if _trace is not None:
-        _trace.write(record)
+        try:
+            _trace.write(record)
+        except OSError as e:
+            _stop_tracing(e)
     return record
 
 
@@ -269,6 +308,8 @@ class TraceWriter:
         try:
             os.makedirs(directory, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115  (held until close())
+            if _ends_torn(self.path):  # a crash cut the last line: end it, so this run's first line stands alone
+                self._file.write("\n")
         except OSError as e:
             raise OdcUsageError(f"cannot open the trace file {self.path!r} ({e}); point the trace (ODC_TRACE_DIR) "
                                 "at a writable directory") from None
@@ -281,16 +322,47 @@ class TraceWriter:
         self._file.close()
 
 
+def _ends_torn(path: str) -> bool:
+    """Whether the file at ``path`` is non-empty and does not end with a newline (its last line was cut)."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
+_LINE_START = '{"v":'  # every trace line starts so (make_record's first key, written without spaces)
+
+
 def records(path: str) -> Iterator[dict[str, Any]]:
-    """The lines of one trace file, parsed (a torn last line, from a crash while writing, is skipped)."""
+    """The lines of one trace file, parsed. A torn line (a crash while writing it) is skipped with a warning: at the
+    end of the file, or glued to the first line a restart appended after it (traces written before writers ended a
+    torn line first); anything else that is not a trace line is an OdcUsageError."""
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
     for i, line in enumerate(lines):
         if not line.strip():
             continue
-        try:
-            yield json.loads(line)
-        except json.JSONDecodeError:
-            if i != len(lines) - 1:  # only a last line without its newline is torn (each line is one write)
-                raise OdcUsageError(f"{path}:{i + 1}: not a trace line (JSON): {line[:80]!r}") from None
-            log.warning("%s: skipping a torn last line", path)
+        where = f"{path}:{i + 1}"
+        record = _parse(line, where)
+        if record is None:  # not JSON: torn if it is a last line without its newline, or one a later writer ended
+            glued = line.rfind(_LINE_START)
+            record = _parse(line[glued:], where) if glued > 0 else None
+            if record is None and not (i == len(lines) - 1 or line.startswith(_LINE_START)):
+                raise OdcUsageError(f"{where}: not a trace line (JSON): {line[:80]!r}")
+            log.warning("%s: skipping a torn line (a crash while writing it)", where)
+            if record is None:
+                continue
+        yield record
+
+
+def _parse(line: str, where: str) -> dict[str, Any] | None:
+    """``line`` as a trace record; ``None`` when it is not JSON; OdcUsageError for JSON that is no record."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if not (isinstance(record, dict) and "run" in record and "rank" in record):
+        raise OdcUsageError(f"{where}: not a trace line (a JSON object with its run and rank): {line[:80]!r}")
+    return record

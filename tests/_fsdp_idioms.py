@@ -490,30 +490,42 @@ def scenario_forward_outside(rank: int, world: int) -> dict:
     return out
 
 
-def scenario_lone_eval(rank: int, world: int) -> str:
-    """Rank 1 runs a validation forward outside a minibatch while rank 0 starts one: rank 0's OdcTimeoutError
-    names the likely cause. Rank 0 then runs the same forward, which releases rank 1 from torch's all-gather."""
+def scenario_lone_eval(rank: int, world: int, together: bool = True) -> dict:
+    """Rank 1 runs a validation forward outside a minibatch while rank 0 starts one (issue 53: rank 0 waited
+    ODC_TIMEOUT, rank 1 then got gloo's raw "Connection closed by peer"). Both are refused at once, typed, before
+    any torch.distributed collective. ``together``: the runtime stayed usable (host: an aligned round), so every
+    rank then evaluates together, exactly; else (symm's stream-ordered sync fails the runtime) release locally."""
+    import time
+
     import torch
 
     import odc_runtime as odc
     import odc_runtime.fsdp as ofsdp
-    from odc_runtime.errors import OdcTimeoutError
+    from odc_runtime import testing
 
-    odc.init("host", timeout=3)
+    odc.init("host", timeout=60)
     model = h.shard_model(h.make_model())
+    ref = h.make_model()
     ofsdp.enable(model)
     tokens = _eval_batch(0, 0)
-    msg = ""
-    if rank == 0:
-        try:
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
             ofsdp.begin_minibatch(model)
-        except OdcTimeoutError as e:
-            msg = str(e)
-    with torch.no_grad():
-        model(tokens)
-    with contextlib.suppress(odc.OdcError):  # rank 0's runtime recorded the failure; rank 1's finalize cannot agree
-        odc.finalize()
-    return msg
+        else:
+            with torch.no_grad():
+                model(tokens)
+        error = ("NO ERROR", "")
+    except odc.OdcError as e:
+        error = (type(e).__name__, str(e))
+    elapsed = time.monotonic() - t0
+    if not together:
+        testing.abandon()
+        return {"error": error, "elapsed": elapsed, "diff": None}
+    with torch.no_grad():  # every rank together: allowed, and exact
+        diff = (model(tokens) - ref(tokens)).abs().max().item()
+    odc.finalize()
+    return {"error": error, "elapsed": elapsed, "diff": diff}
 
 
 def _grad_slip(rank: int, world: int, kind: str, odc_mode: bool) -> dict:

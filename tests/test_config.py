@@ -159,3 +159,52 @@ def test_settings_are_parsed_strictly(monkeypatch) -> None:
     monkeypatch.setenv("ODC_NVSHMEM_SCRATCH_SLOTS", "1.5")
     with pytest.raises(odc.OdcUsageError, match="ODC_NVSHMEM_SCRATCH_SLOTS must be a whole number"):
         config.nvshmem_settings()
+
+
+def test_only_config_reads_odc_variables_from_the_environment() -> None:
+    """Issue 53: one place parses the environment. A module that reads an ``ODC_*`` variable (or scans the
+    environment for them) itself escapes config.py's checks: an empty value taken as unset, a typo unflagged."""
+    readers = re.compile(r"os\.environ|os\.getenv|environ\.get")
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in (ROOT / "odc_runtime").rglob("*.py") if path.name != "config.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if readers.search(line) and "ODC_" in line
+    ]
+    assert found == [], "read ODC_* variables through odc_runtime.config:\n" + "\n".join(found)
+
+
+def _rank_misspelt_setting(rank: int, world: int) -> list[str]:
+    """init() with ODC_X_TIMEOUT (a misspelt ODC_TIMEOUT; ODC_X_: made-up names) and ODC_X_UNRELATED set: returns
+    the warnings it logged."""
+    import logging
+
+    import torch
+
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno == logging.WARNING:
+                seen.append(record.getMessage())
+
+    logging.getLogger("odc_runtime").addHandler(Collect())
+    odc.init("host")
+    st = odc.shard(torch.zeros(4))
+    odc.push(st, torch.ones(4))
+    odc.sync()
+    start, stop = st.shard_range
+    assert torch.equal(st.grad, torch.full((stop - start,), float(world)))  # the job runs: a warning only
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["host", "symm-cpu"])
+def test_init_warns_of_each_unknown_setting_with_its_nearest_name(backend: str) -> None:
+    from test_debug import _on
+
+    env = {"ODC_X_TIMEOUT": "5", "ODC_X_UNRELATED": "1", "ODC_GPU_TEST_BACKEND": "symm"}  # the last: known (tooling)
+    for warnings in _on(backend, _rank_misspelt_setting, 2, env=env):
+        unknown = [w for w in warnings if "odc_runtime does not read it" in w]
+        assert len(unknown) == 2, warnings
+        assert "ODC_X_TIMEOUT is set but odc_runtime does not read it: did you mean ODC_TIMEOUT?" in unknown[0], unknown
+        assert "ODC_X_UNRELATED is set but odc_runtime does not read it (" in unknown[1], unknown

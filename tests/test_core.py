@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -361,6 +362,140 @@ def _rank_views_after_finalize(rank: int, world: int) -> list[list[float]]:
     # Views the user still holds must stay valid memory (not unmapped underneath: that is a segfault).
     local.add_(100)
     return [local.tolist(), grad.tolist()]
+
+
+def _rank_attributes_after_finalize(rank: int, world: int) -> list[str]:
+    """st.local / st.grad read, and st.local updated in place, after finalize: each raises OdcNotInitializedError (a
+    write would reach no peer). The values read before finalize are exact."""
+    odc.init("host")
+    st = odc.shard(torch.arange(8.0))
+    odc.push(st, torch.ones(8))
+    odc.sync()
+    start, stop = st.shard_range
+    assert torch.equal(st.local, torch.arange(start, stop, dtype=torch.float32))
+    assert torch.equal(st.grad, torch.full((stop - start,), float(world)))
+    odc.finalize()
+    errors = []
+    for use in (lambda: st.local, lambda: st.grad, lambda: st.local.add_(1)):
+        with pytest.raises(odc.OdcNotInitializedError) as info:
+            use()
+        errors.append(str(info.value))
+    with pytest.raises(odc.OdcNotInitializedError):
+        st.local -= 1
+    return errors
+
+
+@pytest.mark.parametrize("backend", ["host", "symm-cpu"])
+def test_shard_attributes_after_finalize_raise(backend: str) -> None:
+    from test_debug import _on
+
+    for errors in _on(backend, _rank_attributes_after_finalize, 2):
+        assert "st.local after odc_runtime.finalize()" in errors[0], errors
+        assert "st.grad after odc_runtime.finalize()" in errors[1], errors
+        assert "st.local after odc_runtime.finalize()" in errors[2], errors
+
+
+def _rank_negative_bit(rank: int, world: int) -> dict:
+    """Gradients with torch's negative bit (``torch._neg_view``: values stored un-negated) pushed contiguous and
+    strided, twice each (the checked path, then the cached plan's fast path after a plain push of the same key);
+    a ``fetch(out=...)`` into such a tensor is refused with nothing written. Returns the exact sums."""
+    odc.init("host")
+    st = odc.shard(torch.arange(12.0).reshape(3, 4), name="w")
+    ones = torch.ones(3, 4)
+    assert torch._neg_view(ones).is_neg()
+    for _ in range(2):
+        odc.push(st, torch.full((3, 4), 10.0))  # a plain gradient of the key the next one shares but for the bit
+        odc.push(st, torch._neg_view(ones))  # -1 per element
+        odc.push(st, torch._neg_view(torch.ones(4, 3)).t())  # strided and negative: -1
+    odc.sync()
+    out = torch.full((3, 4), 7.0)
+    odc.fetch(st, out=out)  # a plain out first: its key is cached
+    view = torch._neg_view(torch.full((3, 4), 5.0))
+    with pytest.raises(odc.OdcUsageError, match="negative bit"):
+        odc.fetch(st, out=view)
+    assert view.is_neg() and torch.equal(view.resolve_neg(), torch.full((3, 4), -5.0))  # nothing written
+    start, stop = st.shard_range
+    return {"grad": st.grad.tolist(), "want": [2.0 * (10 - 2) * world] * (stop - start), "fetched": out.tolist()}
+
+
+@pytest.mark.parametrize("backend", ["host", "symm-cpu"])
+def test_tensors_with_the_negative_bit_are_exact_or_refused(backend: str) -> None:
+    from test_debug import _on
+
+    for res in _on(backend, _rank_negative_bit, 2):
+        assert res["grad"] == res["want"], res
+        assert res["fetched"] == torch.arange(12.0).reshape(3, 4).tolist(), res
+
+
+def _rank_init_without_room(rank: int, world: int) -> dict:
+    """Rank 1's filesystem has no room for its segment (the OS's posix_fallocate says ENOSPC): init fails on every
+    rank with the real error, leaves no segment file behind, and succeeds when retried once there is room."""
+    import errno
+
+    real = os.posix_fallocate
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if rank == 1:
+        os.posix_fallocate = full
+    try:
+        with pytest.raises(odc.OdcError) as info:
+            odc.init("host")
+    finally:
+        os.posix_fallocate = real
+    torch.distributed.barrier()  # every rank's failed init returned (the directory is shared)
+    left = sorted(os.listdir(os.environ["ODC_SHM_DIR"]))
+    odc.init("host")  # room again: a failed init released everything, so a retry works
+    st = odc.shard(torch.zeros(4))
+    odc.push(st, torch.ones(4))
+    odc.sync()
+    start, stop = st.shard_range
+    assert torch.equal(st.grad, torch.full((stop - start,), float(world)))
+    return {"error": type(info.value).__name__, "message": str(info.value), "left": left}
+
+
+@pytest.mark.parametrize("backend", ["host", "symm-cpu"])
+def test_a_failed_init_raises_the_real_error_and_leaves_nothing_behind(backend: str, tmp_path) -> None:
+    """Issue 53: on symm-cpu the OS error turned into an AttributeError in SymmTransport.finalize, which also left
+    the segment files behind until the process exited."""
+    from test_debug import _on
+
+    for rank, res in enumerate(_on(backend, _rank_init_without_room, 2, env={"ODC_SHM_DIR": str(tmp_path)})):
+        assert res["error"] == "OdcMemoryError", res
+        assert "rank 1 cannot reserve" in res["message"] and "No space left on device" in res["message"], res
+        assert res["left"] == [], (rank, res)
+
+
+def _rank_out_of_file_descriptors(rank: int, world: int) -> dict:
+    """Rank 1 has used up its open files (real descriptors, under a lowered RLIMIT_NOFILE) when it calls init: its
+    FileStore round cannot open the store's file. Returns the error each rank got."""
+    import resource
+
+    init = odc.init  # imported now: an import needs a descriptor too
+    held: list[int] = []
+    if rank == 1:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 256), hard))
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+    try:
+        with pytest.raises(odc.OdcError) as info:
+            init("host", timeout=8)
+    finally:
+        for fd in held:
+            os.close(fd)
+    return {"error": type(info.value).__name__, "message": str(info.value)}
+
+
+def test_a_process_out_of_file_descriptors_is_not_told_the_store_died() -> None:
+    """Issue 53: EMFILE inside the store was reported as 'the process hosting it has died'."""
+    own, peer = run_ranks(_rank_out_of_file_descriptors, 2, timeout=60)[::-1]
+    assert own["error"] == "OdcBackendError", own
+    assert "this process hit its limit of open files" in own["message"] and "ulimit -n" in own["message"], own
+    assert "has died" not in own["message"], own
+    assert peer["error"] == "OdcTimeoutError" and "rank(s) [1]" in peer["message"], peer  # rank 1 never posted
 
 
 def test_views_kept_after_finalize_stay_valid() -> None:

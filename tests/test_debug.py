@@ -129,6 +129,46 @@ def test_drifted_group_sync_raises_on_every_member_naming_both_call_sites(backen
     assert results[2] is None  # its own group, alone: nothing drifted
 
 
+def _rank_group_crossed_with_world(rank: int, world: int) -> dict:
+    """Ranks 0 and 1 share a group, rank 2 has its own; rank 0 makes a group sync while rank 1 makes a world sync:
+    both raise OdcCrossedCollectivesError, and rank 2 (a bystander in the world sync) OdcPeerLostError."""
+    import torch.distributed as dist
+
+    odc.init("host")
+    pair, alone = dist.new_group([0, 1]), dist.new_group([2])  # every rank creates every group
+    group = pair if rank < 2 else alone
+    odc.shard(torch.zeros(6), group=group, name="w")
+    odc.sync()
+    with pytest.raises(odc.OdcError) as info:
+        if rank == 0:
+            odc.sync(group=group)  # crossed group sync
+        else:
+            odc.sync()  # crossed world sync
+    return {"error": type(info.value).__name__, "message": str(info.value)}
+
+
+@pytest.mark.parametrize("backend, mode", [("host", "debug"), ("host", "plain"), ("symm-cpu", "debug")])
+def test_a_crossed_group_sync_names_the_users_calls_and_where_the_broken_ranks_are(backend: str, mode: str) -> None:
+    """Issue 53: messages name user-facing operations. The debug round's internal name ('odc debug: collective
+    fingerprint') was what peers saw of a world sync, and a bystander was told of a failed peer's last *world*
+    barrier (a stale 'shard(w#0)') instead of the group fence it broke in."""
+    results = _on(backend, _rank_group_crossed_with_world, 3, env=DEBUG if mode == "debug" else {})
+    group_sync, world_sync = _line("crossed group sync"), _line("crossed world sync")
+    here = "at test_debug.py:{} in _rank_group_crossed_with_world"
+    group_call = "'sync(group=[0, 1])" + (f" {here.format(group_sync)}'" if mode == "debug" else "'")
+    world_call = f"'sync() {here.format(world_sync)}'" if mode == "debug" else "'sync'"
+    assert [r["error"] for r in results] == ["OdcCrossedCollectivesError"] * 2 + ["OdcPeerLostError"], results
+    for r in results:
+        assert "fingerprint" not in r["message"] and "odc odc" not in r["message"], r
+    assert f"rank 0 is in {group_call} but rank 1 is in the collective {world_call}" in results[0]["message"], results
+    assert f"rank 1 is in {world_call} but rank 0 waits for it in group fence #1" in results[1]["message"], results
+    bystander = results[2]["message"]
+    assert bystander.startswith(f"odc {world_call[1:-1]}: rank 2 waits for rank(s) [0]"), bystander
+    assert "FAILED, in group fence #1 of ranks [0, 1], '" in bystander, bystander
+    assert f"{group_call[-40:]})" in bystander, bystander  # a fence keeps its call's last 64 bytes
+    assert "shard(w" not in bystander, bystander  # not its stale last world barrier
+
+
 def _rank_crossed(rank: int, world: int) -> list[str]:
     """Rank 0 shards while rank 1 syncs: both raise at once; nothing changed (rank 0's shard sequence number
     included), so the ranks then shard and sync together and the runtime works."""

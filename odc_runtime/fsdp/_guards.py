@@ -5,7 +5,8 @@ one minibatch behind (an optimizer step inside the minibatch uses the previous m
 parameter versions across ranks. The two common slips (``optimizer.step()``, ``load_state_dict()``) are refused at
 the call; any other in-place change is caught by end_minibatch's bitwise comparison with the published rows. A
 training forward outside a minibatch is refused before FSDP's pre-forward (see
-``_refuse_training_forward_outside``).
+``_refuse_training_forward_outside``); an inference forward outside one first checks that every rank runs it
+(``_agree_on_forward_outside``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import weakref
 import torch
 import torch.nn as nn
 
-from odc_runtime.errors import OdcUsageError
+from odc_runtime import state as odc_state
+from odc_runtime.errors import OdcRoundMismatchError, OdcUsageError
 
 from ._layout import STATES as _STATES
 from ._layout import State as _State
@@ -28,6 +30,8 @@ def install(state: _State, model: nn.Module, modules: list[nn.Module]) -> None:
     refuse_forward = _refuse_training_forward_outside(state)
     for m in modules:  # first of each module's pre-hooks: before FSDP's, which all-gathers (a collective here)
         state.handles.append(m.register_forward_pre_hook(refuse_forward, prepend=True))
+    # The model's own first pre-hook, so once per forward of the model and before any FSDP module's all-gather
+    state.handles.append(model.register_forward_pre_hook(_agree_on_forward_outside(state), prepend=True))
     _install_step_guard()
 
 
@@ -89,5 +93,39 @@ def _refuse_training_forward_outside(state: _State) -> object:
             "torch.distributed's collective, so only inference under torch.no_grad() (or torch.inference_mode()) "
             "run by every rank together is allowed there. Nothing ran: no collective was entered"
         )
+
+    return hook
+
+
+# The round's name: what a peer's mismatch message calls the forward (the same on every rank; within the 64 bytes a
+# barrier round publishes).
+_FORWARD_OUTSIDE = "fsdp forward outside a minibatch (every rank must run it)"
+
+
+def _agree_on_forward_outside(state: _State) -> object:
+    """An inference forward outside a minibatch all-gathers through torch.distributed, a collective every rank must
+    run: one rank running it alone (an evaluation on rank 0 only) waited there while its peers waited for it in
+    ODC's next collective, ODC_TIMEOUT (300 s) and then gloo's raw "Connection closed by peer". So the model's
+    forward first meets the other ranks in one ODC round: ranks that all evaluate pass it together; a peer that is in
+    an ODC collective instead (a minibatch's sync) makes both raise OdcRoundMismatchError at once, before any
+    torch.distributed collective was entered, and the runtime stays usable (an aligned round). A peer that is in no
+    ODC collective is waited for up to ODC_TIMEOUT, as by any collective; so is every peer on the nvshmem transport,
+    whose rounds go through the store and cannot see its barriers."""
+    ref = weakref.ref(state)
+
+    def hook(module: nn.Module, args: object) -> None:
+        s = ref()
+        if s is None or s.in_minibatch or torch.is_grad_enabled():
+            return  # inside a minibatch forwards fetch one-sidedly; with gradients: refused by the other hook
+        runtime = odc_state.require("fsdp forward outside a minibatch")
+        try:
+            runtime.transport.exchange(_FORWARD_OUTSIDE, b"")
+        except OdcRoundMismatchError as e:
+            raise OdcRoundMismatchError(
+                f"{e}. This rank ran an inference forward outside a minibatch while another rank was in ODC's "
+                "collective: run evaluation forwards outside a minibatch on every rank together, or inside "
+                "`with odc_runtime.fsdp.minibatch(model):`, where each rank may run any number of them. Nothing ran: "
+                "no torch.distributed collective was entered"
+            ) from None
 
     return hook

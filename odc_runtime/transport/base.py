@@ -294,15 +294,17 @@ class Transport(abc.ABC):
                 "odc_runtime.finalize() and restart the job"
             )
 
-    def exchange(self, op: str, payload: bytes) -> list[bytes]:
+    def exchange(self, op: str, payload: bytes, *, label: str | None = None) -> list[bytes]:
         """Collective: one bounded all-gather of ``payload`` (small: at most about 1.9 KB) from every rank.
 
         Returns every rank's payload (indexed by rank). Raises OdcMismatchError when ranks are in different
-        operations, OdcPeerLostError / OdcTimeoutError naming the ranks that did not arrive within ``timeout``.
-        The default goes through the ``torch.distributed`` store; a transport may offer a faster one."""
+        operations (``op`` is compared), OdcPeerLostError / OdcTimeoutError naming the ranks that did not arrive
+        within ``timeout``. ``label`` (default ``op``) is what messages call the round, on every rank: the user's
+        operation where ``op`` is an internal round's constant name. The default goes through the
+        ``torch.distributed`` store; a transport may offer a faster one."""
         from odc_runtime.agree import StoreExchange  # agree imports torch.distributed; keep base light
 
-        return StoreExchange(self.timeout).exchange(op, payload)
+        return StoreExchange(self.timeout).exchange(op, payload, label=label)
 
     # -- memory ---------------------------------------------------------------------------------------
     @abc.abstractmethod

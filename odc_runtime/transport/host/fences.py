@@ -125,6 +125,24 @@ class GroupFences:
         text = name.rstrip(b"\0")
         return ("" if len(text) < _NAME_BYTES else "...") + text.decode(errors="replace")  # full: maybe cut
 
+    def position(self, peer: int) -> tuple[bool, str] | None:
+        """Where ``peer`` is in its group fences, for messages: ``(True, description)`` of the fence it waits in
+        (or failed in: the marker stays set then), ``(False, description)`` of the last fence it entered, ``None``
+        when it never entered one. A rank's last world barrier alone would be stale for a rank that went on to
+        group fences."""
+        index, epoch, bitmap = self.marker(peer)
+        seg = self._segments.get(peer)
+        with self._locks.held(peer, _LAST_OFFSET, _LAST.size, exclusive=False, op="group barrier"):
+            plus1, last, name = _LAST.unpack_from(seg.map, _LAST_OFFSET)
+        if plus1 == 0:
+            return None
+        text = name.rstrip(b"\0")
+        call = ("" if len(text) < _NAME_BYTES else "...") + text.decode(errors="replace")
+        if index >= 0:
+            members = [m for m in range(MARKER_RANKS) if bitmap[m // 8] >> (m % 8) & 1]
+            return True, f"in group fence #{epoch} of ranks {members}, {call!r}"
+        return False, f"last group fence #{last} in {call!r}"
+
     def check_not_waiting_for_us(self, op: str, peer: int) -> None:
         """Raise (crossed collectives) if ``peer``, which we wait for, waits in a group fence for *us*.
 

@@ -358,18 +358,20 @@ class HostTransport(Transport):
         """Complete the outcome of a barrier that returned before its round completed (a stream-ordered one, see
         the symm transport); this transport's barriers are synchronous, so there is nothing to do."""
 
-    def exchange(self, op: str, payload: bytes) -> list[bytes]:
+    def exchange(self, op: str, payload: bytes, *, label: str | None = None) -> list[bytes]:
         """Collective: one barrier round that also carries ``payload`` (at most about 1.9 KB) from every rank.
 
         Returns every rank's payload. Raises OdcMismatchError if a peer is in another collective, OdcPeerLostError
         if a peer died or failed, OdcTimeoutError after ``timeout``. Once this rank announced its arrival, any
         exception escaping the round is fail-stop (a peer may already have counted the arrival and moved on).
+        ``label`` (default ``op``) names the round in messages, here and on the peers; ``op`` alone is compared.
         """
+        digest = op_digest(op)
+        op = op if label is None else label  # from here on: what messages say
         self.check_usable(shorten(op))
         too_big = len(payload) > SLOT_BYTES
         if too_big:
             payload = _TOO_BIG
-        digest = op_digest(op)
         name = op.encode()[:NAME_BYTES]
         payloads: list[bytes] = [b""] * self.world_size
         payloads[self.rank] = payload
@@ -539,8 +541,11 @@ class HostTransport(Transport):
                 status = "in another pid namespace"
             else:
                 status = "alive" if process_alive(state.pid, state.start or None) else "DEAD"
-            where = state.name.decode(errors="replace")
-            parts.append(f"rank {p} (pid {state.pid}, {status}, last at barrier #{state.epoch} in {where!r})")
+            where = f"last at barrier #{state.epoch} in {state.name.decode(errors='replace')!r}"
+            fence = self.fences.position(p)
+            if fence is not None:  # a rank in (or failed in) a group fence is there, not at its last world barrier
+                where = fence[1] if fence[0] else f"{where}; {fence[1]}"
+            parts.append(f"rank {p} (pid {state.pid}, {status}, {where})")
         if exited and set(exited) == set(lost) | set(failed):
             return (
                 f"odc {shorten(op)}: rank {self.rank} waits for rank(s) {exited}, whose program ended without calling "

@@ -92,6 +92,11 @@ class SymmTransport(HostTransport):
         # descriptors, the counters zeroed on the stream before each reuse (a kernel counts its blocks in them).
         self._signal_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._watchdog: Watchdog | None = None
+        # Filled once the peers are mapped (map_peers), emptied by finalize, which also runs after a failed init
+        self._group_members: dict[int, torch.Tensor] = {}  # group index -> its members, on the device
+        self._row_words: dict[int, torch.Tensor] = {}  # barrier row -> its member words in this rank's heap
+        # (barrier row, stream) -> (its members tensor, the bound launch of its barrier: launch(epoch))
+        self._barriers: dict[tuple[int, object], tuple[torch.Tensor, Callable[[int], None]]] = {}
 
     # -- setup ----------------------------------------------------------------------------------------
     def create_segment(self) -> tuple[int, int]:
@@ -108,10 +113,6 @@ class SymmTransport(HostTransport):
         # device), so a row's own offsets decide the kernels' vector variant (kernels.rows_aligned).
         self._heaps_aligned = all(base % self.kernels.ALIGN == 0 for base in self._table.tolist())
         self._members = torch.arange(self.world_size, dtype=torch.int32, device=self.heap.device)
-        self._group_members: dict[int, torch.Tensor] = {}  # group index -> its members, on the device
-        self._row_words: dict[int, torch.Tensor] = {}  # barrier row -> its member words in this rank's heap
-        # (barrier row, stream) -> (its members tensor, the bound launch of its barrier: launch(epoch))
-        self._barriers: dict[tuple[int, object], tuple[torch.Tensor, Callable[[int], None]]] = {}
         self._abort = self.abort_word()
         # What every waiting kernel writes (status word, last value or member words): one block, reused, since one
         # wait at a time is outstanding (each settles the previous first); read only on an abort.
@@ -412,9 +413,9 @@ class SymmTransport(HostTransport):
         if entry.after is not None:
             entry.after()
 
-    def exchange(self, op: str, payload: bytes) -> list[bytes]:
+    def exchange(self, op: str, payload: bytes, *, label: str | None = None) -> list[bytes]:
         self.settle()  # an exchange round follows the barrier round before it: that one's outcome first
-        return super().exchange(op, payload)
+        return super().exchange(op, payload, label=label)
 
     def group_barrier(self, op: str, group: Group) -> None:
         self.settle()
