@@ -41,6 +41,14 @@ class OdcRoundMismatchError(OdcMismatchError):
     (fix the program)."""
 
 
+class OdcWindowError(OdcUsageError):
+    """Between two world syncs an owner changed a shard that a peer fetched (rule a), or zeroed or wrote an
+    accumulator that a peer pushed into (rule b): a race whose result is torn values or lost gradients. Raised on
+    every rank at the sync that closes that window, naming the shard, the owner, the rule and the fix; the sync
+    completed, so the runtime stays usable, but that window's values are not to be trusted (fix the loop: usually
+    the second ``sync`` of a minibatch is missing, or ``zero_grad()`` comes after it)."""
+
+
 class OdcCrossedCollectivesError(OdcMismatchError):
     """Two ranks wait for each other in different collectives (a ``sync(group=...)`` crossed with another fence or a
     world collective, directly or around a cycle of ranks), so neither can complete. Raised by the ranks that see

@@ -1,0 +1,108 @@
+"""The window rules (odc_runtime/windows.py), checked at every world sync: an owner that changes a shard a peer
+fetches, or zeroes an accumulator a peer pushes into, between the same two syncs raises OdcWindowError on every
+rank at the closing sync, naming the shard, the owner, the rule and the fix; updating one shard while peers fetch
+another does not. The check runs with ``ODC_DEBUG=1`` (docs/core-api.md, "Why two syncs per minibatch")."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from _dist import run_ranks
+
+import odc_runtime as odc
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = 3
+N = 8
+DEBUG = {"ODC_DEBUG": "1"}
+
+
+def _on(backend: str, fn, world: int, *args, env: dict[str, str]) -> list:
+    if backend == "host":
+        return run_ranks(fn, world, *args, env=env, timeout=180)
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    from test_symm_cpu import run_on_symm
+
+    return run_on_symm(fn, world, *args, env=env, timeout=180)
+
+
+def _rank_loop(rank: int, world: int, variant: str) -> dict:
+    """The README's core-API loop, broken as ``variant`` says. Returns the step and the error each rank stopped at
+    (``None``: the loop ran to its end)."""
+    odc.init("host")
+    w = odc.shard(torch.zeros(N), name="w")
+    for step in range(STEPS):
+        try:
+            full = odc.fetch(w)
+            odc.push(w, torch.ones(N) + full)
+            odc.sync()  # closes the window of the fetches and pushes
+        except odc.OdcWindowError as e:
+            return {"step": step, "error": type(e).__name__, "message": str(e)}
+        with torch.no_grad():
+            w.local -= 0.1 * w.grad
+        if variant == "dropped second sync":
+            w.zero_grad()
+        else:  # "zero_grad after the second sync"
+            odc.sync()
+            w.zero_grad()
+    return {"step": None}
+
+
+@pytest.mark.parametrize("backend", ["host", "symm-cpu"])
+def test_dropped_second_sync_raises_on_every_rank(backend: str) -> None:
+    results = _on(backend, _rank_loop, 3, "dropped second sync", env=DEBUG)
+    for rank, r in enumerate(results):
+        assert r["step"] == 1 and r["error"] == "OdcWindowError", (rank, r)  # at the sync that closed the race
+        message = r["message"]
+        assert "shard 'w': owner rank 0 changed st.local" in message, message
+        assert "in the window in which ranks [1, 2] fetched it" in message, message
+        assert "Fix: call odc_runtime.sync() after the optimizer step and before the next fetches" in message, message
+    assert len({r["message"] for r in results}) == 1  # the same verdict everywhere
+
+
+@pytest.mark.parametrize("backend", ["host", "symm-cpu"])
+def test_zero_grad_after_the_second_sync_raises_on_every_rank(backend: str) -> None:
+    results = _on(backend, _rank_loop, 3, "zero_grad after the second sync", env=DEBUG)
+    for rank, r in enumerate(results):
+        assert r["step"] == 1 and r["error"] == "OdcWindowError", (rank, r)
+        message = r["message"]
+        assert "shard 'w': owner rank 0 zeroed or wrote st.grad" in message, message
+        assert "in the window in which ranks [1, 2] pushed into it" in message, message
+        assert "odc_runtime.sync() after zero_grad() and before the next pushes" in message, message
+        assert "changed st.local" not in message, message  # the optimizer's writes were fenced
+    assert len({r["message"] for r in results}) == 1
+
+
+def _rank_overlap(rank: int, world: int) -> list[float]:
+    """Owners update shard ``a`` while peers fetch and push shard ``b`` in the same window (allowed); ``b``'s own
+    update is fenced by a second sync. Every fetched value and the final values are exact."""
+    odc.init("host")
+    a = odc.shard(torch.zeros(N), name="a")
+    b = odc.shard(torch.arange(N, dtype=torch.float32), name="b")
+    seen = []
+    for step in range(STEPS):
+        full = odc.fetch(b)
+        assert torch.equal(full, torch.arange(N, dtype=torch.float32) - step * world), (step, full)
+        seen.append(full.sum().item())
+        odc.push(b, torch.ones(N))
+        with torch.no_grad():
+            a.local += 1  # shard a: nobody fetches it in this window
+        odc.sync()
+        with torch.no_grad():
+            b.local -= b.grad  # world per element
+        b.zero_grad()
+        odc.sync()
+    assert torch.equal(odc.fetch(a), torch.full((N,), float(STEPS)))
+    assert torch.equal(odc.fetch(b), torch.arange(N, dtype=torch.float32) - STEPS * world)
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["host", "symm-cpu"])
+def test_updating_one_shard_while_peers_fetch_another_passes(backend: str) -> None:
+    results = _on(backend, _rank_overlap, 3, env=DEBUG)
+    expected = [float(sum(range(N)) - N * step * 3) for step in range(STEPS)]
+    assert results == [expected] * 3, results
