@@ -15,6 +15,13 @@ ELSEWHERE_HINT = (
     "(py-spy dump, faulthandler) shows where"
 )
 
+# Part of every message of ranks found in different collectives: ranks pair collectives by count, so the round that
+# shows the drift (often finalize) may be far from the call that caused it; the debug mode names that call.
+DRIFT_HINT = (
+    "to find the call that drifted, rerun with ODC_DEBUG=1: every collective call is then compared across ranks "
+    "before it runs, and the first one that differs raises on every rank naming each rank's call site (file:line)"
+)
+
 
 class OdcError(RuntimeError):
     """Base class of every error odc_runtime raises on purpose."""

@@ -1,7 +1,8 @@
 """The window rules (odc_runtime/windows.py), checked at every world sync: an owner that changes a shard a peer
 fetches, or zeroes an accumulator a peer pushes into, between the same two syncs raises OdcWindowError on every
 rank at the closing sync, naming the shard, the owner, the rule and the fix; updating one shard while peers fetch
-another does not. The check runs with ``ODC_DEBUG=1`` (docs/core-api.md, "Why two syncs per minibatch")."""
+another does not. The check runs with ``ODC_DEBUG=1`` (docs/core-api.md, "Why two syncs per minibatch"). And the
+round-mismatch error at ``finalize`` says how to find the drifted call."""
 
 from __future__ import annotations
 
@@ -106,3 +107,30 @@ def test_updating_one_shard_while_peers_fetch_another_passes(backend: str) -> No
     results = _on(backend, _rank_overlap, 3, env=DEBUG)
     expected = [float(sum(range(N)) - N * step * 3) for step in range(STEPS)]
     assert results == [expected] * 3, results
+
+
+def _rank_extra_sync_at_the_end(rank: int, world: int) -> dict:
+    """Rank 0 makes one ``sync()`` more than the others; the others reach ``finalize`` at that round."""
+    from odc_runtime import testing
+
+    odc.init("host")
+    w = odc.shard(torch.zeros(N), name="w")
+    odc.push(w, torch.ones(N))
+    odc.sync()
+    try:
+        if rank == 0:
+            odc.sync()
+        odc.finalize()
+    except odc.OdcRoundMismatchError as e:
+        testing.abandon()
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("backend", ["host", "symm-cpu"])
+def test_finalize_round_mismatch_says_how_to_find_the_drifted_call(backend: str) -> None:
+    results = _on(backend, _rank_extra_sync_at_the_end, 2, env={})
+    for rank, r in enumerate(results):
+        assert r["error"] == "OdcRoundMismatchError", (rank, r)
+        assert "'finalize'" in r["message"] and "'sync'" in r["message"], r
+        assert "ODC_DEBUG=1" in r["message"], r  # how to find the call that drifted
