@@ -555,7 +555,8 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
 
 @telemetry.counted_sync
 def sync(group: dist.ProcessGroup | None = None, *, gradients: bool = True, parameters: bool = True) -> None:
-    """Collective fence, once per minibatch.
+    """Collective fence, at minibatch boundaries: a core-API loop calls it twice per minibatch, after the pushes and
+    after the optimizer step and ``zero_grad`` (docs/core-api.md, "Why two syncs per minibatch").
 
     After it returns on any rank, every push issued by any rank before its ``sync()`` is in the owners'
     ``st.grad``, and every write to ``st.local`` made before it is what any later ``fetch`` returns.
