@@ -134,3 +134,73 @@ def test_finalize_round_mismatch_says_how_to_find_the_drifted_call(backend: str)
         assert r["error"] == "OdcRoundMismatchError", (rank, r)
         assert "'finalize'" in r["message"] and "'sync'" in r["message"], r
         assert "ODC_DEBUG=1" in r["message"], r  # how to find the call that drifted
+
+
+# -- the same rules in every accumulation and layout mode ------------------------------------------------------------
+def _rank_modes(rank: int, world: int, kwargs: dict, drop: bool) -> dict:
+    """The core-API loop with its two syncs (``drop``: without the second) in a mode of ``init``; returns the error
+    the loop stopped at, or the exact final values."""
+    odc.init("host", **kwargs)
+    w = odc.shard(torch.zeros(N), name="w")
+    for step in range(STEPS):
+        try:
+            odc.push(w, torch.full((N,), 1.0 + odc.fetch(w)[0].item() * 0))
+            odc.sync()
+        except odc.OdcWindowError as e:
+            return {"step": step, "error": str(e)}
+        start, stop = w.shard_range
+        assert torch.equal(w.grad, torch.full((stop - start,), float(world))), (step, w.grad)
+        with torch.no_grad():
+            w.local += w.grad
+        w.zero_grad()
+        if not drop:
+            odc.sync()
+    return {"step": None, "values": odc.fetch(w).tolist()}
+
+
+@pytest.mark.parametrize("kwargs", [{"deterministic": True}, {"node_size": 1}], ids=["deterministic", "nodes"])
+def test_the_rules_hold_in_deterministic_mode_and_across_nodes(kwargs: dict) -> None:
+    good = run_ranks(_rank_modes, 2, kwargs, False, env=DEBUG, timeout=180)
+    assert good == [{"step": None, "values": [float(2 * STEPS)] * N}] * 2, good
+    dropped = run_ranks(_rank_modes, 2, kwargs, True, env=DEBUG, timeout=180)
+    for r in dropped:
+        assert r["step"] == 1 and "shard 'w': owner rank 0 changed st.local" in r["error"], r
+        assert "owner rank 1 zeroed or wrote st.grad (e.g. zero_grad()) in the window in which rank 0" in r["error"]
+
+
+def _rank_groups(rank: int, world: int) -> dict:
+    """Ranks {0, 1} and {2, 3} shard ``w`` over their own group. Group 0 keeps the rules with group syncs (which
+    close its window); group 1 drops its second sync. Only group 1's owners are named, each with its own peer."""
+    import torch.distributed as dist
+
+    odc.init("host")
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    group = groups[rank // 2]
+    w = odc.shard(torch.zeros(N), name="w", group=group)
+    error = None
+    for step in range(STEPS):
+        odc.push(w, torch.ones(N) + 0 * odc.fetch(w))
+        if rank < 2:
+            odc.sync(group=group)
+        try:
+            odc.sync()
+        except odc.OdcWindowError as e:
+            error = {"step": step, "message": str(e)}
+            break
+        with torch.no_grad():
+            w.local += w.grad
+        w.zero_grad()
+        if rank < 2:
+            odc.sync(group=group)
+    return error
+
+
+def test_groups_close_their_windows_and_name_their_own_owners() -> None:
+    results = run_ranks(_rank_groups, 4, env=DEBUG, timeout=180)
+    for rank, r in enumerate(results):
+        assert r is not None and r["step"] == 1, (rank, r)  # the world sync that closed group 1's race, everywhere
+        message = r["message"]
+        for owner, peer in ((2, 3), (3, 2)):
+            blamed = f"owner rank {owner} changed st.local (e.g. the optimizer step) in the window in which rank {peer}"
+            assert f"{blamed} fetched it" in message, message
+        assert "owner rank 0" not in message and "owner rank 1" not in message, message
