@@ -27,9 +27,9 @@ How it is checked (``WindowCheck``), with ``ODC_DEBUG=1``:
   runtime stays usable (the fence itself happened).
 
 Why only in debug mode: reading a version counter costs about 0.1-0.2 µs per tensor, two per tensor per sync, so
-the check adds about 10 µs to a sync of one tensor and well over 100 µs to one of a hundred (``bench/hostcost.py``,
-"what the window check costs"), against a host ``sync`` of about 25-35 µs with a run-to-run spread of a few: not
-within its noise.
+the check adds about 10 µs to a sync of one tensor and about 57 µs to one of a hundred (``bench/hostcost.py``,
+"what the window check costs"), against a plain host ``sync`` (world 1) of about 10.5 µs whose run-to-run spread
+is 0.1-2 µs: not within its noise.
 
 Ordering: the summary describes only what this rank did *before* it called the closing sync (its fetches and
 pushes were issued, its writes made), so it is complete when it is sent, although the round that carries it comes
