@@ -22,6 +22,14 @@ of the call's runs (its run-to-run noise).
   Its symm row: ``odc.sync()`` on the symm row's transport, the barrier launched through its cached runner (the
   driver's launch stubbed) and handed to the watchdog: what a stream-ordered GPU sync costs the host.
 
+The last table is what the window check (``odc_runtime.windows``) costs: per ``odc.fetch`` / ``odc.push`` (the
+mark every call makes, in every mode), the call against the same API function compiled without its window mark
+(``_without_window_marks``), interleaved; per ``odc.sync()`` (host transport, world 1, ``ODC_DEBUG=1``, where the
+check runs, with 1 and with 100 live tensors, each fetched and pushed before the first timed sync), the runtime
+with its check against the same runtime with the check taken out (``runtime.windows = None``), alternated run by
+run, next to the interquartile range of the sync's runs without the check (its noise), and a plain ``odc.sync()``
+(``ODC_DEBUG=0``) of the same tensors with its own spread: the noise a default-on check would have to hide in.
+
 Results are verified before timing (the fetch returns the shard, the push accumulates, the fake plan is called
 with the caller's buffer). Each figure is the median over ``--runs`` runs of ``--calls`` calls, the three
 operations interleaved run by run so that machine noise hits them alike.
@@ -117,18 +125,52 @@ def _without_telemetry(fn: Callable) -> Callable:
     return namespace[fn.__name__]
 
 
+def _without_window_marks(fn: Callable) -> Callable:
+    """``fn`` (``api.fetch`` / ``api.push``) compiled again from its source without the window check's marks
+    (``st._fetched = True`` / ``st._pushed = True``, on the fast and the checked path), in ``api``'s globals."""
+    import ast
+    import inspect
+    import textwrap
+
+    from odc_runtime import api
+
+    func = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    assert isinstance(func, ast.FunctionDef)
+    marks = 0
+
+    class Strip(ast.NodeTransformer):
+        def visit_Assign(self, node: ast.Assign) -> ast.AST | None:
+            nonlocal marks
+            target = node.targets[0]
+            if isinstance(target, ast.Attribute) and target.attr in ("_fetched", "_pushed"):
+                marks += 1
+                return None
+            return node
+
+    func.decorator_list = []
+    Strip().visit(func)
+    if marks != 2:
+        raise RuntimeError(f"hostcost: found {marks} window marks in api.{fn.__name__}, expected 2")
+    namespace = dict(vars(api))
+    exec(compile(ast.fix_missing_locations(ast.Module([func], type_ignores=[])), api.__file__, "exec"), namespace)
+    return namespace[fn.__name__]
+
+
 def _ops(odc: object, st: object, out: object, grad: object, src: object) -> dict[str, Callable]:
     """The timed calls: bare copy_ (the reference), fetch into a preallocated buffer, push; and both without their
     telemetry (counters and profiler check, ``odc_runtime.telemetry``)."""
     from odc_runtime import api
 
     fetch, push = _without_telemetry(api.fetch), _without_telemetry(api.push)
+    unmarked_fetch, unmarked_push = _without_window_marks(api.fetch), _without_window_marks(api.push)
     return {
         "copy_": lambda: out.copy_(src),  # type: ignore[attr-defined]
         "fetch": lambda: odc.fetch(st, out=out),  # type: ignore[attr-defined]
         "push": lambda: odc.push(st, grad),  # type: ignore[attr-defined]
         "fetch, no telemetry": lambda: fetch(st, out=out),
         "push, no telemetry": lambda: push(st, grad),
+        "fetch, no window mark": lambda: unmarked_fetch(st, out=out),
+        "push, no window mark": lambda: unmarked_push(st, grad),
     }
 
 
@@ -185,6 +227,63 @@ def _sync_cost(runs: int, calls: int) -> dict[str, float]:
         else:
             os.environ["ODC_DEBUG"] = saved
     return {"off": statistics.median(samples["0"]), "on": statistics.median(samples["1"])}
+
+
+WINDOW_TENSORS = (1, 100)  # live tensors per runtime in the window check's sync rows
+
+
+def _window_cost(runs: int, calls: int) -> dict[str, float]:
+    """Host microseconds per ``odc.sync()`` (host transport, world 1) for each of ``WINDOW_TENSORS`` live tensors,
+    each fetched and pushed before every run: ``"<n> plain"`` with ``ODC_DEBUG=0``, and with ``ODC_DEBUG=1`` the
+    window check on (``"<n> on"``, the debug mode's default) and taken out of the same runtime (``"<n> off"``), the
+    three alternated run by run; ``"<n> spread"`` / ``"<n> plain spread"``: the interquartile range of the runs
+    without the check / of the plain ones."""
+    import torch
+
+    import odc_runtime as odc
+    from odc_runtime import state
+
+    def quartile_range(values: list[float]) -> float:
+        q = statistics.quantiles(values, n=4) if len(values) > 1 else [0.0, 0.0, 0.0]
+        return q[2] - q[0]
+
+    result: dict[str, float] = {}
+    saved = os.environ.get("ODC_DEBUG")
+    try:
+        for n in WINDOW_TENSORS:
+            samples: dict[str, list[float]] = {"plain": [], "on": [], "off": []}
+            for run in range(runs + 1):  # run 0 warms up
+                for mode in samples:
+                    os.environ["ODC_DEBUG"] = "0" if mode == "plain" else "1"
+                    odc.init("host")
+                    try:
+                        runtime = state.current
+                        assert runtime is not None and (runtime.windows is None) == (mode == "plain")
+                        if mode == "off":
+                            runtime.windows = None  # the same debug runtime without its window check
+                        tensors = [odc.shard(torch.zeros(NUMEL), name=f"hostcost-window{i}") for i in range(n)]
+                        out, grad = torch.empty(NUMEL), torch.ones(NUMEL)
+                        for st in tensors:  # the marks the first timed sync summarises
+                            odc.fetch(st, out=out)
+                            odc.push(st, grad)
+                        odc.sync()
+                        if not all(torch.equal(st.grad, grad) for st in tensors):
+                            raise RuntimeError(f"host sync ({mode}) did not deliver the pushes")
+                        us = _per_call_us(odc.sync, calls)
+                        if run:
+                            samples[mode].append(us)
+                    finally:
+                        odc.finalize()
+            for mode, values in samples.items():
+                result[f"{n} {mode}"] = statistics.median(values)
+            result[f"{n} spread"] = quartile_range(samples["off"])
+            result[f"{n} plain spread"] = quartile_range(samples["plain"])
+    finally:
+        if saved is None:
+            os.environ.pop("ODC_DEBUG", None)
+        else:
+            os.environ["ODC_DEBUG"] = saved
+    return result
 
 
 class _Views:
@@ -421,6 +520,7 @@ def main(argv: list[str] | None = None) -> None:
             "host (world 1)": _host(args.runs, args.calls),
         }
         sync = _sync_cost(args.runs, args.calls)
+        windows = _window_cost(args.runs, args.calls)
         symm = _symm_stubbed(args.runs, args.calls)
         if symm is not None:
             results["symm (triton path, launch stubbed)"] = symm
@@ -488,6 +588,29 @@ def main(argv: list[str] | None = None) -> None:
         },
         title="what the counters cost per call (odc_runtime.telemetry)",
     )
+    host = results["host (world 1)"]
+    _common.print_table(
+        ["what", "us", "check off us", "check us", "spread us", "plain sync us", "plain spread us"],
+        [[f"odc.{op}, host", host[op], host[f"{op}, no window mark"], host[op] - host[f"{op}, no window mark"],
+          host.get(f"{op} spread", 0.0), nan, nan] for op in ("fetch", "push")]
+        + [[f"odc.sync(), host, {n} tensor{'s' if n > 1 else ''}", windows[f"{n} on"], windows[f"{n} off"],
+            windows[f"{n} on"] - windows[f"{n} off"], windows[f"{n} spread"], windows[f"{n} plain"],
+            windows[f"{n} plain spread"]] for n in WINDOW_TENSORS],
+        {
+            "what": "a 4 KiB fetch/push (as in the first table; the mark is made in every mode), or odc.sync() on the "
+                    "host transport at world 1 with ODC_DEBUG=1 and that many live tensors, each fetched and pushed "
+                    "before the first timed sync",
+            "us": "host microseconds per call with the window check (median of runs)",
+            "check off us": "the same without it: fetch/push compiled without the mark, interleaved; sync: the same "
+                            "debug runtime with its check taken out, alternated run by run",
+            "check us": "the difference: what the window check costs per call",
+            "spread us": "interquartile range over the runs without the check: the run-to-run noise",
+            "plain sync us": "odc.sync() of the same tensors with ODC_DEBUG=0 (no check, no fingerprint round), "
+                             "alternated with the two others",
+            "plain spread us": "its interquartile range: the noise a check on by default would have to stay within",
+        },
+        title="what the window check costs (odc_runtime.windows)",
+    )
     symm_parts = breakdowns.get("symm (triton path, launch stubbed)")
     if symm_parts is not None:
         _common.print_table(
@@ -505,6 +628,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": _common.machine_info(), "runs": args.runs, "calls": args.calls, "numel": NUMEL, "clock": args.clock,
         "results_us": results,
         "sync_us": sync,
+        "window_check_us": windows,
         "ratios": {k: {"fetch": r["fetch"] / r["copy_"], "push": r["push"] / r["copy_"]} for k, r in results.items()},
     }, _draw(results))
 

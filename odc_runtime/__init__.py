@@ -39,6 +39,7 @@ from odc_runtime.errors import (
     OdcRoundMismatchError,
     OdcTimeoutError,
     OdcUsageError,
+    OdcWindowError,
 )
 
 __version__ = "0.1.0"
@@ -145,6 +146,7 @@ __all__ = [
     "OdcRoundMismatchError",
     "OdcTimeoutError",
     "OdcUsageError",
+    "OdcWindowError",
     "ShardedTensor",
     "__version__",
     "backend",

@@ -29,6 +29,7 @@ from typing import Protocol, TypeVar
 import torch.distributed as dist
 
 from odc_runtime.errors import (
+    DRIFT_HINT,
     ELSEWHERE_HINT,
     OdcBackendError,
     OdcError,
@@ -222,7 +223,7 @@ class StoreExchange:
             listing = "; ".join(f"rank {r}: {h['op']!r}" for r, h in enumerate(headers))
             raise OdcMismatchError(
                 f"odc collective mismatch: rank {rank} is in {shorten(op)!r} but rank(s) {different} are in another "
-                f"collective ({listing}); every rank must call the same collectives in the same order"
+                f"collective ({listing}); every rank must call the same collectives in the same order; {DRIFT_HINT}"
             )
         return payloads
 

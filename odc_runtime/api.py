@@ -46,6 +46,7 @@ from odc_runtime.transport.base import (
     TransferPlan,
     as_failure,
 )
+from odc_runtime.windows import WindowCheck
 
 log = logging.getLogger("odc_runtime")
 
@@ -182,7 +183,9 @@ def _start(name: str, *, backend_timeout: float, heap_size: int | str | None, re
         transport.finalize()  # deterministic on every rank (agreed inputs), so every rank gets here together
         raise
     fixed = FixedPointAccumulators(transport, hierarchy) if exact else None
-    state.start(transport, hierarchy=hierarchy, fixed=fixed, debug=checked)
+    # The window check runs in debug mode (the setting is agreed), its summaries in the fingerprint's round
+    windows = WindowCheck(transport.rank, transport.world_size) if checked else None
+    state.start(transport, hierarchy=hierarchy, fixed=fixed, debug=checked, windows=windows)
     telemetry.start(transport.rank, trace, run)
     log.info(
         "odc_runtime initialised: backend=%s rank=%d world=%d node_size=%d deterministic=%s debug=%s", name,
@@ -379,6 +382,8 @@ def _shard_steps(
         acc = grad if grad is None or runtime.fixed is None else runtime.fixed.accumulator(seq)  # int64 if exact
         runtime.hierarchy.add(seq, size, param, acc, tag, allocated)  # fills the mirrors from the initial values
         transport.barrier(op)  # mirrors filled before any node-mate reads them
+    if runtime.windows is not None:  # last: nothing left to fail, so nothing to undo
+        runtime.windows.add(st, None if len(own) == world else groups)
     return st
 
 
@@ -475,6 +480,7 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
                 else:
                     plan.run(out, 1.0)  # type: ignore[arg-type]
                     result = out
+                st._fetched = True  # the window check's mark (odc_runtime.windows)
                 _COUNTS.fetches += 1
                 _COUNTS.fetch_bytes += st.nbytes
                 return result  # type: ignore[return-value]
@@ -497,6 +503,7 @@ def fetch(st: ShardedTensor, out: torch.Tensor | None = None, *, async_op: bool 
         plan = _make_plan(runtime, st, "fetch")
         st._plans.put(key, plan)
         result = _issue(plan, out, 1.0, async_op, out)
+        st._fetched = True
         _COUNTS.fetches += 1
         _COUNTS.fetch_bytes += st.nbytes
         return result  # type: ignore[return-value]
@@ -535,6 +542,7 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
                 else:
                     plan.run(src, value)
                     result = None
+                st._pushed = True  # the window check's mark (odc_runtime.windows)
                 _COUNTS.pushes += 1
                 _COUNTS.push_bytes += grad.nbytes
                 return result
@@ -555,6 +563,7 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
         # the plan key's contiguity rejects.
         src = grad if key[CONTIGUOUS] else dense(grad)  # type: ignore[index]
         result = _issue(plan, src, value, async_op, None)
+        st._pushed = True
         _COUNTS.pushes += 1
         _COUNTS.push_bytes += grad.nbytes
         return result  # type: ignore[return-value]
@@ -565,7 +574,8 @@ def push(st: ShardedTensor, grad: torch.Tensor, *, scale: float = 1.0, async_op:
 
 @telemetry.counted_sync
 def sync(group: dist.ProcessGroup | None = None, *, gradients: bool = True, parameters: bool = True) -> None:
-    """Collective fence, once per minibatch.
+    """Collective fence, at minibatch boundaries: a core-API loop calls it twice per minibatch, after the pushes and
+    after the optimizer step and ``zero_grad`` (docs/core-api.md, "Why two syncs per minibatch").
 
     After it returns on any rank, every push issued by any rank before its ``sync()`` is in the owners'
     ``st.grad``, and every write to ``st.local`` made before it is what any later ``fetch`` returns.
@@ -600,15 +610,7 @@ def sync(group: dist.ProcessGroup | None = None, *, gradients: bool = True, para
         )
     ranks = checks.group_ranks("sync(group=...)", group, transport.world_size, transport.rank)
     if ranks is None:
-        if runtime.debug:
-            debug.check(runtime, "sync()" if gradients and parameters else
-                        f"sync(gradients={gradients}, parameters={parameters})")
-        if runtime.fixed is not None:
-            runtime.fixed.sync("sync", gradients=gradients, parameters=parameters)
-        elif runtime.hierarchy is None:
-            transport.barrier("sync")
-        else:
-            runtime.hierarchy.sync("sync", gradients=gradients, parameters=parameters)
+        _world_sync(runtime, gradients, parameters)
         return
     if runtime.fixed is not None:
         raise OdcUsageError(
@@ -625,3 +627,30 @@ def sync(group: dist.ProcessGroup | None = None, *, gradients: bool = True, para
     # The group fence compares its members' operations (a drifted one raises OdcRoundMismatchError on every member);
     # in debug mode the operation carries the call site, at no extra round (odc_runtime.debug)
     transport.group_barrier(f"{op} at {debug.call_site()}" if runtime.debug else op, Group(index, ranks))
+    if runtime.windows is not None:
+        runtime.windows.close_group(ranks)
+
+
+def _world_sync(runtime: Runtime, gradients: bool, parameters: bool) -> None:
+    """The world ``sync``: the fence of the transport, the hierarchy or the deterministic accumulators; in debug
+    mode after the fingerprint round, which also carries the window check's summaries, whose verdict is raised once
+    the fence completed (on every rank alike: every rank has the same summaries; odc_runtime.windows)."""
+    windows = runtime.windows
+    summaries = None
+    if runtime.debug:
+        summaries = debug.check(runtime, "sync()" if gradients and parameters else
+                                f"sync(gradients={gradients}, parameters={parameters})",
+                                b"" if windows is None else windows.summary())
+    if runtime.fixed is not None:
+        runtime.fixed.sync("sync", gradients=gradients, parameters=parameters)
+        if windows is not None:
+            windows.resample()  # the sync wrote st.grad itself
+    elif runtime.hierarchy is None:
+        runtime.transport.barrier("sync")
+    else:
+        runtime.hierarchy.sync("sync", gradients=gradients, parameters=parameters)
+    if windows is not None and summaries is not None:
+        error = windows.verdict(summaries)
+        if error is not None:
+            log.error("%s", error)
+            raise error

@@ -14,6 +14,10 @@ agreed at ``init``).
 and with ``ODC_DEBUG=1`` the operation carries the call site), so a drifted group sync raises
 ``OdcRoundMismatchError`` on every member of the group, naming the call sites, at no extra round.
 
+A world ``sync``'s round also carries the window check's summary (``odc_runtime.windows``): an owner that wrote a
+shard a peer fetched, or an accumulator a peer pushed into, since the last world sync raises ``OdcWindowError`` on
+every rank once the sync's fence completed.
+
 What it cannot see: the same line called a different number of times (the same fingerprint every time; the
 mismatch shows at the next differing call, or at ``finalize``). Cost: one exchange round per world collective call
 (``bench/hostcost.py``, "sync per call").
@@ -53,15 +57,20 @@ def call_site() -> str:
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
-def check(runtime: Runtime, op: str) -> None:
+def check(runtime: Runtime, op: str, payload: bytes = b"") -> list[bytes]:
     """Collective over the world, the first step of a core-API collective call ``op`` in debug mode: raise
-    OdcRoundMismatchError on every rank if any rank's fingerprint differs from another's."""
+    OdcRoundMismatchError on every rank if any rank's fingerprint differs from another's.
+
+    ``payload`` (at most about 1.4 KB) rides along in the same round; returns every rank's (the window check's
+    summary at a world sync, ``odc_runtime.windows``)."""
     runtime.debug_calls += 1
     call = f"{op} at {call_site()}"
     mine = call.encode()[:_MAX_BYTES]
-    fingerprints = runtime.transport.exchange(_OP, mine, label=call)  # messages name the user's call, not _OP
+    # messages name the user's call, not _OP
+    received = runtime.transport.exchange(_OP, len(mine).to_bytes(2, "little") + mine + payload, label=call)
+    fingerprints = [r[2 : 2 + int.from_bytes(r[:2], "little")] for r in received]
     if all(f == mine for f in fingerprints):
-        return
+        return [r[2 + len(f):] for r, f in zip(received, fingerprints, strict=True)]
     sides = describe_calls(ranks_by_value(enumerate(fingerprints)), lambda f, _: f.decode(errors="replace"))
     raise OdcRoundMismatchError(
         f"odc collective mismatch (ODC_DEBUG=1) at collective call #{runtime.debug_calls}: {sides}. Every rank must "

@@ -15,6 +15,13 @@ ELSEWHERE_HINT = (
     "(py-spy dump, faulthandler) shows where"
 )
 
+# Part of every message of ranks found in different collectives: ranks pair collectives by count, so the round that
+# shows the drift (often finalize) may be far from the call that caused it; the debug mode names that call.
+DRIFT_HINT = (
+    "to find the call that drifted, rerun with ODC_DEBUG=1: every collective call is then compared across ranks "
+    "before it runs, and the first one that differs raises on every rank naming each rank's call site (file:line)"
+)
+
 
 class OdcError(RuntimeError):
     """Base class of every error odc_runtime raises on purpose."""
@@ -39,6 +46,14 @@ class OdcRoundMismatchError(OdcMismatchError):
     with ``ODC_DEBUG=1``, from different call sites of the program. Raised on every rank at that round, naming each
     side; every rank completed the round, so the runtime stays usable, but the ranks' collectives are out of step
     (fix the program)."""
+
+
+class OdcWindowError(OdcUsageError):
+    """Between two world syncs an owner changed a shard that a peer fetched (rule a), or zeroed or wrote an
+    accumulator that a peer pushed into (rule b): a race whose result is torn values or lost gradients. Raised on
+    every rank at the sync that closes that window, naming the shard, the owner, the rule and the fix; the sync
+    completed, so the runtime stays usable, but that window's values are not to be trusted (fix the loop: usually
+    the second ``sync`` of a minibatch is missing, or ``zero_grad()`` comes after it)."""
 
 
 class OdcCrossedCollectivesError(OdcMismatchError):

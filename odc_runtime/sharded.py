@@ -14,6 +14,7 @@ from odc_runtime import checks, debug, layout, state
 from odc_runtime.errors import OdcNotInitializedError, OdcUsageError
 from odc_runtime.plans import PlanCache
 from odc_runtime.transport.base import SymmetricBuffer, Work
+from odc_runtime.windows import own_counter
 
 if TYPE_CHECKING:
     from odc_runtime.state import Runtime
@@ -91,8 +92,14 @@ class ShardedTensor:
         self._plans = PlanCache()  # validated fetch/push plans of this tensor (odc_runtime.plans)
         self._generation = runtime.generation
         start, stop = self.owner_range(self.rank)
-        self._local = param.local[: stop - start]
-        self._grad_view = None if grad is None else grad.local[: stop - start]
+        # Own version counters: the window check (odc_runtime.windows) reads them to see the owner's writes
+        self._local = own_counter(param.local[: stop - start])
+        self._grad_view = None if grad is None else own_counter(grad.local[: stop - start])
+        # The window check's state: fetched / pushed by this rank in the current window (set by every call), and
+        # the version counters of local and grad at the window's start
+        self._fetched = False
+        self._pushed = False
+        self._written: tuple[int, int] = (0, 0)
 
     # The views are symmetric memory: rebinding them (``st.local = st.local - lr * st.grad``) would silently detach
     # the shard (fetches keep returning the old values, pushes land where nobody reads). Augmented assignment
@@ -166,6 +173,8 @@ class ShardedTensor:
             runtime.hierarchy.remove(self.seq)
         if runtime.fixed is not None:
             runtime.fixed.remove(self.seq)
+        if runtime.windows is not None:
+            runtime.windows.remove(self.seq)
         if self._grad is not None:
             runtime.transport.free(self._grad)
         runtime.transport.free(self._param)

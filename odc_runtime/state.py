@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from odc_runtime.deterministic import FixedPointAccumulators
     from odc_runtime.hierarchy import Hierarchy
     from odc_runtime.transport.base import Transport
+    from odc_runtime.windows import WindowCheck
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Runtime:
     fixed: FixedPointAccumulators | None = None  # deterministic mode: int64 accumulators and the sync
     debug: bool = False  # ODC_DEBUG: collective calls are fingerprinted and compared (odc_runtime.debug)
     debug_calls: int = 0  # collective calls checked so far (the same on every rank), for messages
+    windows: WindowCheck | None = None  # the window rules' check at world syncs (odc_runtime.windows); None: off
 
 
 current: Runtime | None = None
@@ -51,11 +53,12 @@ os.register_at_fork(after_in_child=_mark_forked_child)
 
 
 def start(transport: Transport, *, hierarchy: Hierarchy | None = None,
-          fixed: FixedPointAccumulators | None = None, debug: bool = False) -> Runtime:
+          fixed: FixedPointAccumulators | None = None, debug: bool = False,
+          windows: WindowCheck | None = None) -> Runtime:
     """Make a new runtime (the next generation) over ``transport`` the live one; the caller checked none is live."""
     global current
     current = Runtime(transport=transport, generation=next(_generations), shards=itertools.count(),
-                      hierarchy=hierarchy, fixed=fixed, debug=debug)
+                      hierarchy=hierarchy, fixed=fixed, debug=debug, windows=windows)
     return current
 
 

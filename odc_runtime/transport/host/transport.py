@@ -26,6 +26,7 @@ import torch
 
 from odc_runtime.agree import gather_checked, op_digest, process_alive, process_start_time, require_same, shorten
 from odc_runtime.errors import (
+    DRIFT_HINT,
     ELSEWHERE_HINT,
     OdcCrossedCollectivesError,
     OdcError,
@@ -395,7 +396,7 @@ class HostTransport(Transport):
                     f"odc collective mismatch at barrier #{self.control.epoch}: rank {self.rank} is in "
                     f"{shorten(op)!r} but rank {p} is in {their_name.decode(errors='replace')!r}"
                     f"{'…' if len(their_name) == NAME_BYTES else ''}; every rank must call the same "
-                    "collectives (shard, free, sync, finalize) in the same order"
+                    f"collectives (shard, free, sync, finalize) in the same order; {DRIFT_HINT}"
                 )
             payloads[p] = ControlPage.payload(state, self.control.epoch)
             return True

@@ -32,7 +32,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from odc_runtime.agree import op_digest, shorten
-from odc_runtime.errors import OdcBackendError, OdcCrossedCollectivesError, OdcRoundMismatchError, OdcUsageError
+from odc_runtime.errors import (
+    DRIFT_HINT,
+    OdcBackendError,
+    OdcCrossedCollectivesError,
+    OdcRoundMismatchError,
+    OdcUsageError,
+)
 from odc_runtime.transport.base import (
     Capabilities,
     FetchRequest,
@@ -307,7 +313,7 @@ class SymmTransport(HostTransport):
         return (
             f"odc collective mismatch at barrier #{self.control.epoch}: rank {self.rank} is in {shorten(op)!r} but "
             f"rank {peer} is in {other[0]!r}; every rank must call the same collectives (shard, free, sync, "
-            "finalize) in the same order"
+            f"finalize) in the same order; {DRIFT_HINT}"
         )
 
     def _watch_world(self, op: str, digest: bytes, peer: int) -> None:
