@@ -102,8 +102,9 @@ def _init_choice(transports: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"backend": name, "how": f"ODC_BACKEND={requested}"}
 
 
-def _settings() -> list[dict[str, Any]]:
-    """Every ``ODC_*`` variable set here, with what its reader says."""
+def _settings(init: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every ``ODC_*`` variable set here, with what its reader says (``ODC_BACKEND``: with what ``init``, the
+    choice ``_init_choice`` made from it, says: a name init refuses, or a transport that cannot run here)."""
     rows = []
     unknown = config.unknown_variables()
     for name, value in config.odc_variables().items():
@@ -113,6 +114,8 @@ def _settings() -> list[dict[str, Any]]:
         elif name in unknown:
             row["ok"] = False
             row["note"] = config.describe_unknown(unknown[name])
+        elif name == "ODC_BACKEND" and "error" in init:
+            row["ok"], row["note"] = False, init["error"]
         elif config.SETTINGS[name] is None:
             row["note"] = "read with its context (init's world size, or the build): not checked here"
         else:
@@ -150,6 +153,7 @@ def _extension() -> dict[str, Any]:
 def collect() -> dict[str, Any]:
     """Everything the doctor reports, as a JSON-serialisable dict (see the module docstring)."""
     transports = _transports()
+    init = _init_choice(transports)
     return {
         "odc_runtime": __version__,
         "odc_runtime_dir": os.path.dirname(os.path.abspath(__file__)),
@@ -163,8 +167,8 @@ def collect() -> dict[str, Any]:
         "gpus": _gpus(),
         "shared_memory": _shared_memory(),
         "transports": transports,
-        "init": _init_choice(transports),
-        "settings": _settings(),
+        "init": init,
+        "settings": _settings(init),
     }
 
 
@@ -234,8 +238,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(render(report))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=2)
+            try:
+                with open(args.json, "w") as f:
+                    json.dump(report, f, indent=2)
+            except OSError as e:
+                print(f"python -m odc_runtime.doctor: cannot write the JSON report to {args.json}: {e.strerror or e}",
+                      file=sys.stderr)
+                return 2
     return 0 if healthy(report) else 1
 
 

@@ -99,6 +99,23 @@ def test_a_requested_backend_that_cannot_run_is_named_with_why(clean_env) -> Non
         assert not doctor.healthy(report)
 
 
+def test_a_backend_init_refuses_is_an_error_in_the_settings_too(clean_env) -> None:
+    """The settings table agrees with the init line: ODC_BACKEND=foo was 'ok' there while init said it fails."""
+    clean_env.setenv("ODC_BACKEND", "foo")
+    report = doctor.collect()
+    [row] = report["settings"]
+    assert not row["ok"] and row["note"] == report["init"]["error"] and "unknown ODC backend 'foo'" in row["note"]
+    assert "ERROR: " + row["note"] in doctor.render(report)
+    clean_env.setenv("ODC_BACKEND", "host")
+    assert doctor.collect()["settings"][0]["ok"]
+
+
+def test_an_unwritable_json_path_is_one_line(clean_env, capsys) -> None:
+    assert doctor.main(["--json", "/proc/no/such/dir/report.json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("python -m odc_runtime.doctor: cannot write the JSON report to /proc/")
+
+
 def test_every_setting_read_by_the_package_is_in_the_registry() -> None:
     import pathlib
     import re
