@@ -4,10 +4,10 @@ transports' availability faked, and through ``init`` on real ranks."""
 from __future__ import annotations
 
 import pytest
+from _dist import run_ranks
 
 import odc_runtime as odc
 from odc_runtime import transport as registry
-from tests._dist import run_ranks
 
 GPU_NODE = ("nvshmem", "symm", "host")  # a CUDA node with triton, SymmetricMemory and the extension built
 

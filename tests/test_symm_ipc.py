@@ -17,14 +17,14 @@ import json
 
 import pytest
 import torch
+from _cuda_fake import fake_cuda
+from _dist import run_ranks
 
 from odc_runtime import config
 from odc_runtime.errors import OdcBackendError, OdcMismatchError, OdcUsageError
 from odc_runtime.transport import cudart, gpu_sharing
 from odc_runtime.transport.symm import _torch_ipc
 from odc_runtime.transport.symm.torch_heap import Facts, choose_provider
-from tests._cuda_fake import fake_cuda
-from tests._dist import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 

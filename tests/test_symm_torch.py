@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+from _cuda_fake import fake_cuda
+from _dist import run_ranks
 
 from odc_runtime.errors import OdcBackendError, OdcMemoryError, OdcUsageError
 from odc_runtime.transport.symm import _torch_symm, torch_heap
-from tests._cuda_fake import fake_cuda
-from tests._dist import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 
