@@ -86,8 +86,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
-import numbers
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -98,7 +96,7 @@ import torch.nn as nn
 import odc_runtime as odc
 from odc_runtime.errors import OdcUsageError
 
-from . import _compat, _grads, _guards, _hooks, _telemetry
+from . import _compat, _grads, _guards, _hooks, _telemetry, _verdict
 from ._compat import CAPABILITIES, has_capability
 from ._layout import OWNER as _OWNER
 from ._layout import STATES as _STATES
@@ -464,11 +462,11 @@ def end_minibatch(model: nn.Module, *, divide_factor: float | None = None) -> No
     state = _state(model, "end_minibatch")
     if not state.in_minibatch:
         raise OdcUsageError("odc_runtime.fsdp.end_minibatch() without begin_minibatch()")
-    factor = _check_divide_factor(divide_factor)
+    factor = _verdict.check_divide_factor(divide_factor)
     state.in_minibatch = False
     reset = _grads.release(state)  # .grad as before the minibatch; a zero_grad() after a backward is refused
     try:
-        held = _held_back(state)
+        held = _verdict.held_back(state)
         _to_normal_state(state)
         changed = _changed_params(state)
         _device_sync(state)
@@ -476,8 +474,8 @@ def end_minibatch(model: nn.Module, *, divide_factor: float | None = None) -> No
         # and do not change inside the minibatch, so across nodes only the gradients move (parameters=False).
         odc.sync(parameters=False)
         _all_reduce_replicas(state)
-        overflow = _overflow(state, factor)
-        problem = _agree_or_explain(state, factor, overflow, changed, reset, held)
+        overflow = _verdict.overflow(state, factor)
+        problem = _verdict.agree_or_explain(state, factor, overflow, changed, reset, held)
         if problem is None:
             _write_grads(state, factor)
     except odc.OdcOverflowError:  # deterministic mode: every rank discarded the minibatch; a retry is clean
@@ -493,129 +491,6 @@ def end_minibatch(model: nn.Module, *, divide_factor: float | None = None) -> No
             if unit.st_rs is not None:
                 unit.st_rs.zero_grad()
         raise OdcUsageError(problem)
-
-
-def _check_divide_factor(divide_factor: object) -> float | None:
-    """``divide_factor`` as a float, or None (the default); any real number type, as ``odc.push(scale=)`` takes."""
-    if divide_factor is None:
-        return None
-    value = None
-    if isinstance(divide_factor, numbers.Real) and not isinstance(divide_factor, bool):
-        value = float(divide_factor)
-    if value is None or not math.isfinite(value) or value <= 0:
-        raise OdcUsageError(f"odc_runtime.fsdp: divide_factor must be a positive finite number, got {divide_factor!r}")
-    return value
-
-
-def _unit_factor(state: _State, unit: _Unit, divide_factor: float | None) -> float:
-    return float(divide_factor or _compat.gradient_divide_factor(unit.group) or state.world_size)
-
-
-def _overflow(state: _State, divide_factor: float | None) -> str | None:
-    """Where dividing a finite accumulator by the divide factor gives a non-finite gradient (e.g. a factor of
-    1e-45), described; None if nowhere. A non-finite accumulator (a NaN loss) is passed on as FSDP would. One
-    device-to-host read."""
-    found = []
-    with torch.no_grad():
-        for unit in state.units:
-            st = unit.st_rs
-            if st is None or st.grad is None or st.grad.numel() == 0:
-                continue
-            factor = _unit_factor(state, unit, divide_factor)
-            amax = st.grad.abs().max()
-            dtype = next(p for p in unit.params if p.rs_offset is not None).sharded_param.dtype
-            bad = torch.isfinite(amax) & ~torch.isfinite(amax.div(factor).to(dtype))
-            found.append((unit, factor, amax, dtype, bad))
-    if not found or not bool(torch.stack([bad for *_, bad in found]).any()):
-        return None
-    unit, factor, amax, dtype, _ = next(f for f in found if bool(f[4]))
-    return (
-        f"odc_runtime.fsdp: dividing the gradients of {unit.fqn!r} (largest |sum| {float(amax):.4g}) by "
-        f"divide_factor {factor!r} overflows {dtype}; pass the divisor of the whole minibatch (e.g. its global "
-        "token count, the same on every rank), not a per-rank or tiny value"
-    )
-
-
-def _show_factor(value: float) -> str:
-    return "None (the default)" if value == -1.0 else repr(value)
-
-
-def _held_back(state: _State) -> str | None:
-    """Where FSDP still holds gradients it has not reduce-scattered, described; or None. With gradient sync off
-    (``set_requires_gradient_sync(False)``) FSDP accumulates instead of reduce-scattering, and ODC receives gradients
-    only through the reduce-scatter: sync must be back on for each module's last backward of the minibatch."""
-    for unit in state.units:
-        off = not _compat.reduce_grads(unit.group)
-        if off or any(_compat.held_unsharded_grad(p.fsdp_param) for p in unit.params):
-            still = " and is still off" if off else ""
-            return (
-                f"the gradients of {unit.fqn!r} were left in FSDP, not reduce-scattered to their owners: gradient sync "
-                f"was off (set_requires_gradient_sync(False)) for its last backward of the minibatch{still}. Turn it "
-                "back on before the module's last backward of each minibatch (torchtitan's chunked loss does, for "
-                "its last chunk); under ODC deferring the sync saves nothing (a push is one-sided)"
-            )
-    return None
-
-
-def _agree_or_explain(
-    state: _State,
-    divide_factor: float | None,
-    overflow: str | None,
-    changed: str | None,
-    reset: str | None = None,
-    held: str | None = None,
-) -> str | None:
-    """One small all-reduce (after S2, so every rank is here): the divide factor must be the same on every rank
-    (a per-rank value, e.g. a local token count, would divide each owner's rows differently), and an overflow, a
-    parameter changed, a gradient reset inside the minibatch or gradients held back by FSDP on any rank fail the
-    minibatch on every rank, so none is left waiting. Returns the error message for this rank, or None."""
-    device = state.units[0].device if state.units and state.units[0].device.type == "cuda" else "cpu"
-    mine = -1.0 if divide_factor is None else divide_factor
-    flags = torch.tensor([mine, -mine, float(overflow is not None), float(changed is not None),
-                          float(reset is not None), float(held is not None)], dtype=torch.float64)
-    dist.all_reduce(flags_dev := flags.to(device), op=dist.ReduceOp.MAX)
-    hi, neg_lo, any_overflow, any_changed, any_reset, any_held = flags_dev.tolist()
-    if reset is not None:
-        return f"odc_runtime.fsdp: {reset}. This minibatch's gradients were discarded on every rank"
-    if any_reset:
-        return (
-            "odc_runtime.fsdp: another rank reset its gradients (zero_grad) inside the minibatch after a backward "
-            "(see its error); this minibatch's gradients were discarded on every rank"
-        )
-    if held is not None:
-        return f"odc_runtime.fsdp: {held}. This minibatch's gradients were discarded on every rank"
-    if any_held:
-        return (
-            "odc_runtime.fsdp: another rank left gradients in FSDP with gradient sync off (see its error); this "
-            "minibatch's gradients were discarded on every rank"
-        )
-    if changed is not None:
-        return (
-            f"odc_runtime.fsdp: parameters changed inside the minibatch: {changed}. The minibatch computed its "
-            "gradients with the parameters published at begin_minibatch; optimizer.step(), load_state_dict() and "
-            "in-place edits belong between minibatches. This minibatch's gradients were discarded on every rank"
-        )
-    if any_changed:
-        return (
-            "odc_runtime.fsdp: another rank changed its parameters inside the minibatch (see its error); this "
-            "minibatch's gradients were discarded on every rank"
-        )
-    if hi != -neg_lo:
-        return (
-            "odc_runtime.fsdp: end_minibatch(divide_factor=...) differs between ranks (from "
-            f"{_show_factor(-neg_lo)} to {_show_factor(hi)}; this rank passed {_show_factor(mine)}). Each owner "
-            "divides the sums it holds, so per-rank values "
-            "would scale the parameters' rows differently: pass the same global value on every rank (e.g. "
-            "all-reduce the token count). This minibatch's gradients were discarded on every rank"
-        )
-    if overflow is not None:
-        return overflow + ". This minibatch's gradients were discarded on every rank"
-    if any_overflow:
-        return (
-            "odc_runtime.fsdp: the divide factor made another rank's gradients non-finite (see its error); this "
-            "minibatch's gradients were discarded on every rank"
-        )
-    return None
 
 
 def _all_reduce_replicas(state: _State) -> None:
@@ -649,7 +524,7 @@ def _write_grads(state: _State, divide_factor: float | None) -> None:
             st = unit.st_rs
             if st is None:
                 continue
-            factor = _unit_factor(state, unit, divide_factor)
+            factor = _verdict.unit_factor(state, unit, divide_factor)
             acc = st.grad
             for p in unit.params:
                 if p.rs_offset is None:
