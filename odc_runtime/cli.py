@@ -3,7 +3,8 @@ a parser whose ``--help`` reads as plain text and shows each option's default, a
 optional dependency is missing.
 
 The help is made from the module docstrings, which are reST for the API reference; ``plain`` turns the inline
-markup into what a terminal should show (``:func:`x``` -> ``x``, double back-quotes -> the text).
+markup into what a terminal should show (a role such as func or data around a name, and double back-quotes
+around a literal, give the bare text).
 """
 
 from __future__ import annotations

@@ -441,7 +441,7 @@ def test_extension_candidates_prefer_the_source_build_then_torchs_cuda_major():
 
 def test_an_extension_wheels_module_is_found_when_the_package_has_none(tmp_path, monkeypatch):
     """A package that is not installed is skipped (its parent missing, or the module missing in it); the first
-    installed one is imported; none installed names every candidate."""
+    installed one is imported; none installed is None (load_extension's error then names every candidate)."""
     from odc_runtime.transport.nvshmem import extension
 
     pkg = tmp_path / "odc_fake_cu13"
@@ -451,5 +451,4 @@ def test_an_extension_wheels_module_is_found_when_the_package_has_none(tmp_path,
     monkeypatch.syspath_prepend(str(tmp_path))
     names = ["odc_runtime._C_missing", "odc_fake_cu12._C", "odc_fake_cu13._C"]
     assert extension._import_first(names).WHO == "wheel"
-    with pytest.raises(ImportError, match=r"none of odc_runtime\._C_missing, odc_fake_cu12\._C is installed"):
-        extension._import_first(names[:2])
+    assert extension._import_first(names[:2]) is None

@@ -42,9 +42,9 @@ def _nvshmem_lib_dirs() -> list[str]:
     return _locate.lib_dirs()
 
 
-def _import_first(names: Sequence[str]) -> ModuleType:
-    """The first of ``names`` that is installed, imported; ImportError (naming every candidate) when none is, or the
-    error of the first one that is installed but does not import."""
+def _import_first(names: Sequence[str]) -> ModuleType | None:
+    """The first of ``names`` that is installed, imported; ``None`` when none is, the error of the first one that is
+    installed but does not import."""
     for name in names:
         if sys.modules.get(name) is not None:  # already imported (or put there by a test)
             return sys.modules[name]
@@ -54,7 +54,7 @@ def _import_first(names: Sequence[str]) -> ModuleType:
         except ImportError:  # its parent package (an extension wheel's) is not installed
             continue
         return importlib.import_module(name)
-    raise ImportError(f"none of {', '.join(names)} is installed")
+    return None
 
 
 def load_extension() -> ModuleType:
@@ -79,10 +79,14 @@ def load_extension() -> ModuleType:
                 if libs:
                     ctypes.CDLL(libs[0], mode=ctypes.RTLD_GLOBAL)
                     break
-        C = _import_first(_locate.extension_modules(major))
+        names = _locate.extension_modules(major)
+        C = _import_first(names)
     except (ImportError, OSError) as exc:
         _ext_error = f"the NVSHMEM extension is not usable ({exc}); {INSTALL_HINT}"
         raise OdcBackendError(_ext_error) from exc
+    if C is None:
+        _ext_error = f"the NVSHMEM extension is not usable (none of {', '.join(names)} is installed); {INSTALL_HINT}"
+        raise OdcBackendError(_ext_error)
     _ext = C
     return C
 
