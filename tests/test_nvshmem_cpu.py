@@ -146,9 +146,12 @@ class _Transport:
         self._engine = engine
         self._C = _C
         self.failure: odc.OdcError | None = None
+        self.failure_unseen = False
         self._finalized = False
 
     fail = Transport.fail  # the contract's failure recording (NvshmemTransport.fail adds its hot-path flag)
+    fail_unseen = Transport.fail_unseen  # the watchdog records what it finds away from the caller
+    failure_raised = Transport.failure_raised
     _raise_failure = nvshmem.NvshmemTransport._raise_failure
     _check = nvshmem.NvshmemTransport._check
 
@@ -226,6 +229,11 @@ def test_barrier_that_never_started_names_no_peers() -> None:
     dog.abort(transport, Pending(event, 0.0, "sync", 4))  # type: ignore[arg-type]
     msg = str(transport.failure)
     assert "barrier #4 never started" in msg and "did not arrive" not in msg and "every peer" not in msg
+    # found by the watchdog, not by a call: unseen (finalize would raise it) until a call raises it
+    assert transport.failure_unseen
+    with pytest.raises(odc.OdcTimeoutError, match="never started"):
+        transport._check("push")
+    assert not transport.failure_unseen
 
 
 def test_abort_when_the_gpu_stays_busy_says_so() -> None:
