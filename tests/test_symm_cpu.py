@@ -435,11 +435,10 @@ def test_a_mismatched_free_frees_nothing_with_stream_ordered_barriers() -> None:
     assert run_on_symm(_rank_deferred_free, 2, timeout=110) == ["ok", "ok"]
 
 
-def _rank_unseen_failure_at_finalize(rank: int, world: int) -> str:
+def _failed_behind_an_ordered_sync(rank: int, world: int):
     """With the GPU's stream-ordered barriers turned on, the last rank dies after a sync; the others' next sync
     returns at once (its outcome is settled by the next call), and their watchdogs find the dead peer while the
-    user does an optimizer step. The next call is finalize: it must raise that failure, typed, on every survivor
-    (it only logged it: the job exited 0 with a wrong model)."""
+    user does "an optimizer step". Returns the transport once its watchdog recorded the failure."""
     import os
     import time
 
@@ -455,9 +454,19 @@ def _rank_unseen_failure_at_finalize(rank: int, world: int) -> str:
         os._exit(0)
     odc.sync()  # returns after the launch: the peer that never arrives is found by the watchdog
     deadline = time.monotonic() + 60
-    while t.failure is None and time.monotonic() < deadline:  # "the optimizer step"
+    while t.failure is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert t.failure is not None and t.failure_unseen
+    assert t.failure is not None
+    return t
+
+
+def _rank_unseen_failure_at_finalize(rank: int, world: int) -> str:
+    """The next call after the failure is finalize: it must raise that failure, typed, on every survivor (it only
+    logged it: the job exited 0 with a wrong model)."""
+    import odc_runtime as odc
+
+    t = _failed_behind_an_ordered_sync(rank, world)
+    assert t.failure_unseen
     with pytest.raises(odc.OdcPeerLostError, match=r"odc finalize: an earlier operation failed.*not trustworthy"):
         odc.finalize()
     assert not odc.is_initialized()
@@ -472,23 +481,9 @@ def test_finalize_raises_a_failure_no_call_raised_on_every_rank() -> None:
 
 def _rank_seen_failure_at_finalize(rank: int, world: int) -> str:
     """A failure the caller was given (the next sync settled it) is only logged by finalize, as before."""
-    import os
-    import time
-
     import odc_runtime as odc
-    from odc_runtime import testing
 
-    odc.init()
-    t = testing.transport()
-    t.ordered_barriers = True  # type: ignore[attr-defined]
-    odc.sync()
-    t.settle()  # type: ignore[attr-defined]
-    if rank == world - 1:
-        os._exit(0)
-    odc.sync()
-    deadline = time.monotonic() + 60
-    while t.failure is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    t = _failed_behind_an_ordered_sync(rank, world)
     with pytest.raises(odc.OdcPeerLostError):
         odc.sync()
     assert not t.failure_unseen
