@@ -40,6 +40,7 @@ operations interleaved run by run so that machine noise hits them alike.
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
 import itertools
 import os
@@ -88,18 +89,32 @@ def _measure(ops: dict[str, Callable[[], object]], runs: int, calls: int) -> dic
     return result
 
 
+def _source_of(fn: Callable) -> ast.FunctionDef:
+    """``fn``'s (an ``odc_runtime.api`` function) syntax tree, to compile again with parts stripped."""
+    import inspect
+    import textwrap
+
+    func = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    assert isinstance(func, ast.FunctionDef)
+    return func
+
+
+def _compiled(func: ast.FunctionDef) -> Callable:
+    """The function of the (stripped) syntax tree ``func``, compiled in ``odc_runtime.api``'s globals."""
+
+    from odc_runtime import api
+
+    namespace = dict(vars(api))
+    exec(compile(ast.fix_missing_locations(ast.Module([func], type_ignores=[])), api.__file__, "exec"), namespace)
+    return namespace[func.name]
+
+
 def _without_telemetry(fn: Callable) -> Callable:
     """``fn`` (``api.fetch`` / ``api.push``) compiled again from its source without its telemetry, for the third
     table: the ``try`` that holds the profiler range unwrapped to its body, and the ``ranged = ...`` line and the
     counter updates (``_COUNTS.<field> += ...``) dropped; the same code otherwise, in ``api``'s globals."""
-    import ast
-    import inspect
-    import textwrap
 
-    from odc_runtime import api
-
-    func = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
-    assert isinstance(func, ast.FunctionDef)
+    func = _source_of(fn)
     counters = 0
 
     class Strip(ast.NodeTransformer):
@@ -120,22 +135,14 @@ def _without_telemetry(fn: Callable) -> Callable:
     Strip().visit(func)
     if counters != 4:  # two counters, on the fast path and on the checked path
         raise RuntimeError(f"hostcost: found {counters} counter updates in api.{fn.__name__}, expected 4")
-    namespace = dict(vars(api))
-    exec(compile(ast.fix_missing_locations(ast.Module([func], type_ignores=[])), api.__file__, "exec"), namespace)
-    return namespace[fn.__name__]
+    return _compiled(func)
 
 
 def _without_window_marks(fn: Callable) -> Callable:
     """``fn`` (``api.fetch`` / ``api.push``) compiled again from its source without the window check's marks
     (``st._fetched = True`` / ``st._pushed = True``, on the fast and the checked path), in ``api``'s globals."""
-    import ast
-    import inspect
-    import textwrap
 
-    from odc_runtime import api
-
-    func = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
-    assert isinstance(func, ast.FunctionDef)
+    func = _source_of(fn)
     marks = 0
 
     class Strip(ast.NodeTransformer):
@@ -151,9 +158,7 @@ def _without_window_marks(fn: Callable) -> Callable:
     Strip().visit(func)
     if marks != 2:
         raise RuntimeError(f"hostcost: found {marks} window marks in api.{fn.__name__}, expected 2")
-    namespace = dict(vars(api))
-    exec(compile(ast.fix_missing_locations(ast.Module([func], type_ignores=[])), api.__file__, "exec"), namespace)
-    return namespace[fn.__name__]
+    return _compiled(func)
 
 
 def _ops(odc: object, st: object, out: object, grad: object, src: object) -> dict[str, Callable]:
